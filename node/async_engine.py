@@ -1,0 +1,212 @@
+"""Async front of the engine: the model steps in a background thread, the event loop never blocks.
+
+The engine thread owns the :class:`~cadenza.node.engine.Engine` outright (it also loads it, so the
+server answers ``/health`` while the weights load). The event loop talks to it through a
+thread-safe command queue (add, abort) and gets each step's outputs back in one
+``call_soon_threadsafe`` callback that fans them out to per-request ``asyncio.Queue`` streams.
+Aborts are applied between steps, so an aborted request's KV blocks are free before the next step
+is scheduled and it gets no further token. torch releases the GIL in its kernels, so the loop keeps
+serving while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from cadenza.node.engine import Engine, RequestOutput
+from cadenza.node.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (failed to load, or shut down)."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    """Runs an :class:`Engine` in a thread and streams per-request outputs to asyncio.
+
+    Args:
+        factory: builds the engine; called in the engine thread.
+    """
+
+    def __init__(self, factory: Callable[[], Engine]) -> None:
+        self._factory = factory
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self.engine: Engine | None = None
+        self.error: BaseException | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (returns at once; see :meth:`wait_ready`)."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="cadenza-engine", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self) -> Engine:
+        """Wait until the engine has loaded.
+
+        Raises:
+            EngineDeadError: loading failed (the cause is chained).
+        """
+        await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
+        if self.engine is None:
+            raise EngineDeadError(f"engine failed to start: {self.error}") from self.error
+        return self.engine
+
+    @property
+    def is_ready(self) -> bool:
+        return self.engine is not None and self.is_alive
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def shutdown(self) -> None:
+        """Stop the thread after the current step; live requests end with ``abort``."""
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        for request_id, stream in list(self._streams.items()):
+            stream.put_nowait(EngineDeadError("server shutting down"))
+        self._streams.clear()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs until one is finished.
+
+        Leaving the iteration early (client gone, task cancelled) aborts the request: its KV
+        blocks are freed before the next step.
+
+        Raises:
+            ValueError: the engine refused the request (message for the client).
+            EngineDeadError: the engine is not running.
+        """
+        if not self.is_ready:
+            raise EngineDeadError("engine is not ready")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, prompt_token_ids, sampling, time.monotonic()))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread."""
+        self._commands.put(_Abort(request_id))
+
+    def stats(self) -> dict[str, float | int]:
+        """The engine's counters (empty until loaded)."""
+        return self.engine.stats() if self.engine is not None else {}
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+        except BaseException as exc:  # reported through wait_ready
+            logger.exception("engine failed to load")
+            self.error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        engine = self.engine
+        while True:
+            block = not engine.has_unfinished_requests()
+            try:
+                commands = [self._commands.get(timeout=1.0)] if block else []
+            except queue.Empty:
+                continue
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            failures: list[tuple[str, BaseException]] = []
+            for cmd in commands:
+                if cmd is _STOP:
+                    return
+                if isinstance(cmd, _Abort):
+                    engine.abort_request(cmd.request_id)
+                else:
+                    try:
+                        engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.arrival_time)
+                    except ValueError as exc:
+                        failures.append((cmd.request_id, exc))
+            if failures:
+                self._publish(failures)
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # keep serving: fail what was live, not the server
+                logger.exception("engine step failed; aborting the requests in flight")
+                live = list(engine.scheduler.requests)
+                for request_id in live:
+                    engine.abort_request(request_id)
+                self._publish([(rid, RuntimeError(f"engine step failed: {exc}")) for rid in live])
+                continue
+            if outputs:
+                self._publish(outputs)
+
+    def _publish(self, items: list) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, items)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            pass
+
+    def _dispatch(self, items: list) -> None:
+        for item in items:
+            if isinstance(item, RequestOutput):
+                stream = self._streams.get(item.request_id)
+                if stream is not None:
+                    stream.put_nowait(item)
+            else:
+                request_id, exc = item
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put_nowait(exc)

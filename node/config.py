@@ -1,0 +1,186 @@
+"""Engine configuration: frozen dataclasses that validate themselves at start-up.
+
+Every check raises :class:`ConfigError` naming the offending field. Only configurations that can
+never serve anything are refused; a prompt longer than the token budget is fine (it is chunked).
+This module imports no torch: the scheduler and the operator read it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message starts with the field name."""
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {message}")
+
+
+def _positive_int(value: object, name: str) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
+    _check(value >= 1, name, f"must be >= 1, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """How each engine step is filled.
+
+    Attributes:
+        token_budget: tokens per step, decode + prefill (vLLM's ``max_num_batched_tokens``).
+        chunk_size: most prompt tokens one request may prefill in a step; ``None`` = unlimited
+            (chunking off: a prompt is ingested in one step when the budget allows it).
+        max_num_seqs: most requests running at once (decoding or mid-prefill). The scheduler also
+            never runs more requests than ``token_budget``, so every running decode can advance
+            every step.
+        max_model_len: most tokens (prompt + output) one request may hold; ``None`` takes the
+            model's context length (capped by the KV cache when that is smaller).
+    """
+
+    token_budget: int = 512
+    chunk_size: int | None = 256
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int(self.token_budget, "token_budget")
+        if self.chunk_size is not None:
+            _positive_int(self.chunk_size, "chunk_size")
+        _positive_int(self.max_num_seqs, "max_num_seqs")
+        if self.max_model_len is not None:
+            _positive_int(self.max_model_len, "max_model_len")
+
+    @property
+    def max_running(self) -> int:
+        """Requests allowed to run at once: capped by the budget so each decode fits a step."""
+        return min(self.max_num_seqs, self.token_budget)
+
+    @property
+    def effective_chunk_size(self) -> int:
+        """The chunk cap actually applied (the budget bounds it anyway)."""
+        return self.token_budget if self.chunk_size is None else min(self.chunk_size, self.token_budget)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache size.
+
+    Give at most one of ``num_kv_blocks`` and ``kv_cache_bytes``; with neither, the engine sizes
+    the cache from ``kv_cache_fraction`` of the device memory left after loading the weights
+    (CUDA) or uses 1 GiB (CPU).
+
+    Attributes:
+        block_size: tokens per KV block (a power of two: 8, 16, 32, ...).
+        num_kv_blocks: KV blocks in the pool.
+        kv_cache_bytes: bytes of K and V cache across all layers.
+        kv_cache_fraction: fraction in (0, 1] of free device memory to use for the cache.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        _positive_int(self.block_size, "block_size")
+        _check(self.block_size & (self.block_size - 1) == 0, "block_size", f"must be a power of two, got {self.block_size}")
+        _check(
+            self.num_kv_blocks is None or self.kv_cache_bytes is None,
+            "num_kv_blocks",
+            "give either num_kv_blocks or kv_cache_bytes, not both",
+        )
+        if self.num_kv_blocks is not None:
+            _positive_int(self.num_kv_blocks, "num_kv_blocks")
+        if self.kv_cache_bytes is not None:
+            _positive_int(self.kv_cache_bytes, "kv_cache_bytes")
+        _check(
+            isinstance(self.kv_cache_fraction, (int, float)) and 0 < self.kv_cache_fraction <= 1,
+            "kv_cache_fraction",
+            f"must be in (0, 1], got {self.kv_cache_fraction!r}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything an engine needs to start.
+
+    Attributes:
+        model: path of a Hugging Face model folder (``config.json`` + ``*.safetensors`` +
+            ``tokenizer.json``).
+        served_model_name: the ``model`` id clients send; defaults to the folder name.
+        dtype: weights, activations and KV cache dtype.
+        device: ``cpu`` or ``cuda[:N]``.
+        attention_backend: ``torch`` or ``auto`` (the best available backend).
+        seed: seeds every request that does not bring its own ``seed``.
+    """
+
+    model: str
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    seed: int = 0
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and bool(self.model), "model", "must be a model folder path")
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}",
+        )
+        _check(
+            isinstance(self.device, str) and (self.device == "cpu" or self.device.startswith("cuda")),
+            "device",
+            f"must be 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+        _check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", f"must be an integer, got {self.seed!r}")
+
+    @property
+    def model_name(self) -> str:
+        """The id served at ``/v1/models``."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model.rstrip("/").rsplit("/", 1)[-1]
+
+    def replace(self, **changes: object) -> "EngineConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def resolve_max_model_len(
+    requested: int | None, model_max: int, kv_capacity_tokens: int
+) -> int:
+    """The ``max_model_len`` to serve.
+
+    Args:
+        requested: the configured value, or None to take the model's.
+        model_max: the model's context length (its sliding window, if smaller).
+        kv_capacity_tokens: tokens the whole KV cache holds.
+
+    Raises:
+        ConfigError: an explicit value above the model's context length, or a KV cache that
+            cannot hold one request of the requested length (naming the field to change).
+    """
+    if requested is None:
+        return min(model_max, kv_capacity_tokens)
+    _check(
+        requested <= model_max,
+        "max_model_len",
+        f"{requested} exceeds the model's context length {model_max}",
+    )
+    _check(
+        requested <= kv_capacity_tokens,
+        "num_kv_blocks",
+        f"the KV cache holds {kv_capacity_tokens} tokens, fewer than max_model_len={requested} "
+        "(raise the KV cache size or lower max_model_len)",
+    )
+    return requested

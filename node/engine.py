@@ -1,0 +1,198 @@
+"""The synchronous engine core: ``add_request``, ``abort_request``, ``step``.
+
+One ``step()`` is one scheduler decision, one forward pass and one round of token updates: new
+tokens are appended, detokenized incrementally, checked against stop conditions, and finished
+requests release their KV blocks. The async server front (:mod:`cadenza.node.async_engine`)
+drives this from a background thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from cadenza.node.block_manager import KVBlockManager
+from cadenza.node.config import EngineConfig, resolve_max_model_len
+from cadenza.node.detokenizer import IncrementalDetokenizer
+from cadenza.node.model_runner import ModelRunner
+from cadenza.node.models.config import ModelConfig
+from cadenza.node.request import Request, RequestStatus, SamplingParams
+from cadenza.node.scheduler import Scheduler
+from cadenza.node.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (a delta).
+
+    Attributes:
+        token_ids: tokens generated this step (at most one).
+        text: newly decodable text; never a broken UTF-8 sequence, never part of a stop string.
+        finish_reason: ``stop`` | ``length`` | ``abort`` once finished, else None.
+        num_prompt_tokens, num_output_tokens: counts so far (usage).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    """Chunked-prefill engine over one model.
+
+    Args:
+        config: the engine configuration; checked again against the model here.
+        load_tokenizer: load ``tokenizer.json`` (required for text; tests of token ids alone may
+            skip it).
+
+    Raises:
+        ConfigError: a configuration that can never serve a request on this model.
+        FileNotFoundError, ModelConfigError: the model folder is unusable.
+    """
+
+    def __init__(self, config: EngineConfig, load_tokenizer: bool = True) -> None:
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        model_max = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            model_max = min(model_max, self.model_config.sliding_window)
+        rope_len = config.scheduler.max_model_len or model_max
+        self.runner = ModelRunner(config, self.model_config, max_model_len=min(rope_len, model_max))
+        capacity = self.runner.num_kv_blocks * config.cache.block_size
+        max_model_len = resolve_max_model_len(config.scheduler.max_model_len, model_max, capacity)
+        self.config = config.replace(scheduler=dataclasses.replace(config.scheduler, max_model_len=max_model_len))
+        self.block_manager = KVBlockManager(self.runner.num_kv_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self.runner.bind_block_tables(self.block_manager.block_tables)
+        self.tokenizer: Tokenizer | None = None
+        if load_tokenizer:
+            self.tokenizer = Tokenizer.from_pretrained(config.model)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= self.tokenizer.eos_token_ids
+        self.eos_token_ids = frozenset(eos)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    @classmethod
+    def from_model(cls, model: str | Path, **scheduler_and_cache: object) -> "Engine":
+        """Convenience for scripts and tests: ``Engine.from_model(path, token_budget=64, ...)``."""
+        from cadenza.node.config import CacheConfig, SchedulerConfig
+
+        sched = {k: v for k, v in scheduler_and_cache.items() if k in SchedulerConfig.__dataclass_fields__}
+        cache = {k: v for k, v in scheduler_and_cache.items() if k in CacheConfig.__dataclass_fields__}
+        rest = {k: v for k, v in scheduler_and_cache.items() if k not in sched and k not in cache}
+        load_tokenizer = bool(rest.pop("load_tokenizer", True))
+        config = EngineConfig(model=str(model), scheduler=SchedulerConfig(**sched), cache=CacheConfig(**cache), **rest)
+        return cls(config, load_tokenizer=load_tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len  # type: ignore[return-value]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request.
+
+        Raises:
+            ValueError: empty prompt, a token id outside the vocabulary, a duplicate id, or
+                prompt + ``max_tokens`` over ``max_model_len``.
+        """
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        req = Request(request_id, list(prompt_token_ids), sampling, eos_token_ids=self.eos_token_ids)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self.scheduler.add_request(req)
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, sampling.stop)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request now, freeing its KV blocks; False if it was not live."""
+        req = self.scheduler.abort_request(request_id)
+        self._release(request_id)
+        return req is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and apply one step; one output per request that got a token."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        tokens = self.runner.execute(out)
+        outputs = []
+        for req, token, finished in self.scheduler.update_from_output(out, tokens):
+            text = ""
+            detok = self._detokenizers.get(req.request_id)
+            if detok is not None:
+                if finished != RequestStatus.FINISHED_STOPPED:  # stop tokens add no text
+                    text = detok.add_token(token)
+                if detok.stopped and finished is None:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                    finished = RequestStatus.FINISHED_STOPPED
+                elif detok.stopped:
+                    req.status = finished = RequestStatus.FINISHED_STOPPED
+                elif finished is not None:
+                    text += detok.flush()
+            if finished is not None:
+                self._release(req.request_id)
+            outputs.append(
+                RequestOutput(
+                    req.request_id, [token], text, finished.finish_reason if finished else None,
+                    req.num_prompt_tokens, req.num_output_tokens,
+                )
+            )
+        return outputs
+
+    def _release(self, request_id: str) -> None:
+        self._detokenizers.pop(request_id, None)
+        self.runner.release(request_id)
+
+    def stats(self) -> dict[str, float | int]:
+        """Queue, KV and scheduler counters (a snapshot)."""
+        s = self.scheduler.stats
+        bm = self.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "num_steps": s.num_steps,
+            "num_preemptions": s.num_preemptions,
+            "num_recomputed_tokens": s.num_recomputed_tokens,
+            "num_finished": s.num_finished,
+            "num_aborted": s.num_aborted,
+        }
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion (offline use); the generated token ids of each, in order."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, sp in zip(ids, prompts, params):
+            self.add_request(rid, prompt, sp)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished_requests():
+            for o in self.step():
+                results[o.request_id].extend(o.token_ids)
+        return [results[rid] for rid in ids]

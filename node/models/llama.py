@@ -1,0 +1,214 @@
+"""Llama-family decoder over a flattened, paged mixed batch.
+
+Covers Llama 2/3, SmolLM2, Mistral and Qwen2: GQA, RoPE (``rope_theta``, linear and Llama-3
+scaling), RMSNorm, SwiGLU, tied or untied embeddings, optional q/k/v bias. The numerics follow
+Hugging Face transformers' ``modeling_llama.py`` (the reference the tests compare against); the
+batch layout follows vLLM: there is no batch dimension, only ``T`` tokens of many sequences,
+with each layer's attention reading and writing the paged KV cache through an
+:class:`~cadenza.node.attention.AttentionBackend`.
+
+Weights are loaded from ``*.safetensors`` with the ``safetensors`` library. q/k/v and gate/up
+projections are fused into one matmul each (``qkv_proj``, ``gate_up_proj``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from cadenza.kernels import reference as ops
+from cadenza.node.attention import AttentionBackend, AttentionMetadata
+from cadenza.node.models.config import ModelConfig
+from cadenza.node.models.rope import cos_sin_cache
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [NB, BS, Hkv, D]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary_embedding(positions, q, k, cos_sin)
+        o = self.backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, Hq, D)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions, x, residual, cos_sin, kv, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, cos_sin, kv, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head.
+
+    Args:
+        cfg: model shape.
+        backend: attention backend shared by every layer.
+        max_position: rows of the RoPE table (the served ``max_model_len``).
+    """
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        table = cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("cos_sin", table, persistent=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """``input_ids, positions [T]`` -> final hidden states ``[T, hidden_size]``."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, self.cos_sin, kv, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, hidden_size]`` -> fp32 logits ``[R, vocab_size]``."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    def load_weights(self, path: str | Path) -> None:
+        """Load every ``*.safetensors`` file of a Hugging Face folder, fusing q/k/v and gate/up.
+
+        Raises:
+            FileNotFoundError: no safetensors file.
+            ValueError: a weight is missing, unexpected or of the wrong shape (names it).
+        """
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    target = _target(name, self.config)
+                    if target is None:
+                        continue
+                    param_name, offset = target
+                    if param_name not in params:
+                        raise ValueError(f"{file.name}: unexpected weight {name}")
+                    param = params[param_name]
+                    tensor = f.get_tensor(name)
+                    dest = param.data if offset is None else param.data.narrow(0, offset, tensor.shape[0])
+                    if dest.shape != tensor.shape:
+                        raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not fit {param_name} {tuple(dest.shape)}")
+                    dest.copy_(tensor)
+                    loaded.add(f"{param_name}@{offset}")
+        expected = {f"{n}@{o}" for n in params for o in _offsets(n, self.config)}
+        if missing := sorted(expected - loaded):
+            raise ValueError(f"weights missing from {path}: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+
+
+def load_model(
+    path: str | Path,
+    cfg: ModelConfig,
+    backend: AttentionBackend,
+    max_position: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LlamaForCausalLM:
+    """Build the model without initialising it (meta device), then load its weights in place.
+
+    Raises:
+        FileNotFoundError, ValueError: as :meth:`LlamaForCausalLM.load_weights`.
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg, backend, max_position)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to_empty(device=device)
+    model.cos_sin = cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.load_weights(path)
+    return model.eval().requires_grad_(False)
+
+
+def _shard_offsets(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    return {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", cfg.intermediate_size),
+    }
+
+
+def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
+    """Checkpoint name -> (our parameter name, row offset in a fused weight or None)."""
+    if "rotary_emb" in name:
+        return None
+    if name == "lm_head.weight":
+        return None if cfg.tie_word_embeddings else (name, None)
+    name = name.removeprefix("model.")
+    for src, (dst, offset) in _shard_offsets(cfg).items():
+        if f".{src}." in name:
+            return name.replace(src, dst), offset
+    return name, None
+
+
+def _offsets(param_name: str, cfg: ModelConfig) -> list[int | None]:
+    """The offsets at which a fused parameter is loaded (``[None]`` for an unfused one)."""
+    fused = [off for dst, off in _shard_offsets(cfg).values() if param_name.endswith(f"{dst}.weight") or param_name.endswith(f"{dst}.bias")]
+    return fused or [None]

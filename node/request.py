@@ -1,0 +1,143 @@
+"""A request's state inside the engine, and its sampling parameters.
+
+There are no prefill/decode phases in the data model: a request's only progress state is
+``num_computed_tokens`` catching up with ``num_tokens`` (prompt + generated so far). A scheduled
+row that reaches ``num_tokens`` samples the next token; a row of one token is what is usually
+called a decode. This is the rule vLLM's V1 scheduler is built on.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything at or above ``FINISHED_STOPPED`` is finished."""
+
+    WAITING = 0
+    PREEMPTED = 1  # waiting again: its KV was dropped and will be recomputed
+    RUNNING = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI ``finish_reason`` (``stop`` | ``length`` | ``abort``), None while live."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request decoding parameters (OpenAI semantics plus vLLM's ``top_k``/``ignore_eos``).
+
+    Attributes:
+        max_tokens: most tokens to generate (>= 1).
+        temperature: 0 means greedy; otherwise logits are divided by it.
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 disables it.
+        seed: seeds this request's generator; None draws one from the engine's seed.
+        stop: strings that end generation; the match is not included in the output.
+        stop_token_ids: token ids that end generation (the token is not included in the text).
+        ignore_eos: keep generating past EOS (benchmarks use it to get the trace's lengths).
+
+    Raises:
+        ValueError: on any out-of-range value, naming the field.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: must be >= 0 (0 disables it), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop: stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request as the scheduler and model runner see it.
+
+    Attributes:
+        request_id: unique id.
+        token_ids: prompt followed by every generated token.
+        num_prompt_tokens: length of the prompt part of ``token_ids``.
+        num_computed_tokens: tokens whose KV is in the cache; catches up with ``num_tokens``.
+        arrival_time: ``time.monotonic()`` seconds at arrival (FCFS order, queue time).
+        num_preemptions: times its KV was dropped for recompute.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        self.token_ids = list(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    def append_token(self, token_id: int) -> RequestStatus | None:
+        """Append a sampled token; return the finished status it causes, if any.
+
+        Stop strings are not checked here (they need text): the engine's detokenizer does it.
+        """
+        self.token_ids.append(token_id)
+        sp = self.sampling
+        if token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in self.eos_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

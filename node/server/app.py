@@ -1,0 +1,72 @@
+"""The aiohttp application: OpenAI-compatible routes, health probes, engine lifecycle.
+
+``/health`` is liveness (200 while the engine thread runs or loads, 503 once it has died);
+``/ready`` is readiness (200 once the model is loaded). The engine starts loading when the app
+starts, so the server listens — and Kubernetes probes get answers — while weights load.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+
+from cadenza.node.async_engine import AsyncEngine
+from cadenza.node.engine import Engine
+from cadenza.node.server import openai_api
+from cadenza.node.server.errors import error_middleware, error_response
+
+logger = logging.getLogger(__name__)
+
+# OpenAI request bodies are small; 32 MiB leaves room for long prompts sent as token ids.
+MAX_BODY_BYTES = 32 * 2**20
+
+
+def create_app(engine_factory: Callable[[], Engine], model_name: str) -> web.Application:
+    """Build the app; the engine is built by ``engine_factory`` in its own thread at start-up.
+
+    Args:
+        engine_factory: returns a loaded :class:`Engine`.
+        model_name: the id clients must send as ``model``.
+    """
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[openai_api.ENGINE] = AsyncEngine(engine_factory)
+    app[openai_api.MODEL_NAME] = model_name
+    app.cleanup_ctx.append(_engine_lifecycle)
+    app.router.add_post("/v1/completions", openai_api.completions)
+    app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
+    app.router.add_get("/v1/models", openai_api.models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    return app
+
+
+async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    engine = app[openai_api.ENGINE]
+    engine.start()
+    yield
+    await engine.shutdown()
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[openai_api.ENGINE]
+    if engine.is_alive:
+        return web.json_response({"status": "ok"})
+    return error_response(503, f"engine is not running: {engine.error or 'stopped'}")
+
+
+async def ready(request: web.Request) -> web.Response:
+    engine = request.app[openai_api.ENGINE]
+    if engine.is_ready:
+        return web.json_response({"status": "ready", **engine.stats()})
+    if not engine.is_alive and engine.error is not None:
+        return error_response(503, f"engine failed to start: {engine.error}")
+    return error_response(503, "model loading", headers={"Retry-After": "5"})
+
+
+def serve(engine_factory: Callable[[], Engine], model_name: str, host: str, port: int) -> None:
+    """Run the server until interrupted (Ctrl-C / SIGTERM shut it down cleanly)."""
+    app = create_app(engine_factory, model_name)
+    web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None,
+                print=lambda msg: logger.info(msg.strip()))

@@ -1,0 +1,217 @@
+"""``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` handlers.
+
+Responses follow the OpenAI API reference: ``text_completion`` / ``chat.completion`` objects,
+or server-sent events of ``*.chunk`` objects ending with ``data: [DONE]``; with
+``stream_options.include_usage`` a last chunk with empty ``choices`` carries ``usage``.
+A client that disconnects cancels its handler, which closes the engine stream and aborts the
+request (its KV blocks are freed before the next step).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from cadenza.node.async_engine import AsyncEngine, EngineDeadError
+from cadenza.node.engine import Engine
+from cadenza.node.request import SamplingParams
+from cadenza.node.server.errors import APIError, error_body
+from cadenza.node.server.protocol import ChatCompletionRequest, CompletionRequest, parse
+from cadenza.node.tokenizer import ChatTemplateError
+
+ENGINE = web.AppKey("engine", AsyncEngine)
+MODEL_NAME = web.AppKey("model_name", str)
+
+
+@dataclass(slots=True)
+class _Call:
+    """One validated generation call, ready for the engine."""
+
+    kind: str  # "text_completion" | "chat.completion"
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    engine = _ready_engine(request)
+    body = parse(CompletionRequest, await _json(request))
+    _check_model(request, body.model)
+    body.check_supported()
+    tok = engine.tokenizer
+    if isinstance(body.prompt, str):
+        prompt_ids = tok.encode(body.prompt)
+    else:
+        prompt_ids = list(body.prompt)
+        vocab = engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+    sampling = _sampling(body, len(prompt_ids), body.max_tokens, engine.max_model_len, default_fill=False)
+    call = _Call("text_completion", f"cmpl-{uuid.uuid4().hex}", prompt_ids, sampling, body.stream, body.include_usage)
+    return await _respond(request, call)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    engine = _ready_engine(request)
+    body = parse(ChatCompletionRequest, await _json(request))
+    _check_model(request, body.model)
+    body.check_supported()
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
+    try:
+        prompt_ids = engine.tokenizer.encode_chat(messages)
+    except ChatTemplateError as exc:
+        raise APIError(400, f"messages: {exc}", param="messages") from None
+    sampling = _sampling(body, len(prompt_ids), body.requested_max_tokens, engine.max_model_len, default_fill=True)
+    call = _Call("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, sampling, body.stream, body.include_usage)
+    return await _respond(request, call)
+
+
+async def models(request: web.Request) -> web.Response:
+    async_engine = request.app[ENGINE]
+    card = {"id": request.app[MODEL_NAME], "object": "model", "created": 0, "owned_by": "cadenza"}
+    if async_engine.engine is not None:
+        card["max_model_len"] = async_engine.engine.max_model_len
+    return web.json_response({"object": "list", "data": [card]})
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+async def _json(request: web.Request) -> object:
+    try:
+        return await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def _ready_engine(request: web.Request) -> Engine:
+    async_engine = request.app[ENGINE]
+    if not async_engine.is_ready:
+        raise APIError(503, "the model is still loading; retry shortly", headers={"Retry-After": "5"})
+    return async_engine.engine  # type: ignore[return-value]
+
+
+def _check_model(request: web.Request, model: str) -> None:
+    if model != request.app[MODEL_NAME]:
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def _sampling(body, prompt_len: int, max_tokens: int | None, max_model_len: int, default_fill: bool) -> SamplingParams:
+    """Sampling parameters, refusing a prompt or completion that cannot fit ``max_model_len``."""
+    room = max_model_len - prompt_len
+    if room <= 0 or (max_tokens is not None and max_tokens > room):
+        asked = prompt_len + (max_tokens or 0)
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{asked} tokens ({prompt_len} in the prompt, {max_tokens or 0} for the completion). "
+            "Please reduce the length of the prompt or completion.",
+            param="max_tokens" if room > 0 else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        max_tokens = room if default_fill else min(16, room)
+    top_k = body.top_k if body.top_k and body.top_k > 0 else 0
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=top_k,
+        seed=body.seed,
+        stop=tuple(body.stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
+    async_engine = request.app[ENGINE]
+    model = request.app[MODEL_NAME]
+    created = int(time.time())
+    stream = async_engine.generate(call.request_id, call.prompt_ids, call.sampling)
+    chat = call.kind == "chat.completion"
+    if not call.stream:
+        text: list[str] = []
+        last = None
+        async with aclosing(stream) as outputs:
+            async for last in _guard(outputs):
+                text.append(last.text)
+        assert last is not None
+        choice = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+        return web.json_response(
+            {"id": call.request_id, "object": call.kind, "created": created, "model": model,
+             "choices": [choice], "usage": _usage(last)},
+            headers={"x-request-id": call.request_id},
+        )
+
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "x-request-id": call.request_id}
+    )
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str | dict | None, finish_reason: str | None) -> dict:
+        choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if chat:
+            choice["delta"] = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
+        else:
+            choice["text"] = delta or ""
+        body = {"id": call.request_id, "object": chunk_kind, "created": created, "model": model, "choices": [choice]}
+        if call.include_usage:
+            body["usage"] = None
+        return body
+
+    last = None
+    async with aclosing(stream) as outputs:
+        try:
+            async for last in _guard(outputs):
+                if not response.prepared:
+                    await response.prepare(request)
+                    if chat:
+                        await _send(response, chunk({"role": "assistant", "content": ""}, None))
+                if last.text or last.finished:
+                    await _send(response, chunk(last.text or None, last.finish_reason))
+        except APIError as exc:
+            if not response.prepared:
+                raise
+            await _send(response, error_body(exc.status, exc.message, exc.param, exc.code))  # mid-stream
+            await response.write_eof()
+            return response
+    if call.include_usage and last is not None:
+        await _send(response, {"id": call.request_id, "object": chunk_kind, "created": created, "model": model,
+                               "choices": [], "usage": _usage(last)})
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _guard(outputs):
+    """Engine failures become API errors (before the first byte) with the right status."""
+    try:
+        async for item in outputs:
+            yield item
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), headers={"Retry-After": "5"}) from None
+    except RuntimeError as exc:
+        raise APIError(500, str(exc)) from None
+
+
+async def _send(response: web.StreamResponse, body: dict) -> None:
+    await response.write(b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
+
+
+def _usage(output) -> dict:
+    p, c = output.num_prompt_tokens, output.num_output_tokens
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

@@ -1,0 +1,268 @@
+"""Tokenizer and chat template of a Hugging Face model folder, on ``tokenizers`` + ``jinja2``.
+
+Reads what ``transformers`` would read, without importing it at runtime:
+
+- ``tokenizer.json`` (required): the fast tokenizer (model, normalizer, pre-tokenizer,
+  post-processor, decoder, added tokens);
+- ``tokenizer_config.json`` (optional): ``bos_token``/``eos_token``/``pad_token``/``unk_token``
+  (a string or an AddedToken dict ``{"content": ...}``), ``add_bos_token``, ``chat_template``
+  (a string, or a list of ``{"name", "template"}`` of which the one named ``"default"`` is used);
+- ``chat_template.jinja`` (optional; transformers >= 4.4x saves the template there, and like
+  transformers we let it win over the config entry);
+- ``config.json`` and ``generation_config.json`` (optional): ``eos_token_id`` (an int or a list)
+  and ``bos_token_id``.
+
+Chat templates render the way ``transformers.apply_chat_template`` renders them: a
+``jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with the
+``loopcontrols`` extension, a ``{% generation %}`` block tag (rendered as its body), globals
+``raise_exception`` and ``strftime_now``, and a ``tojson`` filter that keeps non-ASCII text.
+
+The rendered prompt already holds any BOS the model wants, so encode it with
+``add_special_tokens=False`` (``Tokenizer.encode_chat`` does both steps).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+Message = Mapping[str, Any]  # {"role": str, "content": str}; the server flattens content parts
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing, does not compile, or refused the messages (a 400)."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (marks assistant text in training templates)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, **options: Any) -> str:
+    """Jinja's own ``tojson`` escapes HTML; templates want plain JSON (``indent=``, ...)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, **options)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandbox described in the module docstring.
+
+    Raises:
+        ChatTemplateError: the template does not compile.
+    """
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token given as a string or an AddedToken dict ``{"content": ...}``."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pick_template(config: Mapping[str, Any], model_dir: Path) -> str | None:
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _ids(value: Any) -> set[int]:
+    values = value if isinstance(value, list) else [value]
+    return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
+
+
+class Tokenizer:
+    """Text <-> token ids and chat prompts for one model.
+
+    Build with ``Tokenizer.from_pretrained(model_dir)``; ``hf`` is the underlying
+    ``tokenizers.Tokenizer`` (the detokenizer streams through it). Token ids are ints in
+    ``[0, vocab_size)``; ``vocab_size`` counts added tokens and may be smaller than the model's
+    embedding rows (``config.json``'s ``vocab_size`` is often padded).
+    """
+
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        special_tokens: Mapping[str, str | None] | None = None,
+        chat_template: str | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+        bos_token_id: int | None = None,
+        add_bos_token: bool | None = None,
+    ) -> None:
+        self.hf = tokenizer
+        specials = dict(special_tokens or {})
+        self.bos_token: str | None = specials.get("bos_token")
+        self.eos_token: str | None = specials.get("eos_token")
+        self.pad_token: str | None = specials.get("pad_token")
+        self.unk_token: str | None = specials.get("unk_token")
+        self.chat_template = chat_template
+        bos_id = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        self.bos_token_id: int | None = bos_id if bos_id is not None else bos_token_id
+        eos = set(extra_eos_token_ids)
+        if self.eos_token and (eos_id := tokenizer.token_to_id(self.eos_token)) is not None:
+            eos.add(eos_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        # add_bos_token overrides the post-processor only where the two disagree.
+        probe = tokenizer.encode("", add_special_tokens=True).ids
+        adds_bos = bool(probe) and probe[0] == self.bos_token_id
+        self._prepend_bos = bool(add_bos_token) and not adds_bos and self.bos_token_id is not None
+        self._strip_bos = add_bos_token is False and adds_bos
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
+        """Load the tokenizer of the Hugging Face model folder ``model_dir``.
+
+        Raises:
+            FileNotFoundError: ``model_dir`` or its ``tokenizer.json`` does not exist.
+            ValueError: a file in the folder cannot be parsed (the message names it).
+        """
+        model_dir = Path(model_dir)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"{tokenizer_file} not found: {model_dir} is not a Hugging Face model folder "
+                "with a fast tokenizer"
+            )
+        try:
+            hf = _HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+            raise ValueError(f"cannot load {tokenizer_file}: {exc}") from exc
+        config = _read_json(model_dir / "tokenizer_config.json")
+        model_config = _read_json(model_dir / "config.json")
+        generation_config = _read_json(model_dir / "generation_config.json")
+        names = ("bos_token", "eos_token", "pad_token", "unk_token")
+        add_bos = config.get("add_bos_token")
+        bos_id = generation_config.get("bos_token_id", model_config.get("bos_token_id"))
+        return cls(
+            hf,
+            special_tokens={name: _token_text(config.get(name)) for name in names},
+            chat_template=_pick_template(config, model_dir),
+            extra_eos_token_ids=sorted(
+                _ids(model_config.get("eos_token_id"))
+                | _ids(generation_config.get("eos_token_id"))
+            ),
+            bos_token_id=bos_id if isinstance(bos_id, int) else None,
+            add_bos_token=add_bos if isinstance(add_bos, bool) else None,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary string of ``token_id`` (byte-level form), or None if out of range."""
+        return self.hf.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``.
+
+        ``add_special_tokens`` runs the post-processor (and ``add_bos_token``); use False for a
+        rendered chat prompt, which already holds its special tokens.
+        """
+        ids: list[int] = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos:
+            ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
+        elif add_special_tokens and self._strip_bos:
+            del ids[0]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; invalid UTF-8 becomes U+FFFD (see ``IncrementalDetokenizer``)."""
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                "this model has no chat template (no chat_template in tokenizer_config.json and "
+                "no chat_template.jinja); use the completions endpoint instead"
+            )
+        return compile_chat_template(self.chat_template)
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """Render ``messages`` (``[{"role": str, "content": str}, ...]``) into a prompt string.
+
+        Template variables: ``messages``, ``add_generation_prompt``, ``bos_token``,
+        ``eos_token``, ``pad_token``, ``unk_token``, and every keyword in ``extra`` (e.g.
+        ``tools``, ``documents``). Follows ``transformers``' ``apply_chat_template``.
+
+        Raises:
+            ChatTemplateError: no template, it does not compile, it calls ``raise_exception``
+                (e.g. roles out of order), or rendering fails.
+        """
+        template = self._template
+        variables = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "pad_token": self.pad_token or "",
+            "unk_token": self.unk_token or "",
+            **extra,
+            "messages": [dict(m) for m in messages],
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return template.render(**variables)
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as exc:
+            # Templates are data from the model folder; a failure means these messages do not fit.
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
+        """``encode(apply_chat_template(...), add_special_tokens=False)``."""
+        prompt = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        return self.encode(prompt, add_special_tokens=False)
