@@ -134,10 +134,11 @@ class Request:
 
         Stop strings are not checked here (they need text): the engine's detokenizer does it.
         """
-        self.token_ids.append(token_id)
+        tokens = self.token_ids
+        tokens.append(token_id)
         sp = self.sampling
         if token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in self.eos_token_ids):
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= sp.max_tokens:
+        if len(tokens) - self.num_prompt_tokens >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

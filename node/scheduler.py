@@ -170,11 +170,13 @@ class Scheduler:
         scheduled: set[str] = set()
 
         # 1. Decode: every running request with its prompt done advances by one token.
+        partials: list[Request] = []
         i = 0
         while i < len(running):
             req = running[i]
-            n = req.num_tokens
+            n = len(req.token_ids)
             if req.num_computed_tokens != n - 1:
+                partials.append(req)
                 i += 1
                 continue
             while not bm.append_slot(req.request_id, n):
@@ -189,29 +191,26 @@ class Scheduler:
         out.num_decode_tokens = len(rows)
         budget -= len(rows)
 
-        # 2a. Resume partial prefills, oldest first.
-        i = 0
-        while budget > 0 and i < len(running):
-            req = running[i]
-            i += 1
-            if req.request_id in scheduled:
+        # 2a. Resume partial prefills, oldest first (skipping any preempted above).
+        for req in partials:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, chunk_cap, budget)
-            n = min(n, bm.capacity(req.request_id) - req.num_computed_tokens)
+            n = self._chunk(req, chunk_cap, budget)
             while n <= 0:
                 victim = self._newest_unscheduled(scheduled, after=req)
                 if victim is None:
                     break
                 self._preempt(victim, out)
-                n = min(req.num_tokens - req.num_computed_tokens, chunk_cap, budget)
-                n = min(n, bm.capacity(req.request_id) - req.num_computed_tokens)
-            if n <= 0:
-                continue
-            budget -= n
-            self._add_chunk(req, n, rows, scheduled, out)
+                n = self._chunk(req, chunk_cap, budget)
+            if n > 0:
+                budget -= n
+                self._add_chunk(req, n, rows, scheduled, out)
 
-        # 2b. Admit waiting requests FCFS (a preempted request sits at the front).
-        while budget > 0 and self.waiting and len(running) < self.config.max_running:
+        # 2b. Admit waiting requests FCFS (a preempted request sits at the front). Not in a step
+        # that had to preempt: memory is short, and re-admitting the victim would only thrash.
+        while budget > 0 and self.waiting and not out.preempted and len(running) < self.config.max_running:
             req = self.waiting[0]
             spare_blocks = bm.num_free_blocks - self.watermark_blocks
             n = min(req.num_tokens, chunk_cap, budget, spare_blocks * bm.block_size)
@@ -223,6 +222,12 @@ class Scheduler:
             budget -= n
             self._add_chunk(req, n, rows, scheduled, out)
         return out
+
+    def _chunk(self, req: Request, chunk_cap: int, budget: int) -> int:
+        """Tokens of the request's next chunk: bounded by its prompt, the cap, budget and KV."""
+        computed = req.num_computed_tokens
+        fits = self.block_manager.capacity(req.request_id) - computed
+        return min(len(req.token_ids) - computed, chunk_cap, budget, fits)
 
     def _add_chunk(
         self, req: Request, n: int, rows: list[ScheduledRow], scheduled: set[str], out: SchedulerOutput
@@ -265,9 +270,10 @@ class Scheduler:
         """
         updates: list[TokenUpdate] = []
         tokens = iter(sampled_token_ids)
+        running = RequestStatus.RUNNING
         for req, _start, n, sample in output.rows:
             token = next(tokens) if sample else None
-            if req.status != RequestStatus.RUNNING:
+            if req.status != running:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
             if token is None:
@@ -276,8 +282,8 @@ class Scheduler:
             if finished is not None:
                 self.running.remove(req)
                 self._finish(req, finished)
+                self.stats.num_finished += 1
             updates.append(TokenUpdate(req, token, finished))
-        self.stats.num_finished += sum(1 for u in updates if u.finished is not None)
         return updates
 
     def _finish(self, req: Request, status: RequestStatus) -> None:

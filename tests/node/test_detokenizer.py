@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,33 +9,20 @@ from pathlib import Path
 import pytest
 
 from cadenza.node.detokenizer import IncrementalDetokenizer
-from cadenza.node.embedded import embedded_model_dir
 from cadenza.node.tokenizer import Tokenizer
+from tiny_tokenizer import build_tiny_tokenizer_dir
 
 MIXED_TEXT = "Héllo wörld! 日本語のテキスト 😀🚀👍🏽 and 🇫🇷, déjà vu, 東京. ok"
 
 
-def _load_tiny_builder():
-    path = Path(__file__).with_name("tiny_tokenizer.py")
-    spec = importlib.util.spec_from_file_location("tiny_tokenizer", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build_tiny_tokenizer_dir
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    build_tiny_tokenizer_dir = _load_tiny_builder()
     return Tokenizer.from_pretrained(build_tiny_tokenizer_dir(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Tokenizer:
-    model_dir = embedded_model_dir()
-    if not (model_dir / "tokenizer.json").is_file():
-        pytest.skip(f"embedded SmolLM2 not converted at {model_dir} (run `cadenza` once)")
-    return Tokenizer.from_pretrained(model_dir)
+def smollm2(smollm2_dir: Path) -> Tokenizer:
+    return Tokenizer.from_pretrained(smollm2_dir)
 
 
 @pytest.fixture(params=["tiny", "smollm2"])

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.processors import TemplateProcessing
 
-from cadenza.node.embedded import embedded_model_dir
+import tiny_tokenizer as tiny
 from cadenza.node.tokenizer import ChatTemplateError, Tokenizer, compile_chat_template
 
 SMOLLM2_PROMPT = (
@@ -28,24 +26,11 @@ SMOLLM2_PROMPT_IDS = [
 USER_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def load_tiny_tokenizer_module() -> ModuleType:
-    path = Path(__file__).with_name("tiny_tokenizer.py")
-    spec = importlib.util.spec_from_file_location("tiny_tokenizer", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-tiny = load_tiny_tokenizer_module()
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Tokenizer:
-    model_dir = embedded_model_dir()
-    if not (model_dir / "tokenizer.json").is_file():
-        pytest.skip(f"embedded SmolLM2 not converted at {model_dir} (run `cadenza` once)")
-    return Tokenizer.from_pretrained(model_dir)
+def smollm2(smollm2_dir: Path) -> Tokenizer:
+    return Tokenizer.from_pretrained(smollm2_dir)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,49 @@
+"""Shared pieces of the benchmarks: the Azure trace's workloads and the report line.
+
+Workloads come from the Azure 2023 conversation trace shipped in ``data/traces/`` (scaled: CPU is
+~1000x slower than the GPUs it was recorded on); every benchmark says how it scaled it.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cadenza.node.bench.prompts import PromptSynthesizer, load_tokenizer
+from cadenza.node.bench.trace import TraceRequest, load_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+CONV_TRACE = ROOT / "data" / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
+
+
+def conv_trace() -> list[TraceRequest]:
+    return load_trace(CONV_TRACE)
+
+
+def prompt_ids(model_dir: Path, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Token ids of synthesized English prompts of exactly the given lengths."""
+    tokenizer = load_tokenizer(model_dir)
+    synth = PromptSynthesizer(tokenizer, seed=seed)
+    out = []
+    for n in lengths:
+        ids = tokenizer.encode(synth.prompt(n), add_special_tokens=False).ids
+        out.append(ids[:n] if len(ids) >= n else ids + ids[: n - len(ids)])
+    return out
+
+
+def pct(values, q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
+
+
+def machine() -> dict:
+    return {"cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()}
+
+
+def report(result: dict) -> None:
+    """Print the result as the last line: one JSON object with benchmark, ratio, target."""
+    assert {"benchmark", "ratio", "target"} <= result.keys()
+    print(json.dumps(result, sort_keys=False))

@@ -1,0 +1,80 @@
+"""Scheduler + block manager cost per step, no model: ``python -m bench.scheduler_overhead``.
+
+256 requests decode while N wait (N = 100, 1,000, 10,000; they cannot be admitted:
+``max_num_seqs`` = 256). A step is ``schedule()`` plus ``update_from_output()`` with one fake
+token per row. Configurations are measured interleaved, several rounds, median per step.
+Targets: ≤ 300 µs per step with 1,000 waiting; growth from 100 to 10,000 waiting < 1.5x.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+from bench.common import machine, report
+from cadenza.node.block_manager import KVBlockManager
+from cadenza.node.config import SchedulerConfig
+from cadenza.node.request import Request, SamplingParams
+from cadenza.node.scheduler import Scheduler
+
+RUNNING, PROMPT, STEPS, ROUNDS = 256, 64, 400, 7
+WAITING = (100, 1_000, 10_000)
+
+
+def build(num_waiting: int) -> Scheduler:
+    config = SchedulerConfig(token_budget=512, chunk_size=256, max_num_seqs=RUNNING, max_model_len=8192)
+    sched = Scheduler(config, KVBlockManager(num_blocks=RUNNING * 160 + 64, block_size=16))
+    sp = SamplingParams(max_tokens=4096, temperature=0, ignore_eos=True)
+    for i in range(RUNNING):
+        sched.add_request(Request(f"run{i}", [1] * PROMPT, sp, arrival_time=float(i)))
+    while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or sched.waiting:
+        step(sched)
+    for i in range(num_waiting):
+        sched.add_request(Request(f"wait{i}", [1] * PROMPT, sp, arrival_time=1e6 + i))
+    return sched
+
+
+def step(sched: Scheduler) -> None:
+    out = sched.schedule()
+    sched.update_from_output(out, [7] * len(out.rows))
+
+
+def time_steps(sched: Scheduler) -> float:
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            step(sched)
+        return (time.perf_counter() - start) / STEPS * 1e6
+    finally:
+        gc.enable()
+
+
+def main() -> None:
+    samples: dict[int, list[float]] = {n: [] for n in WAITING}
+    for _ in range(ROUNDS):
+        for n in WAITING:
+            sched = build(n)
+            assert sched.num_running == RUNNING and sched.num_waiting == n
+            samples[n].append(time_steps(sched))
+    median = {n: statistics.median(v) for n, v in samples.items()}
+    for n in WAITING:
+        print(f"{RUNNING} decoding, {n:>6} waiting: {median[n]:7.1f} µs/step (min {min(samples[n]):.1f})")
+    growth = median[10_000] / median[100]
+    print(f"growth 100 -> 10,000 waiting: {growth:.2f}x (target < 1.5x); "
+          f"1,000 waiting: {median[1_000]:.0f} µs (target ≤ 300 µs)")
+    report({
+        "benchmark": "scheduler_overhead",
+        "ratio": round(growth, 3),
+        "target": 1.5,
+        "step_us_1000_waiting": round(median[1_000], 1),
+        "step_us_target": 300,
+        "step_us": {str(n): round(m, 1) for n, m in median.items()},
+        "pass": growth < 1.5 and median[1_000] <= 300,
+        "machine": machine(),
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""``cadenza bench``: replay a request trace against an OpenAI-compatible endpoint.
+
+Loads a trace (:mod:`cadenza.node.bench.trace`), scales it, synthesizes prompts of the trace's
+lengths (:mod:`cadenza.node.bench.prompts`), replays it with streaming
+(:mod:`cadenza.node.bench.client`), prints a report (:mod:`cadenza.node.bench.report`) and
+optionally writes everything, per-request records included, to JSON.
+
+Usage::
+
+    cadenza bench --trace data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \\
+        --base-url http://localhost:8000/v1 --time-scale 4 --length-scale 0.25 \\
+        --duration 120 --slo-ttft-ms 500 --slo-itl-ms 100 --json out.json
+    python -m cadenza.node.bench.cli --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from cadenza.node.bench.client import ReplayConfig, ReplayResult, RequestRecord, fetch_model, replay
+from cadenza.node.bench.prompts import PromptSynthesizer, load_tokenizer
+from cadenza.node.bench.report import SLO, format_summary, summarize
+from cadenza.node.bench.trace import ScaledTrace, TraceRequest, load_trace, scale_trace
+from cadenza.node.embedded import embedded_model_dir
+
+DESCRIPTION = (
+    "Replay a request trace (Azure CSV or JSONL) against an OpenAI-compatible endpoint with "
+    "streaming; report TTFT, ITL, TPOT, throughput and goodput."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``cadenza bench`` options to ``parser``."""
+    io = parser.add_argument_group("trace and endpoint")
+    io.add_argument("--trace", required=True, type=Path, metavar="PATH",
+                    help="Azure CSV (TIMESTAMP, ContextTokens, GeneratedTokens) or JSONL "
+                         "(timestamp in ms, input_length, output_length) trace file")
+    io.add_argument("--base-url", required=True, metavar="URL",
+                    help="API root including the version, e.g. http://localhost:8000/v1")
+    io.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                    help="POST {base}/completions with a prompt (default) or "
+                         "{base}/chat/completions with one user message")
+    io.add_argument("--model", default=None,
+                    help="model name to send (default: the first id from GET {base}/models)")
+    io.add_argument("--api-key", default=None, metavar="KEY",
+                    help="sent as 'Authorization: Bearer KEY'")
+    io.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                    help="per-request limit in seconds, send to end of stream (default 600)")
+
+    scale = parser.add_argument_group("trace scaling (reported with the results)")
+    scale.add_argument("--time-scale", type=float, default=1.0, metavar="F",
+                       help="multiply every arrival offset by F: F=2 halves the request rate, "
+                            "F=0.5 doubles it, F=0 sends every request at once (default 1)")
+    scale.add_argument("--length-scale", type=float, default=1.0, metavar="F",
+                       help="multiply prompt and output lengths by F, at least 1 token (default 1)")
+    scale.add_argument("--max-input-len", type=int, default=None, metavar="N",
+                       help="cap prompt lengths at N tokens (after --length-scale)")
+    scale.add_argument("--max-output-len", type=int, default=None, metavar="N",
+                       help="cap output lengths at N tokens (after --length-scale)")
+    scale.add_argument("--num-requests", type=int, default=None, metavar="N",
+                       help="replay only the first N requests")
+    scale.add_argument("--duration", type=float, default=None, metavar="S",
+                       help="replay only requests arriving in the first S seconds (after "
+                            "--time-scale)")
+
+    prompts = parser.add_argument_group("prompt synthesis")
+    prompts.add_argument("--tokenizer", type=Path, default=None, metavar="PATH",
+                         help="tokenizer.json, or a folder holding one, used to make prompts of "
+                              "the trace's lengths (default: the embedded model's)")
+    prompts.add_argument("--seed", type=int, default=0, help="seed for prompt synthesis")
+
+    out = parser.add_argument_group("objectives and output")
+    out.add_argument("--slo-ttft-ms", type=float, default=None, metavar="X",
+                     help="goodput counts requests with TTFT <= X ms")
+    out.add_argument("--slo-itl-ms", type=float, default=None, metavar="Y",
+                     help="goodput counts requests whose own p99 ITL is <= Y ms")
+    out.add_argument("--json", type=Path, default=None, metavar="OUT",
+                     help="write the summary, the scaling and per-request records here")
+    out.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"cadenza bench: {message}", file=sys.stderr)
+    return code
+
+
+def _tokenizer_path(given: Path | None) -> Path:
+    return given if given is not None else embedded_model_dir()
+
+
+def _synthesize(requests: list[TraceRequest], synth: PromptSynthesizer, quiet: bool) -> list[str]:
+    return [synth.prompt(r.input_len)
+            for r in tqdm(requests, desc="synthesizing prompts", unit="req", disable=quiet)]
+
+
+async def _replay(args: argparse.Namespace, requests: list[TraceRequest],
+                  prompts: list[str]) -> tuple[str, ReplayResult]:
+    model = args.model
+    if model is None:
+        async with aiohttp.ClientSession() as session:
+            model = await fetch_model(session, args.base_url, args.api_key)
+    config = ReplayConfig(base_url=args.base_url, model=model, endpoint=args.endpoint,
+                          timeout_s=args.request_timeout, api_key=args.api_key)
+    failed = 0
+    with tqdm(total=len(requests), desc="replaying", unit="req",
+              disable=args.no_progress) as bar:
+
+        def on_done(record: RequestRecord) -> None:
+            nonlocal failed
+            failed += not record.ok
+            bar.set_postfix_str(f"failed={failed}", refresh=False)
+            bar.update(1)
+
+        result = await replay(requests, prompts, config, on_done)
+    return model, result
+
+
+def _document(args: argparse.Namespace, model: str, scaled: ScaledTrace,
+              summary: dict[str, Any], result: ReplayResult, started: str) -> dict[str, Any]:
+    return {
+        "benchmark": "trace_replay",
+        "started_at": started,
+        "trace": str(args.trace),
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "model": model,
+        "seed": args.seed,
+        "scaling": scaled.scaling.as_dict(),
+        "scaling_description": scaled.scaling.describe(),
+        **summary,
+        "requests": [r.as_dict() for r in result.records],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by parsed ``args``; returns the process exit code.
+
+    Exit codes: 0 when at least one request completed, 1 when none did or the model could not
+    be listed, 2 for bad options, an unreadable trace or a missing tokenizer.
+    """
+    try:
+        scaled = scale_trace(
+            load_trace(args.trace),
+            time_scale=args.time_scale, length_scale=args.length_scale,
+            max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+            num_requests=args.num_requests, duration_s=args.duration,
+        )
+    except (OSError, ValueError) as exc:
+        return _fail(str(exc))
+    if not scaled.requests:
+        return _fail("no requests left after scaling; raise --duration or --num-requests")
+
+    tokenizer_path = _tokenizer_path(args.tokenizer)
+    try:
+        tokenizer = load_tokenizer(tokenizer_path)
+    except Exception as exc:  # tokenizers raises its own exception types for bad files
+        return _fail(f"cannot load a tokenizer from {tokenizer_path} ({exc}); pass --tokenizer "
+                     "PATH (a tokenizer.json or a folder holding one), or convert the embedded "
+                     "model first")
+
+    print(scaled.scaling.describe())
+    prompts = _synthesize(scaled.requests, PromptSynthesizer(tokenizer, args.seed),
+                          args.no_progress)
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    try:
+        model, result = asyncio.run(_replay(args, scaled.requests, prompts))
+    except RuntimeError as exc:
+        return _fail(str(exc), code=1)
+
+    summary = summarize(result.records, result.duration_s,
+                        SLO(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms))
+    print(format_summary(summary, title=f"Trace replay: {model} at {args.base_url}"))
+    print(scaled.scaling.describe())
+    if args.json is not None:
+        document = _document(args, model, scaled, summary, result, started)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        print(f"Wrote {args.json}")
+    return 0 if summary["completed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``python -m cadenza.node.bench.cli``."""
+    parser = argparse.ArgumentParser(prog="cadenza bench", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

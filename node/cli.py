@@ -1,0 +1,134 @@
+"""The ``cadenza`` command: ``serve``, ``bench``, ``fetch-model``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from functools import partial
+
+from cadenza.node.config import DTYPES, CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from cadenza.node.embedded import EmbeddedModelError
+
+logger = logging.getLogger("cadenza")
+
+_GIB = 2**30
+
+
+def _chunk_size(value: str) -> int | None:
+    return None if value.lower() in ("none", "off", "0") else int(value)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine knobs shared by every command that starts an engine."""
+    d_sched, d_cache = SchedulerConfig(), CacheConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", help="model id clients send (default: the folder name)")
+    g.add_argument("--token-budget", type=int, default=d_sched.token_budget, help="tokens per step, decode + prefill")
+    g.add_argument("--chunk-size", type=_chunk_size, default=d_sched.chunk_size,
+                   help="most prompt tokens a request prefills per step ('none' = unlimited)")
+    g.add_argument("--max-num-seqs", type=int, default=d_sched.max_num_seqs, help="most requests running at once")
+    g.add_argument("--max-model-len", type=int, default=None, help="most tokens per request (default: the model's)")
+    g.add_argument("--block-size", type=int, default=d_cache.block_size, help="tokens per KV block")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=int, help="KV blocks in the pool")
+    kv.add_argument("--kv-cache-gib", type=float, help="KV cache size in GiB (default: 1 on CPU)")
+    kv.add_argument("--kv-cache-fraction", type=float, default=d_cache.kv_cache_fraction,
+                    help="fraction of free GPU memory for the KV cache (default: %(default)s)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch"))
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build and validate the engine configuration.
+
+    Raises:
+        ConfigError: naming the invalid field.
+    """
+    model = args.model
+    if model is None:
+        from cadenza.node.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
+
+        model = str(ensure_embedded_model())
+        args.served_model_name = args.served_model_name or EMBEDDED_MODEL_NAME
+    kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * _GIB)
+    return EngineConfig(
+        model=model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        scheduler=SchedulerConfig(
+            token_budget=args.token_budget,
+            chunk_size=args.chunk_size,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_bytes=kv_bytes,
+            kv_cache_fraction=args.kv_cache_fraction,
+        ),
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cadenza.node.engine import Engine
+    from cadenza.node.models.config import ModelConfig
+    from cadenza.node.server.app import serve
+
+    config = engine_config_from_args(args)
+    ModelConfig.from_pretrained(config.model)  # fail now, not in the engine thread, on a bad folder
+    logger.info("serving %s from %s on http://%s:%d/v1", config.model_name, config.model, args.host, args.port)
+    serve(partial(Engine, config), config.model_name, args.host, args.port)
+    return 0
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    from cadenza.node.embedded import ensure_embedded_model
+
+    print(ensure_embedded_model())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cadenza.node.bench import cli as bench_cli
+
+    parser = argparse.ArgumentParser(prog="cadenza", description="Chunked-prefill LLM serving.")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API")
+    add_engine_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(func=_serve)
+
+    bench = sub.add_parser("bench", help="replay a trace against an OpenAI-compatible endpoint")
+    bench_cli.add_arguments(bench)
+    bench.set_defaults(func=bench_cli.run)
+
+    fetch = sub.add_parser("fetch-model", help="convert the embedded SmolLM2 once and print its folder")
+    fetch.set_defaults(func=_fetch_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ConfigError, EmbeddedModelError, FileNotFoundError, ValueError) as exc:
+        print(f"cadenza: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

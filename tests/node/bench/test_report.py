@@ -1,0 +1,85 @@
+"""Percentiles, TPOT, goodput and SLO attainment on hand-made request records."""
+
+from __future__ import annotations
+
+import pytest
+
+from cadenza.node.bench.client import RequestRecord
+from cadenza.node.bench.report import (
+    SLO, distribution, format_summary, meets_slo, summarize, tpot_ms)
+
+
+def _ok(ttft: float, itl: list[float], prompt: int = 100, index: int = 0) -> RequestRecord:
+    """A completed request: ``1 + len(itl)`` tokens, e2e = TTFT + all gaps (ms)."""
+    return RequestRecord(index=index, arrival_s=0.0, input_len=prompt, output_len=len(itl) + 1,
+                         ok=True, ttft_ms=ttft, itl_ms=list(itl), e2e_ms=ttft + sum(itl),
+                         prompt_tokens=prompt, completion_tokens=len(itl) + 1)
+
+
+def _failed(error: str = "HTTP 429: server overloaded") -> RequestRecord:
+    return RequestRecord(index=9, arrival_s=0.0, input_len=50, output_len=5, ok=False,
+                         error=error, e2e_ms=3.0)
+
+
+def test_distribution_gives_mean_and_linear_percentiles():
+    dist = distribution([10.0, 20.0, 30.0, 40.0])
+    assert dist == {"mean": 25.0, "p50": 25.0,
+                    "p95": pytest.approx(38.5), "p99": pytest.approx(39.7)}
+
+
+def test_distribution_of_nothing_is_all_none():
+    assert distribution([]) == {"mean": None, "p50": None, "p95": None, "p99": None}
+
+
+def test_tpot_is_the_mean_gap_after_the_first_token():
+    assert tpot_ms(_ok(100.0, [10.0, 20.0, 30.0])) == pytest.approx(20.0)
+    assert tpot_ms(_ok(100.0, [])) is None  # one token: no TPOT
+    assert tpot_ms(_failed()) is None
+
+
+def test_slo_needs_ttft_and_the_requests_own_p99_itl_within_bounds():
+    slo = SLO(ttft_ms=200.0, itl_ms=50.0)
+    assert meets_slo(_ok(150.0, [10.0] * 99), slo)
+    assert not meets_slo(_ok(250.0, [10.0] * 99), slo)          # TTFT too slow
+    assert not meets_slo(_ok(150.0, [10.0] * 90 + [80.0] * 9), slo)  # 9% of gaps slow: p99 > 50
+    assert meets_slo(_ok(150.0, [10.0] * 199 + [500.0]), slo)   # one stall in 200: p99 is 10
+    assert meets_slo(_ok(150.0, []), slo)                         # no gaps: ITL SLO holds
+    assert not meets_slo(_failed(), SLO())                        # a failure never meets
+
+
+def test_goodput_counts_completed_requests_meeting_every_slo_per_second():
+    records = [_ok(100.0, [10.0, 10.0]), _ok(300.0, [10.0]), _ok(100.0, [90.0]), _failed()]
+    summary = summarize(records, duration_s=2.0, slo=SLO(ttft_ms=200.0, itl_ms=50.0))
+    assert summary["slo_met"] == 1
+    assert summary["goodput"] == pytest.approx(0.5)
+    assert summary["slo_attainment"] == pytest.approx(0.25)  # failed requests count as misses
+
+
+def test_without_slos_goodput_is_the_completed_request_rate():
+    summary = summarize([_ok(100.0, [10.0]), _failed()], duration_s=4.0, slo=SLO())
+    assert summary["goodput"] == summary["request_throughput"] == pytest.approx(0.25)
+    assert summary["slo_attainment"] == pytest.approx(0.5)
+
+
+def test_summary_counts_tokens_and_pools_itl_over_completed_requests():
+    records = [_ok(100.0, [10.0, 30.0], prompt=40), _ok(200.0, [20.0], prompt=60), _failed()]
+    summary = summarize(records, duration_s=2.0, slo=SLO())
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    assert summary["total_prompt_tokens"] == 100
+    assert summary["total_output_tokens"] == 5
+    assert summary["prompt_tokens_per_s"] == pytest.approx(50.0)
+    assert summary["output_tokens_per_s"] == pytest.approx(2.5)
+    assert summary["ttft_ms"]["p50"] == pytest.approx(150.0)
+    assert summary["itl_ms"]["mean"] == pytest.approx(20.0)  # gaps 10, 30, 20
+    assert summary["tpot_ms"]["mean"] == pytest.approx(20.0)  # 20 and 20
+    assert summary["errors"] == {"HTTP 429: server overloaded": 1}
+
+
+def test_report_prints_percentiles_throughput_goodput_and_errors():
+    records = [_ok(100.0, [10.0, 30.0]), _failed()]
+    text = format_summary(summarize(records, 1.0, SLO(ttft_ms=500.0, itl_ms=40.0)))
+    for fact in ("Completed requests", "Failed requests", "Prompt throughput (tok/s)",
+                 "Output throughput (tok/s)", "Goodput (req/s)", "TTFT <= 500 ms",
+                 "p99 ITL <= 40 ms", "SLO attainment", "50.0%", "TTFT (ms)", "ITL (ms)",
+                 "TPOT (ms)", "p95", "p99", "1 x HTTP 429: server overloaded"):
+        assert fact in text

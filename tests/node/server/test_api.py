@@ -1,0 +1,266 @@
+"""The OpenAI-compatible API over a tiny random model: formats, bad input, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from functools import partial
+
+import aiohttp
+import pytest
+
+from cadenza.node.config import CacheConfig, EngineConfig, SchedulerConfig
+from cadenza.node.engine import Engine
+from cadenza.node.server.app import create_app
+from cadenza.node.server.openai_api import ENGINE
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture
+async def client(aiohttp_client, tiny_llama_dir):
+    config = EngineConfig(
+        model=str(tiny_llama_dir),
+        served_model_name=MODEL,
+        scheduler=SchedulerConfig(token_budget=64, chunk_size=16, max_model_len=MAX_MODEL_LEN),
+        cache=CacheConfig(block_size=16, num_kv_blocks=64),
+    )
+    app = create_app(partial(Engine, config), MODEL)
+    client = await aiohttp_client(app)
+    await app[ENGINE].wait_ready()
+    return client
+
+
+def engine_of(client) -> Engine:
+    return client.app[ENGINE].engine
+
+
+async def sse_events(resp) -> list:
+    """Parse a server-sent-event body into JSON objects, with "[DONE]" kept as a string."""
+    events = []
+    async for line in resp.content:
+        line = line.decode().strip()
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+GOOD_COMPLETION = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4}
+
+
+async def assert_still_serving(client) -> None:
+    resp = await client.post("/v1/completions", json=GOOD_COMPLETION)
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert body["usage"]["completion_tokens"] == 4
+
+
+# -- happy paths -----------------------------------------------------------------------------------
+
+
+async def test_completion_returns_text_and_usage(client):
+    resp = await client.post("/v1/completions", json=GOOD_COMPLETION)
+    body = await resp.json()
+    assert resp.status == 200
+    assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length" and isinstance(choice["text"], str)
+    prompt_len = len(engine_of(client).tokenizer.encode("Hello there"))
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 4, "total_tokens": prompt_len + 4}
+
+
+async def test_completion_accepts_token_ids_as_the_prompt(client):
+    resp = await client.post("/v1/completions", json={**GOOD_COMPLETION, "prompt": [5, 6, 7]})
+    assert (await resp.json())["usage"]["prompt_tokens"] == 3
+
+
+async def test_chat_completion_returns_an_assistant_message(client):
+    resp = await client.post("/v1/chat/completions", json=GOOD_CHAT)
+    body = await resp.json()
+    assert resp.status == 200 and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_completion_stream_ends_with_done_and_usage_when_asked(client):
+    payload = {**GOOD_COMPLETION, "max_tokens": 6, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    resp = await client.post("/v1/completions", json=payload)
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    events = await sse_events(resp)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    chunks = events[:-2]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    full = await (await client.post("/v1/completions", json={**GOOD_COMPLETION, "max_tokens": 6, "ignore_eos": True})).json()
+    assert text == full["choices"][0]["text"]
+
+
+async def test_chat_stream_opens_with_the_role_and_closes_with_finish_reason(client):
+    resp = await client.post("/v1/chat/completions", json={**GOOD_CHAT, "stream": True})
+    events = await sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all("usage" not in c for c in chunks)
+
+
+async def test_models_health_and_ready(client):
+    models = await (await client.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert (await client.get("/health")).status == 200
+    ready = await client.get("/ready")
+    assert ready.status == 200 and (await ready.json())["kv_blocks_total"] == 64
+
+
+# -- bad input: a clear 4xx, and the server goes on serving ------------------------------------------
+
+LONG_PROMPT = [5] * (MAX_MODEL_LEN + 1)
+
+BAD_REQUESTS = {
+    "malformed-json": ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
+    "not-an-object": ("/v1/completions", [1, 2], 400, None),
+    "missing-prompt": ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    "empty-prompt": ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    "empty-token-prompt": ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    "token-outside-vocab": ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
+    "missing-messages": ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    "empty-messages": ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    "bad-role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    "unknown-model": ("/v1/completions", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
+    "max-tokens-zero": ("/v1/completions", {**GOOD_COMPLETION, "max_tokens": 0}, 400, "max_tokens"),
+    "max-tokens-negative": ("/v1/chat/completions", {**GOOD_CHAT, "max_tokens": -3}, 400, "max_tokens"),
+    "max-tokens-float": ("/v1/completions", {**GOOD_COMPLETION, "max_tokens": 2.5}, 400, "max_tokens"),
+    "max-tokens-string": ("/v1/completions", {**GOOD_COMPLETION, "max_tokens": "4"}, 400, "max_tokens"),
+    "prompt-over-max-model-len": ("/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT}, 400, "prompt"),
+    "prompt-plus-max-tokens-over-max-model-len": (
+        "/v1/completions", {"model": MODEL, "prompt": [5] * 200, "max_tokens": 100}, 400, "max_tokens"),
+    "negative-temperature": ("/v1/completions", {**GOOD_COMPLETION, "temperature": -0.1}, 400, "temperature"),
+    "top-p-zero": ("/v1/completions", {**GOOD_COMPLETION, "top_p": 0}, 400, "top_p"),
+    "top-p-above-one": ("/v1/chat/completions", {**GOOD_CHAT, "top_p": 1.01}, 400, "top_p"),
+    "empty-stop-string": ("/v1/completions", {**GOOD_COMPLETION, "stop": [""]}, 400, "stop"),
+    "n-above-one": ("/v1/completions", {**GOOD_COMPLETION, "n": 2}, 400, "n"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+async def test_bad_request_is_a_4xx_in_openai_format_and_serving_goes_on(client, case):
+    path, body, status, param = BAD_REQUESTS[case]
+    if isinstance(body, bytes):
+        resp = await client.post(path, data=body, headers={"Content-Type": "application/json"})
+    else:
+        resp = await client.post(path, json=body)
+    assert resp.status == status
+    error = (await resp.json())["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    await assert_still_serving(client)
+    assert engine_of(client).block_manager.num_used_blocks == 0
+
+
+async def test_context_length_error_says_how_long_the_model_is(client):
+    resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT})
+    error = (await resp.json())["error"]
+    assert error["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in error["message"]
+
+
+async def test_unknown_route_and_wrong_method_answer_in_openai_format(client):
+    resp = await client.get("/v1/nothing")
+    assert resp.status == 404 and "error" in await resp.json()
+    resp = await client.get("/v1/completions")
+    assert resp.status == 405 and "error" in await resp.json()
+    await assert_still_serving(client)
+
+
+# -- cancellation ------------------------------------------------------------------------------------
+
+
+def record_aborts(engine: Engine, monkeypatch) -> list[dict]:
+    """Record each abort's request state as the engine thread applies it."""
+    seen: list[dict] = []
+    original = engine.abort_request
+
+    def abort(request_id: str) -> bool:
+        req = engine.scheduler.requests.get(request_id)
+        if req is not None:
+            seen.append({"id": request_id, "computed": req.num_computed_tokens,
+                         "prompt": req.num_prompt_tokens, "output": req.num_output_tokens})
+        return original(request_id)
+
+    monkeypatch.setattr(engine, "abort_request", abort)
+    return seen
+
+
+def record_outputs(engine: Engine, monkeypatch) -> list[str]:
+    produced: list[str] = []
+    original = engine.step
+
+    def step():
+        outputs = original()
+        produced.extend(o.request_id for o in outputs)
+        return outputs
+
+    monkeypatch.setattr(engine, "step", step)
+    return produced
+
+
+def slow_steps(engine: Engine, monkeypatch, seconds: float) -> None:
+    original = engine.runner.execute
+
+    def execute(step):
+        time.sleep(seconds)
+        return original(step)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_client_disconnect_mid_decode_aborts_and_frees_blocks(client, monkeypatch):
+    engine = engine_of(client)
+    aborts = record_aborts(engine, monkeypatch)
+    produced = record_outputs(engine, monkeypatch)
+    slow_steps(engine, monkeypatch, 0.01)
+    payload = {**GOOD_COMPLETION, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    resp = await client.post("/v1/completions", json=payload)
+    received = 0
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            received += 1
+        if received == 3:
+            break
+    resp.close()  # the client goes away mid-decode
+    await wait_for(lambda: aborts and engine.block_manager.num_used_blocks == 0)
+    (abort,) = aborts
+    assert abort["computed"] >= abort["prompt"] and 3 <= abort["output"] < 200
+    count_at_abort = produced.count(abort["id"])
+    await assert_still_serving(client)
+    assert produced.count(abort["id"]) == count_at_abort == abort["output"]
+
+
+async def test_client_disconnect_mid_prefill_aborts_before_any_token(client, monkeypatch):
+    engine = engine_of(client)
+    aborts = record_aborts(engine, monkeypatch)
+    produced = record_outputs(engine, monkeypatch)
+    slow_steps(engine, monkeypatch, 0.05)  # 200-token prompt in chunks of 16: ~0.65 s of prefill
+    payload = {"model": MODEL, "prompt": [5] * 200, "max_tokens": 10}
+    with pytest.raises(asyncio.TimeoutError):
+        await client.post("/v1/completions", json=payload, timeout=aiohttp.ClientTimeout(total=0.2))
+    await wait_for(lambda: aborts and engine.block_manager.num_used_blocks == 0)
+    (abort,) = aborts
+    assert 0 < abort["computed"] < abort["prompt"] and abort["output"] == 0
+    await assert_still_serving(client)
+    assert abort["id"] not in produced

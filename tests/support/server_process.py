@@ -1,0 +1,52 @@
+"""Run ``cadenza serve`` as a real subprocess, the way users start it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def cadenza_server(args: list[str], log: Path, ready_timeout: float = 180.0) -> Iterator[str]:
+    """Start ``cadenza serve ARGS`` on a free port; yield its base URL (``.../v1``) once ready."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "cadenza.node.cli", "serve", "--port", str(port), *args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"cadenza serve exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cadenza serve not ready after {ready_timeout}s:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

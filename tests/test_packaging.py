@@ -1,0 +1,88 @@
+"""The distribution: one wheel with every subpackage, mapped folders without __init__.py, layering."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAPPED = {"node": "cadenza/node", "kernels": "cadenza/kernels", "operator": "cadenza/operator"}
+
+
+def source_packages() -> set[str]:
+    """Every folder under the mapped roots that holds Python, as its path inside the wheel."""
+    found = set()
+    for folder, target in MAPPED.items():
+        for py in (ROOT / folder).rglob("*.py"):
+            found.add(str(Path(target) / py.parent.relative_to(ROOT / folder)).rstrip("/."))
+    return found
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        check=True, capture_output=True,
+    )
+    (path,) = out.glob("cadenza-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def test_wheel_contains_every_subpackage_and_module(wheel):
+    names = set(wheel.namelist())
+    packages = {str(Path(n).parent) for n in names if n.endswith(".py")}
+    assert source_packages() <= packages
+    for folder, target in MAPPED.items():
+        for py in (ROOT / folder).rglob("*.py"):
+            assert f"{target}/{py.relative_to(ROOT / folder)}" in names
+
+
+def test_wheel_declares_the_cadenza_console_script(wheel):
+    entry_points = next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
+    assert "cadenza = cadenza.node.cli:main" in wheel.read(entry_points).decode()
+
+
+def test_mapped_folders_hold_no_init_so_operator_never_shadows_the_stdlib():
+    for folder in MAPPED:
+        assert not (ROOT / folder / "__init__.py").exists()
+    import operator
+
+    assert hasattr(operator, "itemgetter")
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_kernels_import_nothing_of_cadenza():
+    for py in (ROOT / "kernels").rglob("*.py"):
+        assert not any(n.startswith("cadenza") for n in imports_of(py)), py
+
+
+def test_operator_imports_only_the_node_config_and_wire_types():
+    allowed = {"cadenza.node.config"}
+    for py in (ROOT / "operator").rglob("*.py"):
+        for name in imports_of(py):
+            if name.startswith("cadenza.node"):
+                assert name in allowed, f"{py.name} imports {name}"
+
+
+def test_scheduler_and_block_manager_never_import_torch():
+    code = (
+        "import sys; import cadenza.node.scheduler, cadenza.node.block_manager; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
