@@ -153,7 +153,14 @@ class AsyncEngine:
             self._ready.set()
             return
         self._ready.set()
-        engine = self.engine
+        try:
+            self._loop_forever(self.engine)
+        except BaseException as exc:  # a bug, not a bad request: fail everyone loudly, never hang
+            logger.exception("engine thread died")
+            self.error = exc
+            self._publish([(rid, EngineDeadError(f"engine stopped: {exc}")) for rid in list(self._streams)])
+
+    def _loop_forever(self, engine: Engine) -> None:
         while True:
             block = not engine.has_unfinished_requests()
             try:

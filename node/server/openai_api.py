@@ -9,6 +9,7 @@ request (its KV blocks are freed before the next step).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -45,9 +46,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = parse(CompletionRequest, await _json(request))
     _check_model(request, body.model)
     body.check_supported()
-    tok = engine.tokenizer
     if isinstance(body.prompt, str):
-        prompt_ids = tok.encode(body.prompt)
+        prompt_ids = await _off_loop(engine.tokenizer.encode, body.prompt)
     else:
         prompt_ids = list(body.prompt)
         vocab = engine.model_config.vocab_size
@@ -65,7 +65,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body.check_supported()
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
     try:
-        prompt_ids = engine.tokenizer.encode_chat(messages)
+        prompt_ids = await _off_loop(engine.tokenizer.encode_chat, messages)
     except ChatTemplateError as exc:
         raise APIError(400, f"messages: {exc}", param="messages") from None
     sampling = _sampling(body, len(prompt_ids), body.requested_max_tokens, engine.max_model_len, default_fill=True)
@@ -82,6 +82,11 @@ async def models(request: web.Request) -> web.Response:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+async def _off_loop(fn, *args):
+    """Tokenize in a worker thread: a long prompt must not stall every other stream's SSE."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 async def _json(request: web.Request) -> object:

@@ -264,3 +264,23 @@ async def test_client_disconnect_mid_prefill_aborts_before_any_token(client, mon
     assert 0 < abort["computed"] < abort["prompt"] and abort["output"] == 0
     await assert_still_serving(client)
     assert abort["id"] not in produced
+
+
+async def test_a_failing_step_fails_the_requests_in_flight_and_serving_goes_on(client, monkeypatch):
+    engine = engine_of(client)
+    original = engine.runner.execute
+    calls = {"n": 0}
+
+    def execute(step):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device fault")
+        return original(step)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    resp = await client.post("/v1/completions", json=GOOD_COMPLETION)
+    assert resp.status == 500
+    assert "simulated device fault" in (await resp.json())["error"]["message"]
+    assert engine.block_manager.num_used_blocks == 0
+    await assert_still_serving(client)
+    assert (await client.get("/health")).status == 200
