@@ -148,7 +148,8 @@ class AsyncEngine:
         try:
             self.engine = self._factory()
         except BaseException as exc:  # reported through wait_ready
-            logger.exception("engine failed to load")
+            if not isinstance(exc, (ValueError, FileNotFoundError)):  # config errors need no traceback
+                logger.exception("engine failed to load")
             self.error = exc
             self._ready.set()
             return

@@ -85,8 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     ModelConfig.from_pretrained(config.model)  # fail now, not in the engine thread, on a bad folder
     logger.info("serving %s from %s on http://%s:%d/v1", config.model_name, config.model, args.host, args.port)
-    serve(partial(Engine, config), config.model_name, args.host, args.port)
-    return 0
+    return serve(partial(Engine, config), config.model_name, args.host, args.port)
 
 
 def _fetch_model(args: argparse.Namespace) -> int:

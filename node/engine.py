@@ -68,6 +68,7 @@ class Engine:
         model_max = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
             model_max = min(model_max, self.model_config.sliding_window)
+        resolve_max_model_len(config.scheduler.max_model_len, model_max, model_max)  # refuse before loading
         rope_len = config.scheduler.max_model_len or model_max
         self.runner = ModelRunner(config, self.model_config, max_model_len=min(rope_len, model_max))
         capacity = self.runner.num_kv_blocks * config.cache.block_size

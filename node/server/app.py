@@ -7,7 +7,9 @@ starts, so the server listens — and Kubernetes probes get answers — while we
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
@@ -65,8 +67,38 @@ async def ready(request: web.Request) -> web.Response:
     return error_response(503, "model loading", headers={"Retry-After": "5"})
 
 
-def serve(engine_factory: Callable[[], Engine], model_name: str, host: str, port: int) -> None:
-    """Run the server until interrupted (Ctrl-C / SIGTERM shut it down cleanly)."""
-    app = create_app(engine_factory, model_name)
-    web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None,
-                print=lambda msg: logger.info(msg.strip()))
+def serve(engine_factory: Callable[[], Engine], model_name: str, host: str, port: int) -> int:
+    """Serve until SIGINT/SIGTERM; return the process exit code.
+
+    The server listens at once (probes get answers while the weights load). If the engine fails
+    to load — a configuration that cannot work with this model, say — the server stops and the
+    exit code is 1, so a supervisor sees the failure instead of a replica that never gets ready.
+    """
+    return asyncio.run(_serve(create_app(engine_factory, model_name), host, port))
+
+
+async def _serve(app: web.Application, host: str, port: int) -> int:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        logger.info("listening on http://%s:%d", host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        ready = asyncio.ensure_future(app[openai_api.ENGINE].wait_ready())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and ready.exception() is not None:
+            logger.error("%s", ready.exception())
+            stopped.cancel()
+            return 1
+        if ready.done():
+            logger.info("ready: serving %s", app[openai_api.MODEL_NAME])
+        await stopped
+        ready.cancel()
+        logger.info("shutting down")
+        return 0
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,36 @@
+"""The ``cadenza`` command fails fast, with a clear message, on configurations that cannot serve."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from server_process import free_port
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "cadenza.node.cli", "serve", "--port", str(free_port()), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_invalid_knob_exits_2_naming_the_field(tiny_llama_dir):
+    result = serve("--model", str(tiny_llama_dir), "--token-budget", "0")
+    assert result.returncode == 2
+    assert "token_budget: must be >= 1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_model_folder_exits_2(tmp_path):
+    result = serve("--model", str(tmp_path / "nope"))
+    assert result.returncode == 2 and "config.json not found" in result.stderr
+
+
+def test_engine_that_cannot_start_stops_the_server_with_exit_1(tiny_llama_dir):
+    result = serve("--model", str(tiny_llama_dir), "--max-model-len", "999999")
+    assert result.returncode == 1
+    assert "max_model_len: 999999 exceeds the model's context length 1024" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_kv_cache_too_small_for_max_model_len_is_refused(tiny_llama_dir):
+    result = serve("--model", str(tiny_llama_dir), "--max-model-len", "1024", "--num-kv-blocks", "4")
+    assert result.returncode == 1 and "num_kv_blocks:" in result.stderr
