@@ -111,8 +111,8 @@ def paged_attention(
     of a sequence of ``seq_lens[i]`` tokens, all already written to the cache. Its query ``j``
     (position ``seq_lens[i] - n_i + j``) attends to keys ``0 .. seq_lens[i] - n_i + j``: full over
     the cached prefix, causal within the new tokens. GQA: query head ``h`` reads KV head
-    ``h // (Hq / Hkv)``. Rows with one query token (decodes) are batched in one call; longer rows
-    go one at a time. Softmax is computed in fp32 by ``scaled_dot_product_attention``'s math.
+    ``h // (Hq / Hkv)``. Rows with one query token (decodes) are batched, in groups of similar
+    length to bound padding; longer rows go one at a time. Softmax is computed in fp32 by ``scaled_dot_product_attention``'s math.
 
     Args:
         q: ``[T, Hq, D]``.
@@ -130,12 +130,12 @@ def paged_attention(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     num_rows = len(lens)
-    decodes = [i for i in range(num_rows) if starts[i + 1] - starts[i] == 1]
-    if decodes:
-        rows = torch.tensor(decodes, device=q.device)
+    decodes = sorted((i for i in range(num_rows) if starts[i + 1] - starts[i] == 1), key=lens.__getitem__)
+    for group in _length_groups(decodes, lens):
+        rows = torch.tensor(group, device=q.device)
         tokens = query_start_loc[:-1].index_select(0, rows)
         row_lens = seq_lens.index_select(0, rows)
-        num_blocks = -(-max(lens[i] for i in decodes) // bs)
+        num_blocks = -(-lens[group[-1]] // bs)
         table = block_tables.index_select(0, rows)[:, :num_blocks]  # [R, nb]
         keys = _gather(k_cache, table)  # [R, Hkv, L, D]
         values = _gather(v_cache, table)
@@ -163,6 +163,18 @@ def paged_attention(
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
     return out
+
+
+def _length_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
+    """Split rows sorted by length into groups padded to at most ~2x their shortest member, so a
+    few long sequences do not pad every short one to their length."""
+    groups: list[list[int]] = []
+    for i in rows:
+        if groups and lens[i] <= max(2 * lens[groups[-1][0]], lens[groups[-1][0]] + 256):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -162,12 +162,15 @@ class AsyncEngine:
             self._publish([(rid, EngineDeadError(f"engine stopped: {exc}")) for rid in list(self._streams)])
 
     def _loop_forever(self, engine: Engine) -> None:
+        stalled = False  # the last step scheduled nothing: do not spin, wait for a command
         while True:
-            block = not engine.has_unfinished_requests()
+            timeout = 1.0 if not engine.has_unfinished_requests() else 0.01 if stalled else 0.0
             try:
-                commands = [self._commands.get(timeout=1.0)] if block else []
+                commands = [self._commands.get(timeout=timeout)] if timeout else []
             except queue.Empty:
-                continue
+                commands = []
+                if not engine.has_unfinished_requests():
+                    continue
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -190,6 +193,7 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
+                stalled = engine.last_step_tokens == 0
             except Exception as exc:  # keep serving: fail what was live, not the server
                 logger.exception("engine step failed; aborting the requests in flight")
                 live = list(engine.scheduler.requests)

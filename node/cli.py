@@ -15,8 +15,17 @@ logger = logging.getLogger("cadenza")
 _GIB = 2**30
 
 
-def _chunk_size(value: str) -> int | None:
-    return None if value.lower() in ("none", "off", "0") else int(value)
+def chunk_size_arg(value: str) -> int | None:
+    """``--chunk-size``: a positive integer, or ``none`` for no cap."""
+    if value.lower() in ("none", "off"):
+        return None
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'none', got {value!r}")
+    return size
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +35,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", help="model id clients send (default: the folder name)")
     g.add_argument("--token-budget", type=int, default=d_sched.token_budget, help="tokens per step, decode + prefill")
-    g.add_argument("--chunk-size", type=_chunk_size, default=d_sched.chunk_size,
+    g.add_argument("--chunk-size", type=chunk_size_arg, default=d_sched.chunk_size,
                    help="most prompt tokens a request prefills per step ('none' = unlimited)")
     g.add_argument("--max-num-seqs", type=int, default=d_sched.max_num_seqs, help="most requests running at once")
     g.add_argument("--max-model-len", type=int, default=None, help="most tokens per request (default: the model's)")
@@ -79,11 +88,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def _serve(args: argparse.Namespace) -> int:
     from cadenza.node.engine import Engine
-    from cadenza.node.models.config import ModelConfig
+    from cadenza.node.models.config import check_model_folder
     from cadenza.node.server.app import serve
 
     config = engine_config_from_args(args)
-    ModelConfig.from_pretrained(config.model)  # fail now, not in the engine thread, on a bad folder
+    check_model_folder(config.model)  # fail now, not in the engine thread, on a bad folder
+    if config.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device: {config.device} requested but this torch build sees no CUDA device")
     logger.info("serving %s from %s on http://%s:%d/v1", config.model_name, config.model, args.host, args.port)
     return serve(partial(Engine, config), config.model_name, args.host, args.port)
 

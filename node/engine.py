@@ -85,6 +85,7 @@ class Engine:
             eos |= self.tokenizer.eos_token_ids
         self.eos_token_ids = frozenset(eos)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.last_step_tokens = 0  # tokens the last step computed (0: nothing was schedulable)
 
     @classmethod
     def from_model(cls, model: str | Path, **scheduler_and_cache: object) -> "Engine":
@@ -138,6 +139,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run and apply one step; one output per request that got a token."""
         out = self.scheduler.schedule()
+        self.last_step_tokens = out.num_tokens
         if out.is_empty:
             return []
         tokens = self.runner.execute(out)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from cadenza.node.attention import AttentionMetadata, get_attention_backend
-from cadenza.node.config import CacheConfig, EngineConfig
+from cadenza.node.config import CacheConfig, ConfigError, EngineConfig
 from cadenza.node.models.config import ModelConfig
 from cadenza.node.models.llama import load_model
 from cadenza.node.sampler import make_generator, sample
@@ -46,7 +46,13 @@ class ModelRunner:
         self.num_kv_blocks = self._num_kv_blocks(config.cache)
         shape = (model_config.num_hidden_layers, 2, self.num_kv_blocks, self.block_size,
                  model_config.num_key_value_heads, model_config.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        try:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            raise ConfigError(
+                f"kv_cache_bytes: cannot allocate a KV cache of {self.num_kv_blocks} blocks on "
+                f"{self.device} ({exc}); lower the KV cache size"
+            ) from None
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self._seeds = random.Random(config.seed)
         self._generators: dict[str, torch.Generator] = {}

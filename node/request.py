@@ -33,6 +33,8 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
+_GREEDY_BELOW = 1e-5
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -78,10 +80,13 @@ class SamplingParams:
             raise ValueError(f"top_k: must be >= 0 (0 disables it), got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop: stop strings must be non-empty")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed: must be a 64-bit signed integer, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Argmax decoding: temperature below 1e-5 (vLLM's threshold) or ``top_k`` of 1."""
+        return self.temperature < _GREEDY_BELOW or self.top_k == 1
 
 
 @dataclass(slots=True, eq=False)

@@ -45,7 +45,9 @@ def _sample_row(logits: torch.Tensor, sp: SamplingParams, generator: torch.Gener
     if sp.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs  # probability of strictly likelier tokens
-        sorted_probs = sorted_probs.masked_fill(mass_before >= sp.top_p, 0.0)
+        drop = mass_before >= sp.top_p
+        drop[0] = False  # the most likely token always stays, whatever top_p rounds to
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())
 

@@ -212,7 +212,8 @@ class Scheduler:
         # that had to preempt: memory is short, and re-admitting the victim would only thrash.
         while budget > 0 and self.waiting and not out.preempted and len(running) < self.config.max_running:
             req = self.waiting[0]
-            spare_blocks = bm.num_free_blocks - self.watermark_blocks
+            # The watermark protects running decodes; with nothing running it would only block.
+            spare_blocks = bm.num_free_blocks - (self.watermark_blocks if running else 0)
             n = min(req.num_tokens, chunk_cap, budget, spare_blocks * bm.block_size)
             if n <= 0:
                 break

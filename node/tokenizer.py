@@ -209,12 +209,20 @@ class Tokenizer:
         ``add_special_tokens`` runs the post-processor (and ``add_bos_token``); use False for a
         rendered chat prompt, which already holds its special tokens.
         """
-        ids: list[int] = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not): a long prompt tokenized in a worker
+        # thread must not stall the server's event loop.
+        ids: list[int] = self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos:
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
         elif add_special_tokens and self._strip_bos:
             del ids[0]
         return ids
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the longest vocabulary entry: ``len(text) / max_token_chars`` bounds the
+        token count of ``text`` from below (used to refuse oversized prompts before tokenizing)."""
+        return max(1, max(len(token) for token in self.hf.get_vocab(with_added_tokens=True)))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD (see ``IncrementalDetokenizer``)."""

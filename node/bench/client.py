@@ -128,10 +128,12 @@ async def fetch_model(session: aiohttp.ClientSession, base_url: str,
             if resp.status >= 400:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
             return str((await resp.json(content_type=None))["data"][0]["id"])
-    except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, TypeError,
-            ValueError, RuntimeError) as exc:
+    except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        raise RuntimeError(f"cannot reach {url} ({type(exc).__name__}: {exc}); is the server running?") from exc
+    except (aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
         raise RuntimeError(
-            f"could not list models at {url} ({type(exc).__name__}: {exc}); pass --model"
+            f"could not read the model list at {url} ({type(exc).__name__}: {exc}); "
+            "pass --model to name the model yourself"
         ) from exc
 
 

@@ -61,7 +61,15 @@ class ModelConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"{file} not found: --model must be a Hugging Face model folder")
-        return cls.from_dict(json.loads(file.read_text()))
+        try:
+            cfg = json.loads(file.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ModelConfigError(f"{file} is not valid JSON: {exc}") from None
+        try:
+            return cls.from_dict(cfg)
+        except (KeyError, TypeError) as exc:
+            raise ModelConfigError(f"{file} lacks a usable {exc} entry") from None
+
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -108,3 +116,19 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V cache one token takes across all layers."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+def check_model_folder(path: str | Path, need_tokenizer: bool = True) -> ModelConfig:
+    """Everything a served model needs is there: ``config.json``, weights, ``tokenizer.json``.
+
+    Raises:
+        FileNotFoundError: naming what is missing.
+        ModelConfigError: an unreadable or unsupported ``config.json``.
+    """
+    folder = Path(path)
+    cfg = ModelConfig.from_pretrained(folder)
+    if not any(folder.glob("*.safetensors")):
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    if need_tokenizer and not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{folder / 'tokenizer.json'} not found: cadenza needs a fast tokenizer file")
+    return cfg

@@ -81,7 +81,11 @@ async def _serve(app: web.Application, host: str, port: int) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except (OSError, OverflowError) as exc:  # port in use, bad host or port
+            logger.error("cannot listen on %s:%s: %s", host, port, exc)
+            return 1
         logger.info("listening on http://%s:%d", host, port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

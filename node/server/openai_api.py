@@ -47,6 +47,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_model(request, body.model)
     body.check_supported()
     if isinstance(body.prompt, str):
+        _refuse_oversized_text(engine, len(body.prompt), "prompt")
         prompt_ids = await _off_loop(engine.tokenizer.encode, body.prompt)
     else:
         prompt_ids = list(body.prompt)
@@ -64,6 +65,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_model(request, body.model)
     body.check_supported()
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
+    _refuse_oversized_text(engine, sum(len(m["content"]) for m in messages), "messages")
     try:
         prompt_ids = await _off_loop(engine.tokenizer.encode_chat, messages)
     except ChatTemplateError as exc:
@@ -92,7 +94,7 @@ async def _off_loop(fn, *args):
 async def _json(request: web.Request) -> object:
     try:
         return await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, absurd nesting
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
 
 
@@ -101,6 +103,20 @@ def _ready_engine(request: web.Request) -> Engine:
     if not async_engine.is_ready:
         raise APIError(503, "the model is still loading; retry shortly", headers={"Retry-After": "5"})
     return async_engine.engine  # type: ignore[return-value]
+
+
+def _refuse_oversized_text(engine: Engine, num_chars: int, param: str) -> None:
+    """Refuse text that cannot fit ``max_model_len`` whatever it tokenizes to, before spending
+    CPU on tokenizing it: no token covers more than ``max_token_chars`` characters (doubled for
+    normalizers that compose characters)."""
+    limit = engine.max_model_len * engine.tokenizer.max_token_chars * 2
+    if num_chars > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {engine.max_model_len} tokens; a prompt of "
+            f"{num_chars} characters cannot fit it. Please reduce the length of the prompt.",
+            param=param, code="context_length_exceeded",
+        )
 
 
 def _check_model(request: web.Request, model: str) -> None:
@@ -123,15 +139,14 @@ def _sampling(body, prompt_len: int, max_tokens: int | None, max_model_len: int,
         )
     if max_tokens is None:
         max_tokens = room if default_fill else min(16, room)
-    top_k = body.top_k if body.top_k and body.top_k > 0 else 0
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=top_k,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=max(body.top_k, 0),  # -1 (vLLM) and 0 both mean off
         seed=body.seed,
         stop=tuple(body.stop),
-        stop_token_ids=tuple(body.stop_token_ids or ()),
+        stop_token_ids=tuple(body.stop_token_ids),
         ignore_eos=body.ignore_eos,
     )
 

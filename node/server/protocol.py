@@ -1,22 +1,45 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic.
 
 Follows the OpenAI API reference for ``/v1/completions`` and ``/v1/chat/completions`` plus the
-vLLM extensions ``top_k``, ``stop_token_ids`` and ``ignore_eos``. Unknown fields are ignored (as
-vLLM does), so clients that send extra options keep working; options cadenza cannot honour
-(``n > 1``, ``logprobs``, ``echo``, penalties) are refused with a 400 rather than silently ignored.
+vLLM extensions ``top_k``, ``stop_token_ids`` and ``ignore_eos``. A field sent as ``null`` takes
+its default, as the reference allows. Unknown fields are ignored (as vLLM does), so clients that
+send extra metadata keep working; options cadenza cannot honour — ``n`` or ``best_of`` above 1,
+``logprobs``, ``echo``, ``suffix``, penalties, ``logit_bias``, ``tools``, a ``response_format``
+other than text — are refused with a 400 rather than silently ignored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from cadenza.node.server.errors import APIError
 
-Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Temperature = Annotated[float, Field(strict=True, ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0)]
 MaxTokens = Annotated[StrictInt, Field(ge=1)]
+Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
+Penalty = Annotated[float, Field(strict=True)]
+
+
+def _utf8(text: str, what: str) -> str:
+    """Refuse strings that cannot be UTF-8 (lone surrogates such as ``"\\ud800"``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode (it holds a lone surrogate)") from None
+    return text
 
 
 class StreamOptions(BaseModel):
@@ -26,28 +49,36 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(min_length=1)
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: StrictInt | None = Field(default=None, ge=-1)
-    seed: StrictInt | None = None
-    stop: str | list[str] | None = Field(default=None, validate_default=True)
-    stop_token_ids: list[StrictInt] | None = None
+    model: StrictStr = Field(min_length=1)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: StrictInt = Field(default=0, ge=-1)
+    seed: Seed | None = None
+    stop: StrictStr | list[StrictStr] = Field(default_factory=list)
+    stop_token_ids: list[StrictInt] = Field(default_factory=list)
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
     logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
     @field_validator("stop")
     @classmethod
-    def _stop_strings(cls, v: str | list[str] | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else list(v or [])
+    def _stop_strings(cls, v: str | list[str]) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v)
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
-        return stops
+        return [_utf8(s, "a stop string") for s in stops]
 
     def check_supported(self) -> None:
         """Refuse options that are valid OpenAI but not implemented here (400)."""
@@ -58,6 +89,8 @@ class _Common(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise APIError(400, f"{name}: not supported (only 0)", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias: not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
 
@@ -69,9 +102,11 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     max_tokens: MaxTokens | None = 16
     echo: StrictBool = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -82,29 +117,63 @@ class CompletionRequest(_Common):
             v = v[0]
         if len(v) == 0:
             raise ValueError("must not be empty")
-        return v
+        return _utf8(v, "the prompt") if isinstance(v, str) else v
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
             raise APIError(400, "echo: not supported", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix: not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of: only 1 is supported", param="best_of")
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """A part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ContentPart":
+        if self.type != "text":
+            raise ValueError(f"content part type {self.type!r} is not supported (this model reads text only)")
+        if self.text is None:
+            raise ValueError("a text part needs a 'text' string")
+        _utf8(self.text, "the message content")
+        return self
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    role: StrictStr
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        roles = ("system", "developer", "user", "assistant", "tool")
+        if v not in roles:
+            raise ValueError(f"must be one of {', '.join(roles)}, got {v!r}")
+        return v
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, (str, list)):
+            raise ValueError("must be a string or a list of content parts")
+        if isinstance(v, str):
+            _utf8(v, "the message content")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text or "" for part in self.content)
         return self.content or ""
 
 
@@ -114,10 +183,22 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs:
+            raise APIError(400, "top_logprobs: not supported", param="top_logprobs")
+        if self.tools:
+            raise APIError(400, "tools: tool calling is not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format: only type 'text' is supported", param="response_format")
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:
@@ -131,7 +212,8 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        err = min(exc.errors(), key=lambda e: len(e["loc"]))
+        # Our own checks (value errors) say the most; else the shallowest error.
+        err = min(exc.errors(), key=lambda e: (e["type"] != "value_error", len(e["loc"])))
         loc = [str(part) for part in err["loc"] if not _is_type_tag(part)]
         param = ".".join(loc) or None
         message = err["msg"].removeprefix("Value error, ")
@@ -142,4 +224,4 @@ def parse(model: type[BaseModel], body: Any) -> Any:
 
 def _is_type_tag(part: Any) -> bool:
     """pydantic puts union member names (``str``, ``list[int]``) in error locations; drop them."""
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "ContentPart"))

@@ -34,3 +34,37 @@ def test_engine_that_cannot_start_stops_the_server_with_exit_1(tiny_llama_dir):
 def test_kv_cache_too_small_for_max_model_len_is_refused(tiny_llama_dir):
     result = serve("--model", str(tiny_llama_dir), "--max-model-len", "1024", "--num-kv-blocks", "4")
     assert result.returncode == 1 and "num_kv_blocks:" in result.stderr
+
+
+def test_folder_without_tokenizer_is_refused_before_loading(tiny_llama_dir, tmp_path):
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for f in tiny_llama_dir.iterdir():
+        if f.name != "tokenizer.json":
+            (folder / f.name).write_bytes(f.read_bytes())
+    result = serve("--model", str(folder))
+    assert result.returncode == 2 and "tokenizer.json not found" in result.stderr
+
+
+def test_unreadable_config_json_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    result = serve("--model", str(tmp_path))
+    assert result.returncode == 2 and "config.json is not valid JSON" in result.stderr
+
+
+def test_bad_chunk_size_says_what_is_expected(tiny_llama_dir):
+    result = serve("--model", str(tiny_llama_dir), "--chunk-size", "abc")
+    assert result.returncode == 2 and "must be a positive integer or 'none'" in result.stderr
+
+
+def test_a_busy_port_is_reported_without_a_traceback(tiny_llama_dir):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cmd = [sys.executable, "-m", "cadenza.node.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port)]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "cannot listen on 127.0.0.1" in result.stderr and "Traceback" not in result.stderr

@@ -187,6 +187,20 @@ def test_abort_frees_kv_blocks_immediately():
     assert sched.block_manager.num_used_blocks == 0 and not sched.has_unfinished_requests()
 
 
+def test_a_pool_of_exactly_max_model_len_serves_one_request_at_a_time():
+    # One block of 16 tokens: the admission watermark must not block the only request.
+    sched = make_scheduler(token_budget=64, chunk_size=64, num_blocks=1, block_size=16, max_model_len=16)
+    a, b = make_request(2, max_tokens=14), make_request(2, max_tokens=14)
+    sched.add_request(a)
+    sched.add_request(b)
+    steps = 0
+    while sched.has_unfinished_requests():
+        run_step(sched)
+        steps += 1
+        assert steps < 100
+    assert a.num_output_tokens == b.num_output_tokens == 14
+
+
 def test_request_over_max_model_len_is_refused():
     sched = make_scheduler(max_model_len=32)
     try:

@@ -111,6 +111,14 @@ async def test_the_default_model_is_the_first_listed_id(fake_base_url):
             await fetch_model(session, f"{fake_base_url}/nowhere/v1")
 
 
+async def test_an_unreachable_server_is_reported_as_such():
+    from server_process import free_port
+
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(RuntimeError, match="is the server running"):
+            await fetch_model(session, f"http://127.0.0.1:{free_port()}/v1")
+
+
 async def test_requests_and_prompts_must_pair_up(fake_base_url):
     with pytest.raises(ValueError):
         await replay([TraceRequest(0.0, 1, 1)], [], _config(fake_base_url))

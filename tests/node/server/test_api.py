@@ -148,6 +148,29 @@ BAD_REQUESTS = {
     "top-p-above-one": ("/v1/chat/completions", {**GOOD_CHAT, "top_p": 1.01}, 400, "top_p"),
     "empty-stop-string": ("/v1/completions", {**GOOD_COMPLETION, "stop": [""]}, 400, "stop"),
     "n-above-one": ("/v1/completions", {**GOOD_COMPLETION, "n": 2}, 400, "n"),
+    "seed-beyond-int64": ("/v1/completions", {**GOOD_COMPLETION, "seed": 2**70}, 400, "seed"),
+    "temperature-boolean": ("/v1/completions", {**GOOD_COMPLETION, "temperature": True}, 400, "temperature"),
+    "lone-surrogate-prompt": ("/v1/completions", {**GOOD_COMPLETION, "prompt": "x\ud800y"}, 400, "prompt"),
+    "lone-surrogate-message": (
+        "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": "\ud83d"}]}, 400,
+        "messages.0.content"),
+    "deeply-nested-json": ("/v1/completions", b'{"model": "tiny", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                           400, None),
+    "image-content-part": (
+        "/v1/chat/completions",
+        {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400, "messages.0.content.0"),
+    "text-part-without-text": (
+        "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+        "messages.0.content.0"),
+    "logit-bias": ("/v1/completions", {**GOOD_COMPLETION, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    "json-response-format": ("/v1/chat/completions", {**GOOD_CHAT, "response_format": {"type": "json_object"}}, 400,
+                             "response_format"),
+    "tools": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+              "tools"),
+    "suffix": ("/v1/completions", {**GOOD_COMPLETION, "suffix": "end"}, 400, "suffix"),
+    "best-of": ("/v1/completions", {**GOOD_COMPLETION, "best_of": 3}, 400, "best_of"),
+    "oversized-prompt-text": ("/v1/completions", {**GOOD_COMPLETION, "prompt": "word " * 200_000}, 400, "prompt"),
 }
 
 
@@ -164,6 +187,32 @@ async def test_bad_request_is_a_4xx_in_openai_format_and_serving_goes_on(client,
     assert error["param"] == param
     await assert_still_serving(client)
     assert engine_of(client).block_manager.num_used_blocks == 0
+
+
+async def test_null_fields_take_their_defaults(client):
+    body = {**GOOD_COMPLETION, "n": None, "stream": None, "presence_penalty": None, "stop": None, "seed": None,
+            "temperature": None, "top_p": None, "stream_options": None, "logit_bias": None}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200, await resp.text()
+
+
+async def test_text_content_parts_are_joined(client):
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+    with_parts = await client.post("/v1/chat/completions", json={**GOOD_CHAT, "temperature": 0,
+                                                                  "messages": [{"role": "user", "content": parts}]})
+    plain = await client.post("/v1/chat/completions", json={**GOOD_CHAT, "temperature": 0,
+                                                             "messages": [{"role": "user", "content": "Hello there"}]})
+    assert (await with_parts.json())["choices"] == (await plain.json())["choices"]
+
+
+async def test_extreme_but_valid_sampling_values_never_fail_other_requests(client):
+    """A temperature or top_p that underflows in fp32 is served (as greedy), never a failed step."""
+    stream = asyncio.ensure_future(client.post("/v1/completions", json={**GOOD_COMPLETION, "max_tokens": 30, "ignore_eos": True}))
+    for extreme in ({"temperature": 1e-38}, {"temperature": 1e-300}, {"top_p": 1e-46, "temperature": 1.0}):
+        resp = await client.post("/v1/completions", json={**GOOD_COMPLETION, **extreme})
+        assert resp.status == 200, (extreme, await resp.text())
+    resp = await stream
+    assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 30
 
 
 async def test_context_length_error_says_how_long_the_model_is(client):
