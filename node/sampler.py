@@ -49,6 +49,8 @@ def _sample_row(logits: torch.Tensor, sp: SamplingParams, generator: torch.Gener
         drop[0] = False  # the most likely token always stays, whatever top_p rounds to
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        return int(logits.argmax())  # degenerate distribution: never fail the step over one row
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 

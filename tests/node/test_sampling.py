@@ -133,3 +133,10 @@ def test_stop_string_truncates_the_text_before_it(engine):
 def test_streamed_text_deltas_concatenate_to_the_decoded_output(engine):
     tokens, text, _ = run(engine, PROMPT, SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True))
     assert text == engine.tokenizer.decode(tokens)
+
+
+def test_a_degenerate_distribution_falls_back_to_argmax_instead_of_failing():
+    logits = torch.tensor([[float("nan"), 1.0, 2.0]])
+    g = make_generator(0, torch.device("cpu"))
+    assert sample(logits, [SamplingParams(temperature=1.0)], [g]) in ([0], [1], [2])
+    assert sample(torch.tensor([[0.0, 5.0, 1.0]]), [SamplingParams(temperature=1e-30)], [g]) == [1]
