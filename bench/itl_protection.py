@@ -10,7 +10,7 @@ arrives. We record every inter-token gap of the four streams while the long prom
 Workload from the Azure 2023 conversation trace: the long prompt is the first request of
 1,900-2,100 prompt tokens; the four streams are the first four requests with prompts ≤ 256
 tokens, decoding with ``ignore_eos`` until the long prompt has its first token. Configurations
-alternate over several rounds; the medians are compared. Targets: chunked max ITL ≤ ¼ of
+alternate over five rounds; the medians are compared. Targets: chunked max ITL ≤ ¼ of
 unchunked; long-prompt TTFT chunked/unchunked ≤ 1.5.
 """
 
@@ -24,7 +24,7 @@ from cadenza.node.embedded import ensure_embedded_model
 from cadenza.node.engine import Engine
 from cadenza.node.request import SamplingParams
 
-ROUNDS = 3
+ROUNDS = 5
 CONFIGS = {
     "chunked": dict(token_budget=256, chunk_size=128),
     "unchunked": dict(token_budget=4096, chunk_size=None),
