@@ -142,13 +142,18 @@ def test_only_rows_that_reach_the_end_of_the_tokens_sample():
     assert samples == [False, False, True, True]
 
 
-def test_kv_shortage_preempts_the_newest_request_by_recompute():
-    # 6 blocks of 4 tokens = 24 slots; two requests of 10 prompt tokens then decode.
+def two_requests_in_a_tight_pool() -> tuple[Scheduler, Request, Request]:
+    """6 blocks of 4 tokens = 24 slots; two requests of 10 prompt + 10 output tokens."""
     sched = make_scheduler(token_budget=64, chunk_size=64, num_blocks=6, block_size=4, max_model_len=24)
     sched.watermark_blocks = 0
     old, new = make_request(10, max_tokens=10, arrival=1.0), make_request(10, max_tokens=10, arrival=2.0)
     sched.add_request(old)
     sched.add_request(new)
+    return sched, old, new
+
+
+def test_kv_shortage_preempts_the_newest_request_by_recompute():
+    sched, old, new = two_requests_in_a_tight_pool()
     preempted = []
     while sched.has_unfinished_requests():
         out = run_step(sched)
@@ -162,11 +167,7 @@ def test_kv_shortage_preempts_the_newest_request_by_recompute():
 
 
 def test_preempted_request_keeps_its_generated_tokens_and_recomputes_them():
-    sched = make_scheduler(token_budget=64, chunk_size=64, num_blocks=6, block_size=4, max_model_len=24)
-    sched.watermark_blocks = 0
-    old, new = make_request(10, max_tokens=10, arrival=1.0), make_request(10, max_tokens=10, arrival=2.0)
-    sched.add_request(old)
-    sched.add_request(new)
+    sched, _old, new = two_requests_in_a_tight_pool()
     while not new.num_preemptions:
         run_step(sched)
     assert new.num_computed_tokens == 0 and new.num_output_tokens > 0
