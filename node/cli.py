@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from functools import partial
 
-from cadenza.node.config import DTYPES, CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from cadenza.node.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from cadenza.node.embedded import EmbeddedModelError
 
 logger = logging.getLogger("cadenza")
@@ -47,7 +48,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                     help="fraction of free GPU memory for the KV cache (default: %(default)s)")
     g.add_argument("--dtype", choices=DTYPES, default="float32")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch"))
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="kernels: auto (CADENZA_ATTENTION_BACKEND, else triton on CUDA, torch elsewhere)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -131,8 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _enable_triton_interpreter_without_gpu() -> None:
+    """Triton kernels run under its interpreter without a GPU; Triton reads the switch when it
+    is first imported, which torch may do at any time, so it is set before anything runs."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        _enable_triton_interpreter_without_gpu()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 class ConfigError(ValueError):
@@ -116,7 +116,8 @@ class EngineConfig:
         served_model_name: the ``model`` id clients send; defaults to the folder name.
         dtype: weights, activations and KV cache dtype.
         device: ``cpu`` or ``cuda[:N]``.
-        attention_backend: ``torch`` or ``auto`` (the best available backend).
+        attention_backend: ``torch``, ``triton`` or ``auto`` (``CADENZA_ATTENTION_BACKEND``, else
+            triton on a CUDA device and torch elsewhere; see :mod:`cadenza.node.backend`).
         seed: seeds every request that does not bring its own ``seed``.
     """
 

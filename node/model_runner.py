@@ -14,7 +14,7 @@ import random
 import numpy as np
 import torch
 
-from cadenza.node.attention import AttentionMetadata, get_attention_backend
+from cadenza.node.backend import AttentionMetadata, select_backend
 from cadenza.node.config import CacheConfig, ConfigError, EngineConfig
 from cadenza.node.models.config import ModelConfig
 from cadenza.node.models.llama import load_model
@@ -41,7 +41,7 @@ class ModelRunner:
         self.dtype = _DTYPES[config.dtype]
         self.model_config = model_config
         self.block_size = config.cache.block_size
-        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.backend = select_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, model_config, self.backend, max_model_len, self.dtype, self.device)
         self.num_kv_blocks = self._num_kv_blocks(config.cache)
         shape = (model_config.num_hidden_layers, 2, self.num_kv_blocks, self.block_size,

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+# Triton kernels run under the interpreter on a GPU-less machine. Triton reads this when it is
+# first imported (torch imports it lazily), so it is set before anything else can import it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

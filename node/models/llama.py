@@ -5,7 +5,7 @@ scaling), RMSNorm, SwiGLU, tied or untied embeddings, optional q/k/v bias. The n
 Hugging Face transformers' ``modeling_llama.py`` (the reference the tests compare against); the
 batch layout follows vLLM: there is no batch dimension, only ``T`` tokens of many sequences,
 with each layer's attention reading and writing the paged KV cache through an
-:class:`~cadenza.node.attention.AttentionBackend`.
+:class:`~cadenza.node.backend.KernelBackend` (torch references or Triton kernels).
 
 Weights are loaded from ``*.safetensors`` with the ``safetensors`` library. q/k/v and gate/up
 projections are fused into one matmul each (``qkv_proj``, ``gate_up_proj``).
@@ -19,8 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from cadenza.kernels import reference as ops
-from cadenza.node.attention import AttentionBackend, AttentionMetadata
+from cadenza.node.backend import AttentionMetadata, KernelBackend
 from cadenza.node.models.config import ModelConfig
 from cadenza.node.models.rope import cos_sin_cache
 
@@ -28,17 +27,18 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [NB, BS, Hkv, D
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, kernels: KernelBackend) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+        return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -46,7 +46,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
-        self.backend = backend
+        self.kernels = kernels
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata
@@ -56,28 +56,29 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary_embedding(positions, q, k, cos_sin)
-        o = self.backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, Hq, D)
+        q, k = self.kernels.rotary_embedding(positions, q, k, cos_sin)
+        o = self.kernels.attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, Hq, D)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelBackend) -> None:
         super().__init__()
+        self.kernels = kernels
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.self_attn = Attention(cfg, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.mlp = MLP(cfg, kernels)
 
     def forward(self, positions, x, residual, cos_sin, kv, meta):
         if residual is None:
@@ -94,16 +95,16 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         cfg: model shape.
-        backend: attention backend shared by every layer.
+        kernels: the kernel backend every layer calls.
         max_position: rows of the RoPE table (the served ``max_model_len``).
     """
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelBackend, max_position: int) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         table = cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos_sin", table, persistent=False)
@@ -160,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
 def load_model(
     path: str | Path,
     cfg: ModelConfig,
-    backend: AttentionBackend,
+    kernels: KernelBackend,
     max_position: int,
     dtype: torch.dtype,
     device: torch.device,
@@ -174,7 +175,7 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, backend, max_position)
+            model = LlamaForCausalLM(cfg, kernels, max_position)
     finally:
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)

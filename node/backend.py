@@ -1,0 +1,142 @@
+"""Kernel backends: the five ops the model runs, from plain torch or from Triton.
+
+The model never calls a kernel directly; it calls a :class:`KernelBackend`: ``rms_norm``,
+``rotary_embedding``, ``silu_and_mul`` and ``attention`` (write the step's new K/V into the
+paged cache at ``slot_mapping``, then attend every query token of the mixed batch over its
+sequence's blocks). Two backends share one contract, tested against each other:
+
+- ``torch``: :mod:`cadenza.kernels.reference`, runs anywhere;
+- ``triton``: cadenza's Triton kernels; native on a CUDA GPU, under the Triton interpreter on
+  a CPU (correct, and 50-250x slower: for tests).
+
+Selection: the ``attention_backend`` setting (``--attention-backend``); when it is ``auto``, the
+``CADENZA_ATTENTION_BACKEND`` environment variable (``triton`` | ``torch``); else ``triton`` on a
+CUDA device with Triton installed and ``torch`` otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from cadenza.kernels import reference
+from cadenza.node.config import ATTENTION_BACKENDS, ConfigError
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "CADENZA_ATTENTION_BACKEND"
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each token of a step goes and what it attends to.
+
+    Attributes:
+        slot_mapping: ``[T]`` int64 cache slot of each new token.
+        query_start_loc: ``[S + 1]`` int32 cumulative query lengths of the rows, from 0.
+        seq_lens: ``[S]`` int32 tokens of each sequence including this step's.
+        block_tables: ``[S, max_blocks]`` int32 block ids of each sequence (zero-padded).
+        max_query_len: longest row in tokens.
+        max_seq_len: longest sequence in tokens.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+class KernelBackend(Protocol):
+    """The ops a Llama-family layer needs; shapes as in :mod:`cadenza.kernels.reference`."""
+
+    name: str
+
+    def rms_norm(self, x, weight, eps, residual=None): ...
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache): ...
+
+    def silu_and_mul(self, x): ...
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q [T, Hq, D]``, ``k, v [T, Hkv, D]``, caches ``[NB, BS, Hkv, D]`` -> ``[T, Hq, D]``."""
+        ...
+
+
+class TorchBackend:
+    """Plain-torch references (:mod:`cadenza.kernels.reference`); runs anywhere."""
+
+    name = "torch"
+    rms_norm = staticmethod(reference.rms_norm)
+    rotary_embedding = staticmethod(reference.rotary_embedding)
+    silu_and_mul = staticmethod(reference.silu_and_mul)
+
+    def attention(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: D102 - see the Protocol
+        reference.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return reference.paged_attention(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+        )
+
+
+class TritonBackend:
+    """cadenza's Triton kernels (:mod:`cadenza.kernels`)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from cadenza.kernels import activation, attention, cache, norm, rotary
+
+        self._attention, self._cache = attention, cache
+        self.rms_norm = norm.rms_norm
+        self.rotary_embedding = rotary.rotary_embedding
+        self.silu_and_mul = activation.silu_and_mul
+
+    def attention(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: D102 - see the Protocol
+        self._cache.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attention.paged_attention(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            max_query_len=meta.max_query_len,
+        )
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """``auto`` resolved through ``CADENZA_ATTENTION_BACKEND`` and the device.
+
+    Raises:
+        ConfigError: an unknown name, or ``triton`` without Triton installed.
+    """
+    if name == "auto":
+        name = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
+        if name not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend: {ENV_VAR}={name!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
+    triton_installed = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_installed else "torch"
+    if name == "triton" and not triton_installed:
+        raise ConfigError("attention_backend: triton is not installed (pip install triton)")
+    return name
+
+
+def select_backend(name: str, device: torch.device) -> KernelBackend:
+    """The kernel backend for ``name`` (``auto`` | ``torch`` | ``triton``) on ``device``."""
+    name = resolve_backend_name(name, device)
+    if name == "torch":
+        return TorchBackend()
+    if device.type == "cpu":
+        logger.warning("triton backend on CPU: kernels run under the Triton interpreter (slow; for testing)")
+    return TritonBackend()
