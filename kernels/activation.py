@@ -22,7 +22,14 @@ def _silu_and_mul_fwd(X, Out, stride_x, stride_o, inner, BLOCK: tl.constexpr):  
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``[T, 2 * I]`` (gate then up projections, last dim contiguous) -> ``[T, I]``."""
+    """SwiGLU: ``silu(gate) * up`` computed in fp32, rounded once; fp32, fp16 or bf16.
+
+    Args:
+        x: ``[T, 2 * I]``, the gate projection then the up projection, last dim contiguous.
+
+    Returns:
+        ``[T, I]`` in ``x``'s dtype.
+    """
     t, two_i = x.shape
     inner = two_i // 2
     out = torch.empty((t, inner), dtype=x.dtype, device=x.device)

@@ -112,6 +112,11 @@ def paged_attention(
     to every cached key before it and causally to the new ones. GQA with any number of query heads
     per KV head.
 
+    Algorithm: FlashAttention-2's online softmax (Dao, 2023) over keys read through the block
+    table (PagedAttention, Kwon et al., 2023) — scores in fp32, base-2 exponentials, a running
+    max and sum per query row, one rescaled fp32 accumulator; decode rows are rows of one token.
+    Tiles: 64 rows (16 when every row is a decode) of ``token × query head``, 32-64 keys.
+
     Args:
         q: ``[T, Hq, D]`` fp32, fp16 or bf16, last dim contiguous.
         k_cache, v_cache: ``[NB, BS, Hkv, D]``, same dtype, last dim contiguous.

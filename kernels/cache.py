@@ -40,6 +40,8 @@ def write_kv_cache(
 ) -> None:
     """Scatter new keys and values into their cache slots, in place.
 
+    A copy (cast to the cache dtype), one program per token; fp32, fp16 or bf16.
+
     Args:
         k, v: ``[T, Hkv, D]`` (last dim contiguous; any row/head strides).
         k_cache, v_cache: ``[NB, BS, Hkv, D]``.

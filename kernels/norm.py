@@ -40,6 +40,9 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of each row, optionally after adding ``residual``.
 
+    ``y = w * round(x / sqrt(mean(x²) + eps))``, mean square in fp32, one program per row;
+    fp32, fp16 or bf16 in and out.
+
     Args:
         x: ``[T, H]``, last dim contiguous.
         weight: ``[H]``.

@@ -48,6 +48,9 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` and ``k`` in place by their tokens' positions.
 
+    Rotate-half RoPE in fp32, rounded once to the input dtype (fp32, fp16 or bf16); angles in
+    radians from the table, which carries ``rope_theta`` and any ``rope_scaling``.
+
     Args:
         positions: ``[T]`` int64.
         q: ``[T, Hq, D]``; k: ``[T, Hkv, D]`` (last dims contiguous; views are fine).

@@ -95,7 +95,7 @@ class AsyncEngine:
             return
         self._commands.put(_STOP)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        for request_id, stream in list(self._streams.items()):
+        for stream in list(self._streams.values()):
             stream.put_nowait(EngineDeadError("server shutting down"))
         self._streams.clear()
 

@@ -87,3 +87,9 @@ def test_scheduler_and_block_manager_never_import_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ruff_finds_no_errors():
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "node", "kernels", "operator", "bench", "tests"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout

@@ -1,0 +1,165 @@
+"""The GPU check: ``python -m bench.gpu_check`` on a machine with a CUDA GPU (about 3-5 minutes).
+
+1. **Kernel tests, natively**: ``pytest tests/kernels tests/node/test_triton_backend.py`` with the
+   Triton interpreter off.
+2. **Decode attention bandwidth**: 64 sequences x 4,096 cached tokens, one query each,
+   Llama-3-8B attention shape (32 query heads, 8 KV heads, head dim 128, bf16, block 16): bytes of
+   K and V read per launch / time, against the device's copy bandwidth (a 1 GiB
+   ``Tensor.copy_``, read + write). Target on Hopper: >= 70 %.
+3. **Prefill-chunk attention throughput**: 4 prompts of 2,048 tokens with empty prefixes, same
+   heads: causal FLOPs / time, against ``torch.nn.functional.scaled_dot_product_attention`` on the
+   same shapes (K/V expanded to all heads beforehand, so SDPA can pick its flash kernel).
+   Target on Hopper: >= 0.7x SDPA.
+4. **One engine step**: SmolLM2-135M-Instruct, bf16, 32 decoding requests (512-token prompts) plus
+   a 512-token prefill chunk, Triton backend against torch backend (median of several steps).
+
+Prints each figure and, last, one JSON line with ``benchmark``, ``ratio`` (decode bandwidth
+fraction), ``target`` and the other ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+
+
+def kernel_tests() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "tests/kernels", "tests/node/test_triton_backend.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    print(f"kernel tests (native): {tail} ({time.perf_counter() - start:.0f} s)")
+    if proc.returncode:
+        print(proc.stdout[-4000:], proc.stderr[-2000:])
+    return {"passed": proc.returncode == 0, "summary": tail}
+
+
+def paged_inputs(num_seqs: int, context: int, query: int, dtype=torch.bfloat16):
+    """Contiguous block tables over a cache holding every sequence's ``context + query`` tokens."""
+    seq_len = context + query
+    blocks = -(-seq_len // BLOCK)
+    k_cache = torch.randn(num_seqs * blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(num_seqs * blocks, device="cuda", dtype=torch.int32).view(num_seqs, blocks)
+    q = torch.randn(num_seqs * query, HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+    qsl = torch.arange(0, num_seqs + 1, device="cuda", dtype=torch.int32) * query
+    lens = torch.full((num_seqs,), seq_len, device="cuda", dtype=torch.int32)
+    return q, k_cache, v_cache, qsl, lens, tables
+
+
+def decode_bandwidth(do_bench) -> dict:
+    from cadenza.kernels.attention import paged_attention
+
+    num_seqs, context = 64, 4096
+    q, kc, vc, qsl, lens, tables = paged_inputs(num_seqs, context - 1, 1)
+    ms = do_bench(lambda: paged_attention(q, kc, vc, qsl, lens, tables, HEAD_DIM**-0.5, max_query_len=1))
+    kv_bytes = 2 * num_seqs * context * KV_HEADS * HEAD_DIM * q.element_size()
+    attn_gbs = kv_bytes / (ms * 1e-3) / 1e9
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src))
+    copy_gbs = 2 * src.numel() / (copy_ms * 1e-3) / 1e9
+    fraction = attn_gbs / copy_gbs
+    print(f"decode attention: {attn_gbs:.0f} GB/s ({ms:.3f} ms) vs copy {copy_gbs:.0f} GB/s -> {fraction:.2f} (target >= 0.70)")
+    return {"attention_gb_s": round(attn_gbs, 1), "copy_gb_s": round(copy_gbs, 1), "fraction": round(fraction, 3)}
+
+
+def prefill_throughput(do_bench) -> dict:
+    import torch.nn.functional as F
+
+    from cadenza.kernels.attention import paged_attention
+    from cadenza.kernels.reference import write_kv_cache
+
+    num_seqs, length = 4, 2048
+    q, kc, vc, qsl, lens, tables = paged_inputs(num_seqs, 0, length)
+    k = torch.randn(num_seqs * length, KV_HEADS, HEAD_DIM, device="cuda", dtype=q.dtype)
+    v = torch.randn_like(k)
+    slots = (tables.view(num_seqs, -1, 1) * BLOCK + torch.arange(BLOCK, device="cuda")).view(num_seqs, -1)[:, :length]
+    write_kv_cache(k, v, kc, vc, slots.reshape(-1).long())
+    ours = do_bench(lambda: paged_attention(q, kc, vc, qsl, lens, tables, HEAD_DIM**-0.5, max_query_len=length))
+    group = HEADS // KV_HEADS
+    qs = q.view(num_seqs, length, HEADS, HEAD_DIM).transpose(1, 2)
+    ks = k.view(num_seqs, length, KV_HEADS, HEAD_DIM).transpose(1, 2).repeat_interleave(group, 1).contiguous()
+    vs = v.view(num_seqs, length, KV_HEADS, HEAD_DIM).transpose(1, 2).repeat_interleave(group, 1).contiguous()
+    qs = qs.contiguous()
+    sdpa = do_bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+    flops = num_seqs * 2 * length * length * HEAD_DIM * HEADS  # causal: half of 4·L²·D per head
+    ours_tf, sdpa_tf = flops / (ours * 1e-3) / 1e12, flops / (sdpa * 1e-3) / 1e12
+    print(f"prefill attention: {ours_tf:.0f} TFLOP/s vs SDPA {sdpa_tf:.0f} TFLOP/s -> {ours_tf / sdpa_tf:.2f}x (target >= 0.7)")
+    return {"tflops": round(ours_tf, 1), "sdpa_tflops": round(sdpa_tf, 1), "ratio": round(ours_tf / sdpa_tf, 3)}
+
+
+def engine_step() -> dict:
+    from cadenza.node.embedded import ensure_embedded_model
+    from cadenza.node.engine import Engine
+    from cadenza.node.request import SamplingParams
+
+    model = ensure_embedded_model()
+    times = {}
+    for backend in ("torch", "triton"):
+        engine = Engine.from_model(model, device="cuda", dtype="bfloat16", attention_backend=backend,
+                                   token_budget=1024, chunk_size=512, max_num_seqs=64, kv_cache_bytes=4 << 30)
+        decode = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+        for i in range(32):
+            engine.add_request(f"d{i}", [100 + i % 50] * 512, decode)
+        while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        engine.add_request("long", [7] * 4096, SamplingParams(max_tokens=1, temperature=0))
+        steps = []
+        for _ in range(6):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            steps.append(time.perf_counter() - start)
+        times[backend] = statistics.median(steps[1:]) * 1e3
+        del engine
+        torch.cuda.empty_cache()
+    speedup = times["torch"] / times["triton"]
+    print(f"engine step (32 decodes + 512-token chunk, SmolLM2 bf16): triton {times['triton']:.1f} ms, "
+          f"torch {times['torch']:.1f} ms -> {speedup:.2f}x")
+    return {"triton_ms": round(times["triton"], 2), "torch_ms": round(times["torch"], 2), "speedup": round(speedup, 3)}
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check needs a CUDA GPU (torch.cuda.is_available() is False)")
+        return 2
+    os.environ.pop("TRITON_INTERPRET", None)
+    from triton.testing import do_bench
+
+    result: dict = {"benchmark": "gpu_check", "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for name, fn in (("kernel_tests", kernel_tests), ("decode", lambda: decode_bandwidth(do_bench)),
+                     ("prefill", lambda: prefill_throughput(do_bench)), ("engine_step", engine_step)):
+        try:
+            result[name] = fn()
+        except Exception as exc:  # report every section even if one fails
+            print(f"{name}: FAILED: {type(exc).__name__}: {exc}")
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    result["ratio"] = result["decode"].get("fraction")
+    result["target"] = 0.7
+    result["prefill_ratio"] = result["prefill"].get("ratio")
+    result["prefill_target"] = 0.7
+    result["engine_step_speedup"] = result["engine_step"].get("speedup")
+    result["pass"] = bool(
+        result["kernel_tests"].get("passed") and (result["ratio"] or 0) >= 0.7 and (result["prefill_ratio"] or 0) >= 0.7
+    )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
