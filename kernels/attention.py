@@ -144,22 +144,33 @@ def paged_attention(
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    group = num_heads // num_kv_heads
-    g_pad = triton.next_power_of_2(group)
-    block_m = 16 if max_query_len == 1 else 64  # tl.dot needs >= 16 rows
-    block_q = max(1, block_m // g_pad)
-    d_pad = triton.next_power_of_2(max(head_dim, 16))
-    native = native_dot(q.dtype)
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    config = tile_config(max_query_len, num_heads // num_kv_heads, head_dim)
+    grid = (num_seqs, triton.cdiv(max_query_len, config["BLOCK_Q"]), num_kv_heads)
+    launch = config.pop("launch")
     _paged_attn_fwd[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, G_PAD=g_pad,
-        BLOCK_Q=block_q, BLOCK_N=32 if d_pad > 64 else 64, BLOCK_SIZE=block_size,
-        NATIVE_DOT=native,
-        num_warps=4 if block_m <= 16 else 8 if d_pad > 64 else 4, num_stages=2,
+        BLOCK_SIZE=block_size, NATIVE_DOT=native_dot(q.dtype), **config, **launch,
     )
     return out
+
+
+def tile_config(max_query_len: int, group: int, head_dim: int) -> dict:
+    """Tile sizes for a launch, by explicit rules (no autotuning: it cannot run on the CPU path).
+
+    Rows of a tile are ``query token × query head of the group``: 16 when every row is a decode
+    (``tl.dot`` needs 16), else 64. Keys per step: 64, or 32 for a 64-row tile with head dims
+    above 64, to bound registers.
+    """
+    g_pad = triton.next_power_of_2(group)
+    d_pad = triton.next_power_of_2(max(head_dim, 16))
+    block_m = 16 if max_query_len == 1 else 64
+    block_n = 32 if block_m > 16 and d_pad > 64 else 64
+    return {
+        "HEAD_DIM": head_dim, "D_PAD": d_pad, "GROUP": group, "G_PAD": g_pad,
+        "BLOCK_Q": max(1, block_m // g_pad), "BLOCK_N": block_n,
+        "launch": {"num_warps": 8 if block_m > 16 and d_pad > 64 else 4, "num_stages": 2},
+    }
