@@ -12,7 +12,7 @@ from cadenza.kernels._triton import tl, triton
 
 @triton.jit
 def _silu_and_mul_fwd(X, Out, stride_x, stride_o, inner, BLOCK: tl.constexpr):  # X: [T, 2I]; Out: [T, I]
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)

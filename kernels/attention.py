@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cadenza.kernels._triton import native_dot, tl, triton
+from cadenza.kernels._triton import INTERPRET, native_dot, tl, triton
 
 _LOG2E = 1.4426950408889634
 
@@ -29,12 +29,12 @@ def _paged_attn_fwd(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,  # head dim, and it padded to a power of two
     GROUP: tl.constexpr, G_PAD: tl.constexpr,  # query heads per KV head, padded
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NATIVE_DOT: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, FP32_DOT: tl.constexpr,  # fp32 operands: "ieee" or "tf32x3"
 ):
     seq = tl.program_id(0)
-    q_block = tl.program_id(1)
+    q_block = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (latest) query tiles first
     kv_head = tl.program_id(2)
-    q_start = tl.load(query_start_loc + seq)
+    q_start = tl.load(query_start_loc + seq).to(tl.int64)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
     if q_block * BLOCK_Q >= q_len:
         return
@@ -58,10 +58,15 @@ def _paged_attn_fwd(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     kv_end = context + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # keys this tile can see
     offs_n = tl.arange(0, BLOCK_N)
+    table = block_tables + seq * stride_bt
+    # Block ids are read one tile ahead so the K/V loads of a tile never wait on them.
+    next_block = tl.load(table + offs_n // BLOCK_SIZE, mask=offs_n < kv_end, other=0)
     for start in range(0, kv_end, BLOCK_N):
         pos = start + offs_n
         n_ok = pos < kv_end
-        block = tl.load(block_tables + seq * stride_bt + pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        block = next_block.to(tl.int64)
+        ahead = pos + BLOCK_N
+        next_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < kv_end, other=0)
         slot = pos % BLOCK_SIZE
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
@@ -74,7 +79,7 @@ def _paged_attn_fwd(
         if NATIVE_DOT:
             s = tl.dot(q, tl.trans(k))
         else:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            s = tl.dot(q, tl.trans(k), input_precision=FP32_DOT)
         s = s * qk_scale  # [BLOCK_M, BLOCK_N] fp32
         visible = (pos[None, :] <= q_pos[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -86,7 +91,7 @@ def _paged_attn_fwd(
         if NATIVE_DOT:
             pv = tl.dot(p.to(v.dtype), v)
         else:
-            pv = tl.dot(p, v, input_precision="ieee")
+            pv = tl.dot(p, v, input_precision=FP32_DOT)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -115,7 +120,7 @@ def paged_attention(
     Algorithm: FlashAttention-2's online softmax (Dao, 2023) over keys read through the block
     table (PagedAttention, Kwon et al., 2023) — scores in fp32, base-2 exponentials, a running
     max and sum per query row, one rescaled fp32 accumulator; decode rows are rows of one token.
-    Tiles: 64 rows (16 when every row is a decode) of ``token × query head``, 32-64 keys.
+    Tiles: see :func:`tile_config`.
 
     Args:
         q: ``[T, Hq, D]`` fp32, fp16 or bf16, last dim contiguous.
@@ -144,7 +149,7 @@ def paged_attention(
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    config = tile_config(max_query_len, num_heads // num_kv_heads, head_dim)
+    config = tile_config(max_query_len, num_heads // num_kv_heads, head_dim, q.dtype)
     grid = (num_seqs, triton.cdiv(max_query_len, config["BLOCK_Q"]), num_kv_heads)
     launch = config.pop("launch")
     _paged_attn_fwd[grid](
@@ -153,24 +158,33 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        BLOCK_SIZE=block_size, NATIVE_DOT=native_dot(q.dtype), **config, **launch,
+        BLOCK_SIZE=block_size, NATIVE_DOT=native_dot(q.dtype), FP32_DOT="ieee" if INTERPRET else "tf32x3",
+        **config, **launch,
     )
     return out
 
 
-def tile_config(max_query_len: int, group: int, head_dim: int) -> dict:
+def tile_config(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Tile sizes for a launch, by explicit rules (no autotuning: it cannot run on the CPU path).
 
-    Rows of a tile are ``query token × query head of the group``: 16 when every row is a decode
-    (``tl.dot`` needs 16), else 64. Keys per step: 64, or 32 for a 64-row tile with head dims
-    above 64, to bound registers.
+    Rows of a tile are ``query token × query head of the group``. Decode-only launches use 16 rows
+    (``tl.dot``'s minimum) and 32 keys per step, so many programs fit an SM; launches with a
+    prefill row use 128 rows and 64 keys (wgmma-sized on Hopper), or 64 x 32 for fp32 operands
+    (3xTF32 on a GPU), whose tiles take twice the registers and shared memory. Pipeline stages
+    overlap the K/V loads with compute. ``tests/kernels/test_gpu_compile.py`` compiles each rule
+    for sm_80 and sm_90 and checks shared memory and register spills.
     """
     g_pad = triton.next_power_of_2(group)
     d_pad = triton.next_power_of_2(max(head_dim, 16))
-    block_m = 16 if max_query_len == 1 else 64
-    block_n = 32 if block_m > 16 and d_pad > 64 else 64
+    wide = dtype.itemsize == 4  # fp32 operands take twice the registers and shared memory
+    if max_query_len == 1:
+        block_m, block_n, warps, stages = 16, 32, 4, 2 if wide else 3
+    elif wide:
+        block_m, block_n, warps, stages = 64, 32, 4, 2
+    else:
+        block_m, block_n, warps, stages = 128, 64, 8, 3
     return {
         "HEAD_DIM": head_dim, "D_PAD": d_pad, "GROUP": group, "G_PAD": g_pad,
         "BLOCK_Q": max(1, block_m // g_pad), "BLOCK_N": block_n,
-        "launch": {"num_warps": 8 if block_m > 16 and d_pad > 64 else 4, "num_stages": 2},
+        "launch": {"num_warps": warps, "num_stages": stages},
     }

@@ -20,7 +20,7 @@ def _rms_norm_fwd(
     hidden, eps,
     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)

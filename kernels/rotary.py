@@ -34,7 +34,7 @@ def _rotary_fwd(
     num_q_heads, num_kv_heads,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
     cos = tl.load(cos_sin + pos * stride_cs + d, mask=d < HALF, other=1.0)[None, :]

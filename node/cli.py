@@ -46,7 +46,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-cache-gib", type=float, help="KV cache size in GiB (default: 1 on CPU)")
     kv.add_argument("--kv-cache-fraction", type=float, default=d_cache.kv_cache_fraction,
                     help="fraction of free GPU memory for the KV cache (default: %(default)s)")
-    g.add_argument("--dtype", choices=DTYPES, default="float32")
+    g.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="kernels: auto (CADENZA_ATTENTION_BACKEND, else triton on CUDA, torch elsewhere)")

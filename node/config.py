@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -114,7 +114,8 @@ class EngineConfig:
         model: path of a Hugging Face model folder (``config.json`` + ``*.safetensors`` +
             ``tokenizer.json``).
         served_model_name: the ``model`` id clients send; defaults to the folder name.
-        dtype: weights, activations and KV cache dtype.
+        dtype: weights, activations and KV cache dtype; ``auto`` is bfloat16 on a CUDA device and
+            float32 on the CPU.
         device: ``cpu`` or ``cuda[:N]``.
         attention_backend: ``torch``, ``triton`` or ``auto`` (``CADENZA_ATTENTION_BACKEND``, else
             triton on a CUDA device and torch elsewhere; see :mod:`cadenza.node.backend`).
@@ -123,7 +124,7 @@ class EngineConfig:
 
     model: str
     served_model_name: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     attention_backend: str = "auto"
     seed: int = 0

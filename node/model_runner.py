@@ -38,7 +38,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
         self.device = torch.device(config.device)
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = _DTYPES[config.dtype] if config.dtype != "auto" else (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model_config = model_config
         self.block_size = config.cache.block_size
         self.backend = select_backend(config.attention_backend, self.device)
@@ -58,7 +59,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         logger.info(
             "model loaded: %s, %d layers, %s on %s; KV cache %d blocks x %d tokens (%.1f MiB), attention=%s",
-            model_config.architecture, model_config.num_hidden_layers, config.dtype, self.device,
+            model_config.architecture, model_config.num_hidden_layers, self.dtype, self.device,
             self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
             self.backend.name,
         )

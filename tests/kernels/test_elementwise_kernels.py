@@ -85,6 +85,17 @@ def test_rotary_embedding_on_views_of_a_fused_projection():
     assert torch.equal(qkv[:, 96:], v_before)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_embedding_with_head_counts_that_are_not_powers_of_two(dtype):
+    table = cos_sin_cache(64, 128, 100000.0).to(DEVICE)  # SmolLM2: 9 query heads, 3 KV heads
+    positions = torch.arange(5, device=DEVICE) * 20
+    q, k = randn(5, 9, 64, dtype=dtype), randn(5, 3, 64, dtype=dtype, seed=1)
+    expected_q, expected_k = reference.rotary_embedding(positions, q, k, table)
+    rotary_embedding(positions, q, k, table)
+    assert_close(q, expected_q, dtype)
+    assert_close(k, expected_k, dtype)
+
+
 @pytest.mark.parametrize("inner", [16, 300, 1536])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_and_mul(dtype, inner):

@@ -9,12 +9,14 @@ import torch
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
-# One tolerance per dtype for every kernel: (atol, rtol) against the torch reference.
-# bf16 allows ~2 ulps: the Triton interpreter rounds fp32 -> bf16 differently from torch.
+# One tolerance per dtype for every kernel: (atol, rtol) against the torch reference. Relative
+# tolerances are about two units in the last place (bf16: 2^-8 = 0.4 %; fp16: 2^-11): the Triton
+# interpreter rounds fp32 -> bf16 differently from torch, and outputs are rounded once more. Tight
+# enough that a 5 % error in the softmax scale fails.
 TOLERANCE = {
     torch.float32: (2e-5, 1e-5),
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (3e-2, 2e-2),
+    torch.float16: (1e-3, 2e-3),
+    torch.bfloat16: (5e-3, 1.6e-2),
 }
 
 
