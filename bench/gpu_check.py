@@ -122,7 +122,7 @@ def engine_step() -> dict:
         decode = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
         for i in range(32):
             engine.add_request(f"d{i}", [100 + i % 50] * 512, decode)
-        while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
             engine.step()
         engine.add_request("long", [7] * 4096, SamplingParams(max_tokens=1, temperature=0))
         steps = []

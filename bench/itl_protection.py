@@ -43,7 +43,7 @@ def run_once(engine: Engine, long_prompt: list[int], streams: list[list[int]]) -
     decode = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
     for i, ids in enumerate(streams):
         engine.add_request(f"s{i}", ids, decode)
-    while any(r.num_output_tokens < 3 for r in engine.scheduler.running) or engine.scheduler.waiting:
+    while any(r.num_output_tokens < 3 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
         engine.step()
     last = {f"s{i}": time.perf_counter() for i in range(len(streams))}
     arrival = time.perf_counter()

@@ -28,7 +28,7 @@ def build(num_waiting: int) -> Scheduler:
     sp = SamplingParams(max_tokens=4096, temperature=0, ignore_eos=True)
     for i in range(RUNNING):
         sched.add_request(Request(f"run{i}", [1] * PROMPT, sp, arrival_time=float(i)))
-    while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or sched.waiting:
+    while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or sched.num_waiting:
         step(sched)
     for i in range(num_waiting):
         sched.add_request(Request(f"wait{i}", [1] * PROMPT, sp, arrival_time=1e6 + i))

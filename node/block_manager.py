@@ -1,15 +1,27 @@
-"""Paged KV block manager: a free list and one block table per request.
+"""Paged KV block manager with prefix caching: ref-counted blocks, a hash map, LRU eviction.
 
 The KV cache is cut into blocks of ``block_size`` token slots (PagedAttention, Kwon et al.,
-SOSP 2023). A request's block table lists the blocks holding its tokens in order, so token
-position ``p`` lives in slot ``table[p // block_size] * block_size + p % block_size``.
-Accounting is exact: ``num_used_blocks + num_free_blocks == num_blocks`` always, and the used
-blocks are exactly those in some block table. No torch here: the scheduler decides with it.
+SOSP 2023). A request's block table lists its blocks in token order, so position ``p`` lives in
+slot ``table[p // block_size] * block_size + p % block_size``.
+
+Prefix caching (as vLLM's automatic prefix caching): a *full* block is identified by a hash
+chained over every token id of the prefix up to its end, so equal hashes mean equal KV. Blocks
+are ref-counted; a new request adopts the cached blocks of its longest cached prefix and computes
+only the rest. A block whose last user finishes keeps its hash and stays cached-but-free; it is
+evicted, least recently freed first, only when a fresh block is needed. Hashes are registered
+only after the step that wrote the block's KV (:meth:`commit`), so a block is never offered for
+reuse before its KV exists.
+
+Accounting is exact: ``num_used_blocks`` (ref > 0) + ``num_cached_free_blocks`` +
+``num_plain_free_blocks`` == ``num_blocks``. No torch here.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+_ROOT_HASH = hash(("cadenza-prefix-cache", 1))
 
 
 class KVBlockManager:
@@ -18,23 +30,44 @@ class KVBlockManager:
     Args:
         num_blocks: blocks in the pool.
         block_size: token slots per block.
+        prefix_caching: share the KV of identical prompt prefixes.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
         self.block_tables: dict[str, list[int]] = {}
+        self.ref_counts = [0] * num_blocks
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # hash -> block holding that prefix's KV
+        self._plain_free: deque[int] = deque(range(num_blocks))  # free, never hashed (or evicted)
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # free, hashed; oldest first
+        self._hashes: dict[str, list[int]] = {}  # request -> chained hashes of its full blocks
+        self.num_evictions = 0
+
+    # -- accounting -------------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take now: plain free plus cached-but-free (evictable)."""
+        return len(self._plain_free) + len(self._cached_free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._cached_free)
+
+    @property
+    def num_plain_free_blocks(self) -> int:
+        return len(self._plain_free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    # -- allocation --------------------------------------------------------------------------------
 
     def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Blocks to add so the request's table holds ``num_tokens`` tokens (0 if it already does)."""
@@ -42,25 +75,25 @@ class KVBlockManager:
         return max(0, -(-num_tokens // self.block_size) - have)
 
     def capacity(self, request_id: str) -> int:
-        """Tokens the request could hold now: its own blocks plus every free block."""
+        """Tokens the request could hold now: its own blocks plus every allocatable block."""
         have = len(self.block_tables.get(request_id, ()))
-        return (have + len(self._free)) * self.block_size
+        return (have + self.num_free_blocks) * self.block_size
 
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
         """True when the request's table can grow to hold ``num_tokens`` tokens."""
-        return self.num_blocks_needed(request_id, num_tokens) <= len(self._free)
+        return self.num_blocks_needed(request_id, num_tokens) <= self.num_free_blocks
 
     def allocate(self, request_id: str, num_tokens: int) -> list[int]:
         """Grow the request's table to hold ``num_tokens`` tokens; return the new block ids.
 
         Raises:
-            MemoryError: not enough free blocks (check ``can_allocate`` first); nothing changes.
+            MemoryError: not enough allocatable blocks (check ``can_allocate`` first); nothing changes.
         """
         needed = self.num_blocks_needed(request_id, num_tokens)
-        if needed > len(self._free):
-            raise MemoryError(f"request {request_id} needs {needed} KV blocks, {len(self._free)} free")
+        if needed > self.num_free_blocks:
+            raise MemoryError(f"request {request_id} needs {needed} KV blocks, {self.num_free_blocks} free")
         table = self.block_tables.setdefault(request_id, [])
-        new = [self._free.popleft() for _ in range(needed)]
+        new = [self._take() for _ in range(needed)]
         table.extend(new)
         return new
 
@@ -69,19 +102,101 @@ class KVBlockManager:
         table = self.block_tables[request_id]
         if num_tokens <= len(table) * self.block_size:
             return True
-        if not self._free:
+        if not self._plain_free and not self._cached_free:
             return False
-        table.append(self._free.popleft())
+        table.append(self._take())
         return True
 
-    def free(self, request_id: str) -> int:
-        """Return all of the request's blocks to the free list; the number freed (0 if none)."""
+    def _take(self) -> int:
+        if self._plain_free:
+            block = self._plain_free.popleft()
+        else:  # evict the least recently freed cached block
+            block, _ = self._cached_free.popitem(last=False)
+            h = self._hash_of[block]
+            if self._cached.get(h) == block:  # type: ignore[arg-type]
+                del self._cached[h]  # type: ignore[arg-type]
+            self._hash_of[block] = None
+            self.num_evictions += 1
+        self.ref_counts[block] = 1
+        return block
+
+    def free(self, request_id: str, keep_hashes: bool = False) -> int:
+        """Release the request's blocks; the number it held (0 if none).
+
+        Blocks nobody else uses become free — cached-but-free if they hold a committed prefix
+        (tail blocks first, so a prefix outlives its suffixes), plain free otherwise.
+        ``keep_hashes`` keeps the request's memoised prefix hashes (a preempted request resumes
+        with the same tokens).
+        """
+        if not keep_hashes:
+            self._hashes.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if not table:
             return 0
-        self._free.extend(table)
+        refs = self.ref_counts
+        for block in reversed(table):
+            refs[block] -= 1
+            if refs[block] == 0:
+                if self._hash_of[block] is not None:
+                    self._cached_free[block] = None
+                else:
+                    self._plain_free.append(block)
         return len(table)
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids in token order (empty if it holds none)."""
         return self.block_tables.get(request_id, [])
+
+    # -- prefix caching -----------------------------------------------------------------------------
+
+    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+        """Cached blocks holding the longest cached prefix of ``token_ids`` (not adopted yet).
+
+        At most ``len(token_ids) - 1`` tokens are matched: the last token is always computed, so
+        its logits exist, and it never lands in a shared block.
+        """
+        if not self.prefix_caching:
+            return []
+        hashes = self._chain(request_id, token_ids, (len(token_ids) - 1) // self.block_size)
+        blocks = []
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def adopt_prefix(self, request_id: str, blocks: Sequence[int]) -> None:
+        """Start the request's (empty) table with shared cached blocks, taking a reference each."""
+        if self.block_tables.get(request_id):
+            raise ValueError(f"request {request_id} already holds blocks")
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._cached_free[block]
+            self.ref_counts[block] += 1
+        self.block_tables[request_id] = list(blocks)
+
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register the hashes of the request's blocks that are now full and computed."""
+        if not self.prefix_caching:
+            return
+        table = self.block_tables.get(request_id)
+        if not table:
+            return
+        full = min(num_computed_tokens // self.block_size, len(table))
+        hashes = self._chain(request_id, token_ids, full)
+        for i in range(full):
+            block = table[i]
+            if self._hash_of[block] is None and hashes[i] not in self._cached:
+                self._hash_of[block] = hashes[i]
+                self._cached[hashes[i]] = block
+
+    def _chain(self, request_id: str, token_ids: Sequence[int], num_full: int) -> list[int]:
+        """Chained hashes of the first ``num_full`` full blocks, memoised per request."""
+        hashes = self._hashes.setdefault(request_id, [])
+        bs = self.block_size
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        for i in range(len(hashes), num_full):
+            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            hashes.append(parent)
+        return hashes

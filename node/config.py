@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from cadenza.node.policy import Policy
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -41,12 +43,16 @@ class SchedulerConfig:
             every step.
         max_model_len: most tokens (prompt + output) one request may hold; ``None`` takes the
             model's context length (capped by the KV cache when that is smaller).
+        prefix_caching: reuse the KV blocks of identical prompt prefixes across requests.
+        policy: traffic classes, tenants, the step-time target and preemption limits.
     """
 
     token_budget: int = 512
     chunk_size: int | None = 256
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    prefix_caching: bool = True
+    policy: Policy = field(default_factory=Policy)
 
     def __post_init__(self) -> None:
         _positive_int(self.token_budget, "token_budget")
@@ -55,6 +61,8 @@ class SchedulerConfig:
         _positive_int(self.max_num_seqs, "max_num_seqs")
         if self.max_model_len is not None:
             _positive_int(self.max_model_len, "max_model_len")
+        _check(isinstance(self.prefix_caching, bool), "prefix_caching", f"must be true or false, got {self.prefix_caching!r}")
+        _check(isinstance(self.policy, Policy), "policy", "must be a Policy")
 
     @property
     def max_running(self) -> int:

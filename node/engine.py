@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from cadenza.node.block_manager import KVBlockManager
-from cadenza.node.config import EngineConfig, resolve_max_model_len
+from cadenza.node.config import EngineConfig, SchedulerConfig, resolve_max_model_len
 from cadenza.node.detokenizer import IncrementalDetokenizer
 from cadenza.node.model_runner import ModelRunner
 from cadenza.node.models.config import ModelConfig
@@ -74,9 +75,10 @@ class Engine:
         capacity = self.runner.num_kv_blocks * config.cache.block_size
         max_model_len = resolve_max_model_len(config.scheduler.max_model_len, model_max, capacity)
         self.config = config.replace(scheduler=dataclasses.replace(config.scheduler, max_model_len=max_model_len))
-        self.block_manager = KVBlockManager(self.runner.num_kv_blocks, config.cache.block_size)
+        self.block_manager = KVBlockManager(
+            self.runner.num_kv_blocks, config.cache.block_size, prefix_caching=config.scheduler.prefix_caching
+        )
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
-        self.runner.bind_block_tables(self.block_manager.block_tables)
         self.tokenizer: Tokenizer | None = None
         if load_tokenizer:
             self.tokenizer = Tokenizer.from_pretrained(config.model)
@@ -86,6 +88,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step_tokens = 0  # tokens the last step computed (0: nothing was schedulable)
+        self.step_time_s: deque[float] = deque(maxlen=1024)  # measured model time of recent steps
 
     @classmethod
     def from_model(cls, model: str | Path, **scheduler_and_cache: object) -> "Engine":
@@ -109,17 +112,22 @@ class Engine:
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         arrival_time: float | None = None,
+        traffic_class: str = "interactive",
+        tenant: str = "default",
     ) -> Request:
-        """Queue a request.
+        """Queue a request in its traffic class.
 
         Raises:
-            ValueError: empty prompt, a token id outside the vocabulary, a duplicate id, or
-                prompt + ``max_tokens`` over ``max_model_len``.
+            ValueError: empty prompt, a token id outside the vocabulary, a duplicate id.
+            AdmissionError: refused by admission control: 400/413 (can never fit: prompt +
+                ``max_tokens`` over ``max_model_len``, a prompt above its tenant's quota) or 429
+                (queue depth or tenant quota reached; ``retry_after`` says when to come back).
         """
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-        req = Request(request_id, list(prompt_token_ids), sampling, eos_token_ids=self.eos_token_ids)
+        req = Request(request_id, list(prompt_token_ids), sampling, eos_token_ids=self.eos_token_ids,
+                      traffic_class=traffic_class, tenant=tenant)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.scheduler.add_request(req)
@@ -142,7 +150,11 @@ class Engine:
         self.last_step_tokens = out.num_tokens
         if out.is_empty:
             return []
+        started = time.perf_counter()
         tokens = self.runner.execute(out)
+        elapsed = time.perf_counter() - started
+        self.scheduler.observe_step_time(out, elapsed)
+        self.step_time_s.append(elapsed)
         outputs = []
         for req, token, finished in self.scheduler.update_from_output(out, tokens):
             text = ""
@@ -171,22 +183,34 @@ class Engine:
         self._detokenizers.pop(request_id, None)
         self.runner.release(request_id)
 
-    def stats(self) -> dict[str, float | int]:
-        """Queue, KV and scheduler counters (a snapshot)."""
-        s = self.scheduler.stats
-        bm = self.block_manager
-        return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_used": bm.num_used_blocks,
-            "kv_blocks_free": bm.num_free_blocks,
-            "num_steps": s.num_steps,
-            "num_preemptions": s.num_preemptions,
-            "num_recomputed_tokens": s.num_recomputed_tokens,
-            "num_finished": s.num_finished,
-            "num_aborted": s.num_aborted,
-        }
+    def stats(self) -> dict:
+        """Queues per class, KV blocks by state, scheduler counters and step time (a snapshot)."""
+        snapshot = self.scheduler.snapshot()
+        if self.step_time_s:
+            times = sorted(self.step_time_s)
+            snapshot["step_time_ms_mean"] = round(1000 * sum(times) / len(times), 3)
+            snapshot["step_time_ms_p99"] = round(1000 * times[min(len(times) - 1, int(0.99 * len(times)))], 3)
+        return snapshot
+
+    def reconfigure(self, changes: dict) -> SchedulerConfig:
+        """Change knobs live, from the next step: ``token_budget``, ``chunk_size``,
+        ``max_num_seqs``, ``prefix_caching`` and any policy setting (``step_time_target_ms``,
+        ``classes``, ``tenants``, ``default_tenant``, ``max_preemptions``, ``watermark``).
+
+        Returns:
+            The configuration now in force.
+
+        Raises:
+            ConfigError, PolicyError: an unknown key or an invalid value; nothing changes.
+        """
+        current = self.scheduler.config
+        knobs = {"token_budget", "chunk_size", "max_num_seqs", "prefix_caching"}
+        policy_keys = set(changes) - knobs
+        policy = current.policy.updated({k: changes[k] for k in policy_keys}) if policy_keys else current.policy
+        config = dataclasses.replace(current, **{k: changes[k] for k in knobs & set(changes)}, policy=policy)
+        self.scheduler.reconfigure(config)
+        self.config = self.config.replace(scheduler=config)
+        return config
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion (offline use); the generated token ids of each, in order."""

@@ -88,10 +88,8 @@ class ModelRunner:
         tables: list[list[int]] = []
         logit_rows: list[int] = []
         params, generators = [], []
-        bm_tables = self._block_tables
-        for req, start, n, do_sample in step.rows:
+        for req, start, n, do_sample, table in step.rows:
             end = start + n
-            table = bm_tables[req.request_id]
             ids.append(req.token_ids[start:end])
             pos = np.arange(start, end)
             slots.append(np.asarray(table)[pos // bs] * bs + pos % bs)
@@ -125,10 +123,6 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
         return sample(logits, params, generators)
-
-    def bind_block_tables(self, block_tables: dict[str, list[int]]) -> None:
-        """Read block tables from the block manager (shared, never copied)."""
-        self._block_tables = block_tables
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         gen = self._generators.get(request_id)

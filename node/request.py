@@ -99,7 +99,11 @@ class Request:
         num_prompt_tokens: length of the prompt part of ``token_ids``.
         num_computed_tokens: tokens whose KV is in the cache; catches up with ``num_tokens``.
         arrival_time: ``time.monotonic()`` seconds at arrival (FCFS order, queue time).
+        traffic_class: ``interactive`` | ``batch`` | ``background`` (see :mod:`cadenza.node.policy`).
+        tenant: who sent it; tenants of a class share prefill by weighted fair queuing.
         num_preemptions: times its KV was dropped for recompute.
+        num_cached_tokens: prompt tokens served from the prefix cache at its (last) admission.
+        admitted_time: when it was first admitted to run (queue time = this - arrival).
     """
 
     request_id: str
@@ -107,10 +111,14 @@ class Request:
     sampling: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    traffic_class: str = "interactive"
+    tenant: str = "default"
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    admitted_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,32 +1,40 @@
-"""Chunked-prefill scheduler: decode tokens first, then prefill chunks in the leftover budget.
+"""Chunked-prefill scheduler with traffic classes: decode first, then prefill by class policy.
 
 Each step spends at most ``token_budget`` tokens:
 
-1. **Decode**: one token for every running request whose prompt is done. Running requests are
-   capped at ``min(max_num_seqs, token_budget)``, so this always fits; a decode that needs a KV
-   block when none is free preempts the newest running request (by arrival) — by recompute: its
-   blocks are freed and it re-enters the front of the waiting queue with nothing computed.
-2. **Prefill**: the leftover budget goes to chunks — partial prefills already running first
-   (oldest first), then waiting requests admitted FCFS. Each chunk is at most ``chunk_size`` and
-   at most what is left of the budget, and only as long as free KV blocks allow.
+1. **Decode** (the protected part): one token for every running request whose prompt is done.
+   Running requests are capped at ``min(max_num_seqs, token_budget)`` so this fits. A decode that
+   needs a KV block when none is free preempts by recompute — the lowest class first, the newest
+   within a class, never a request already preempted more than ``max_preemptions`` times. A
+   victim already scheduled in this step is unscheduled and its tokens refunded.
+2. **Prefill** (the flexible part, :mod:`cadenza.node.prefill`): what is left, optionally shrunk
+   so the cost model's predicted step time stays within ``step_time_target_ms``, shared by class
+   policy (priority, minimum shares, caps, aging) and, within a class, by tenant weights.
 
 The unifying rule (vLLM V1): a request only has ``num_computed_tokens`` catching up with
 ``num_tokens``; a row of ``n`` tokens starting at ``num_computed_tokens`` either leaves the request
 mid-prompt or reaches ``num_tokens`` and samples one token. No torch here.
 
 References: Sarathi-Serve (Agrawal et al., OSDI 2024) for stall-free chunked prefill; vLLM's
-``vllm/v1/core/sched/scheduler.py`` for the computed-token rule.
+``vllm/v1/core/sched/scheduler.py`` for the computed-token rule and priority preemption.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import deque
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
+from cadenza.node.admission import AdmissionError, DrainRate, check_admission
 from cadenza.node.block_manager import KVBlockManager
 from cadenza.node.config import SchedulerConfig
+from cadenza.node.cost_model import StepCostModel, StepFeatures
+from cadenza.node.policy import CLASS_RANK, CLASSES, PolicyError, check_class, check_tenant
+from cadenza.node.queues import ClassQueue
 from cadenza.node.request import Request, RequestStatus
 
 
@@ -38,13 +46,15 @@ class ScheduledRow(NamedTuple):
     """One request's slice of a step: tokens ``[start, start + num_tokens)`` are computed.
 
     ``sample`` is True when the row reaches the end of the request's tokens, so the model runner
-    samples the next token from the row's last position.
+    samples the next token from the row's last position. ``block_table`` is the request's table
+    as the block manager holds it (the runner reads it even if the request is aborted mid-step).
     """
 
     request: Request
     start: int
     num_tokens: int
     sample: bool
+    block_table: list[int]
 
 
 @dataclass(slots=True)
@@ -54,6 +64,8 @@ class SchedulerOutput:
     rows: list[ScheduledRow]
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
+    decode_context_tokens: int = 0
+    prefill_attention_tokens: float = 0.0
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -64,16 +76,75 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.rows
 
+    def features(self) -> StepFeatures:
+        """The step's composition, for the cost model."""
+        return StepFeatures(self.num_prefill_tokens, self.num_decode_tokens, self.decode_context_tokens,
+                            self.prefill_attention_tokens)
+
+
+_new_row = tuple.__new__  # builds a ScheduledRow without a Python-level __new__ call (hot path)
+
+
+class Step:
+    """A step being built: its rows, what is left of the budget, refunds on preemption.
+
+    Decode rows are only appended to ``out.rows`` (the hot path: hundreds per step); prefill rows
+    are also indexed in ``prefills`` by request id.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.out = SchedulerOutput(rows=[])
+        self.budget_left = budget
+        self.prefills: dict[str, ScheduledRow] = {}
+
+    def add_prefill(self, req: Request, start: int, n: int, table: list[int]) -> None:
+        row = _new_row(ScheduledRow, (req, start, n, start + n == len(req.token_ids), table))
+        self.out.rows.append(row)
+        self.prefills[req.request_id] = row
+        self.budget_left -= n
+        self.out.num_prefill_tokens += n
+        self.out.prefill_attention_tokens += n * (start + n / 2)
+
+    def unschedule(self, req: Request) -> tuple[int, bool]:
+        """Remove ``req``'s row (a preemption victim): ``(tokens refunded, was a prefill chunk)``."""
+        out = self.out
+        row = self.prefills.pop(req.request_id, None)
+        if row is not None:
+            out.rows.remove(row)
+            out.num_prefill_tokens -= row.num_tokens
+            out.prefill_attention_tokens -= row.num_tokens * (row.start + row.num_tokens / 2)
+            self.budget_left += row.num_tokens
+            return row.num_tokens, True
+        for i, row in enumerate(out.rows):
+            if row.request is req:  # a decode row
+                del out.rows[i]
+                out.num_decode_tokens -= 1
+                out.decode_context_tokens -= row.start + 1
+                self.budget_left += 1
+                return 1, False
+        return 0, False
+
 
 @dataclass(slots=True)
 class SchedulerStats:
-    """Monotonic counters since start."""
+    """Monotonic counters since start (gauges are computed by :meth:`Scheduler.snapshot`)."""
 
     num_steps: int = 0
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0  # computed tokens whose KV a preemption dropped
     num_finished: int = 0
     num_aborted: int = 0
+    num_cancelled_before_first_token: int = 0
+    prefill_tokens_admitted: int = 0  # prefill tokens scheduled into steps
+    prefill_tokens_deferred: int = 0  # chunk tokens partial prefills wanted but did not get
+    decode_steps_delayed: int = 0  # decodes that could not run in a step
+    allocation_failures: int = 0  # KV block allocations that failed (then preempt or wait)
+    kv_admission_delays: int = 0  # admissions held back for lack of KV headroom
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    rejected: Counter = field(default_factory=Counter)  # by reason
+    prefill_tokens_by_class: Counter = field(default_factory=Counter)
+    prefill_tokens_by_tenant: Counter = field(default_factory=Counter)
 
 
 class TokenUpdate(NamedTuple):
@@ -88,42 +159,68 @@ class Scheduler:
     """Builds each step's mixed batch and applies its results.
 
     Args:
-        config: budget, chunk size and request limits.
+        config: budget, chunk size, request limits and the class/tenant policy.
         block_manager: the KV block pool this scheduler allocates from.
+        clock: seconds, monotonic (tests pass a fake one).
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if config.max_model_len is None:
             raise ValueError("max_model_len: the scheduler needs a resolved value (see resolve_max_model_len)")
-        self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Request] = deque()
+        self.clock = clock
+        self.queues = {c: ClassQueue(c) for c in CLASSES}
         self.running: list[Request] = []  # sorted by arrival time, oldest first
         self.requests: dict[str, Request] = {}
+        self.tenant_live: Counter = Counter()
+        self.drain = {c: DrainRate() for c in CLASSES}
+        self.cost_model = StepCostModel()
+        self.step_seconds = 0.0  # moving average of measured step time (aging look-ahead)
         self.stats = SchedulerStats()
-        # Blocks kept free when admitting new requests, so running decodes do not immediately
-        # preempt what was just admitted (vLLM's watermark: 1% of the pool).
-        self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+        self.reconfigure(config)
+
+    def reconfigure(self, config: SchedulerConfig) -> None:
+        """Apply new knobs from the next step (``max_model_len`` cannot change live).
+
+        Raises:
+            ValueError: a different ``max_model_len``.
+        """
+        if getattr(self, "config", None) is not None and config.max_model_len != self.config.max_model_len:
+            raise ValueError("max_model_len: cannot change on a running engine")
+        self.config = config
+        self.policy = config.policy
+        self.block_manager.prefix_caching = config.prefix_caching
+        self.watermark_blocks = math.ceil(self.policy.watermark * self.block_manager.num_blocks)
 
     # -- queue management ---------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (FCFS).
+        """Queue a request in its class, or refuse it.
 
         Raises:
-            ValueError: the id is already live, or it can never fit ``max_model_len``.
+            ValueError: the id is already live.
+            AdmissionError: refused by admission control (400/413/429, see :mod:`cadenza.node.admission`).
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already live")
-        limit = self.config.max_model_len
-        if request.num_prompt_tokens + request.sampling.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                f"({request.sampling.max_tokens}) exceeds max_model_len={limit}"
-            )
+        try:
+            check_class(request.traffic_class)
+            check_tenant(request.tenant)
+        except PolicyError as exc:
+            raise AdmissionError(400, str(exc), "bad_class_or_tenant") from None
+        queue = self.queues[request.traffic_class]
+        try:
+            check_admission(request, self.policy, self.config.max_model_len, len(queue),
+                            self.tenant_live[request.tenant], queue.queued_prompt_tokens[request.tenant],
+                            self.drain[request.traffic_class], self.clock())
+        except AdmissionError as exc:
+            self.stats.rejected[exc.reason] += 1
+            raise
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.tenant_live[request.tenant] += 1
+        queue.push(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Drop a live request now and free its KV blocks; None if it is not live."""
@@ -133,7 +230,9 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self.waiting.remove(request)
+            self.queues[request.traffic_class].pop(request)
+        if request.num_output_tokens == 0:
+            self.stats.num_cancelled_before_first_token += 1
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         self.stats.num_aborted += 1
         return request
@@ -150,7 +249,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return sum(len(q) for q in self.queues.values())
 
     @property
     def num_running(self) -> int:
@@ -160,107 +259,114 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose the rows of the next step; never more than ``token_budget`` tokens."""
+        from cadenza.node.prefill import PrefillAdder
+
         self.stats.num_steps += 1
-        budget = self.config.token_budget
-        chunk_cap = self.config.effective_chunk_size
+        step = Step(self.config.token_budget)
+        failures = self.stats.allocation_failures
+        self._schedule_decodes(step)
+        PrefillAdder(self, step).run()
+        if not step.out.rows and self.running and self.stats.allocation_failures > failures:
+            # Every running request is blocked on KV and none may be preempted (all protected):
+            # break the deadlock with the lowest-priority one.
+            self._preempt(max(self.running, key=self._victim_key), step)
+        return step.out
+
+    def _schedule_decodes(self, step: Step) -> None:
         bm = self.block_manager
-        out = SchedulerOutput(rows=[])
+        tables = bm.block_tables
+        out = step.out
         rows = out.rows
-        running = self.running
-        scheduled: set[str] = set()
-
-        # 1. Decode: every running request with its prompt done advances by one token.
-        partials: list[Request] = []
-        i = 0
-        while i < len(running):
-            req = running[i]
+        decodes = [r for r in self.running if r.num_computed_tokens == len(r.token_ids) - 1]
+        if len(decodes) > step.budget_left:  # the budget was lowered live: highest classes first
+            decodes.sort(key=lambda r: (CLASS_RANK[r.traffic_class], r.arrival_time))
+        running = RequestStatus.RUNNING
+        for req in decodes:
+            if req.status != running:
+                continue  # preempted by a decode before it
+            if step.budget_left <= 0:
+                self.stats.decode_steps_delayed += 1
+                continue
             n = len(req.token_ids)
-            if req.num_computed_tokens != n - 1:
-                partials.append(req)
-                i += 1
+            table = tables[req.request_id]
+            if n > len(table) * bm.block_size and not bm.append_slot(req.request_id, n):
+                if not self._make_room(req, n, step):
+                    continue
+            rows.append(_new_row(ScheduledRow, (req, n - 1, 1, True, table)))
+            step.budget_left -= 1
+            out.num_decode_tokens += 1
+            out.decode_context_tokens += n
+
+    def _make_room(self, req: Request, n: int, step: Step) -> bool:
+        """Preempt until ``req`` gets the block its decode needs; False if it must wait instead."""
+        while not self.block_manager.append_slot(req.request_id, n):
+            self.stats.allocation_failures += 1
+            victim = self.victim_for(req, include_self=True)
+            if victim is None:
+                self.stats.decode_steps_delayed += 1
+                return False
+            self._preempt(victim, step)
+            if victim is req:
+                return False
+        return True
+
+    # -- preemption ---------------------------------------------------------------------------
+
+    def protected(self, req: Request) -> bool:
+        return req.num_preemptions > self.policy.max_preemptions
+
+    @staticmethod
+    def _victim_key(req: Request) -> tuple[int, float]:
+        return CLASS_RANK[req.traffic_class], req.arrival_time
+
+    def victim_for(self, requester: Request, include_self: bool) -> Request | None:
+        """The request to preempt so ``requester`` can get a KV block, or None.
+
+        Candidates are running requests of a lower class, or of the same class and newer, that
+        are not protected; the lowest class and then the newest go first. ``include_self`` lets
+        the requester be its own victim when it is the least important (it then waits).
+        """
+        own = self._victim_key(requester)
+        best, best_key = None, None
+        for req in self.running:
+            if req is requester:
+                if not include_self or self.protected(req):
+                    continue
+            elif self._victim_key(req) < own or self.protected(req):
                 continue
-            while not bm.append_slot(req.request_id, n):
-                victim = running[-1]
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            else:
-                rows.append(ScheduledRow(req, n - 1, 1, True))
-                scheduled.add(req.request_id)
-                i += 1
-        out.num_decode_tokens = len(rows)
-        budget -= len(rows)
+            key = self._victim_key(req)
+            if best_key is None or key > best_key:
+                best, best_key = req, key
+        return best
 
-        # 2a. Resume partial prefills, oldest first (skipping any preempted above).
-        for req in partials:
-            if budget <= 0:
-                break
-            if req.status != RequestStatus.RUNNING:
-                continue
-            n = self._chunk(req, chunk_cap, budget)
-            while n <= 0:
-                victim = self._newest_unscheduled(scheduled, after=req)
-                if victim is None:
-                    break
-                self._preempt(victim, out)
-                n = self._chunk(req, chunk_cap, budget)
-            if n > 0:
-                budget -= n
-                self._add_chunk(req, n, rows, scheduled, out)
-
-        # 2b. Admit waiting requests FCFS (a preempted request sits at the front). Not in a step
-        # that had to preempt: memory is short, and re-admitting the victim would only thrash.
-        while budget > 0 and self.waiting and not out.preempted and len(running) < self.config.max_running:
-            req = self.waiting[0]
-            # The watermark protects running decodes; with nothing running it would only block.
-            spare_blocks = bm.num_free_blocks - (self.watermark_blocks if running else 0)
-            n = min(req.num_tokens, chunk_cap, budget, spare_blocks * bm.block_size)
-            if n <= 0:
-                break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            bisect.insort(running, req, key=_arrival)
-            budget -= n
-            self._add_chunk(req, n, rows, scheduled, out)
-        return out
-
-    def _chunk(self, req: Request, chunk_cap: int, budget: int) -> int:
-        """Tokens of the request's next chunk: bounded by its prompt, the cap, budget and KV."""
-        computed = req.num_computed_tokens
-        fits = self.block_manager.capacity(req.request_id) - computed
-        return min(len(req.token_ids) - computed, chunk_cap, budget, fits)
-
-    def _add_chunk(
-        self, req: Request, n: int, rows: list[ScheduledRow], scheduled: set[str], out: SchedulerOutput
-    ) -> None:
-        start = req.num_computed_tokens
-        self.block_manager.allocate(req.request_id, start + n)
-        rows.append(ScheduledRow(req, start, n, start + n == req.num_tokens))
-        scheduled.add(req.request_id)
-        out.num_prefill_tokens += n
-
-    def _newest_unscheduled(self, scheduled: set[str], after: Request) -> Request | None:
-        """The newest running request younger than ``after`` and not in this step, if any."""
-        for victim in reversed(self.running):
-            if victim is after:
-                return None
-            if victim.request_id not in scheduled:
-                return victim
-        return None
-
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, step: Step) -> None:
+        step.unschedule(req)
         self.running.remove(req)
-        self.block_manager.free(req.request_id)
+        self.block_manager.free(req.request_id, keep_hashes=True)
         self.stats.num_preemptions += 1
         self.stats.num_recomputed_tokens += req.num_computed_tokens
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
-        out.preempted.append(req)
+        self.queues[req.traffic_class].push_resume(req)
+        step.out.preempted.append(req)
+
+    def start_running(self, req: Request) -> None:
+        """Move a queued request into the running set (the prefill adder admitted it)."""
+        self.queues[req.traffic_class].pop(req)
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=_arrival)
+        if req.admitted_time is None:
+            req.admitted_time = self.clock()
+        self.drain[req.traffic_class].record(self.clock())
+
+    # -- applying a step ----------------------------------------------------------------------
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[TokenUpdate]:
         """Apply a finished step: advance computed tokens, append sampled tokens, finish requests.
+
+        Full blocks whose KV the step wrote are registered in the prefix cache here, never
+        earlier.
 
         Args:
             output: the step's rows, as returned by :meth:`schedule`.
@@ -270,13 +376,18 @@ class Scheduler:
             One :class:`TokenUpdate` per sampled token, skipping requests aborted meanwhile.
         """
         updates: list[TokenUpdate] = []
+        append = updates.append
         tokens = iter(sampled_token_ids)
         running = RequestStatus.RUNNING
-        for req, _start, n, sample in output.rows:
+        bm = self.block_manager
+        caching, bs = bm.prefix_caching, bm.block_size
+        for req, _start, n, sample, _table in output.rows:
             token = next(tokens) if sample else None
-            if req.status != running:
+            if req.status is not running:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += n
+            computed = req.num_computed_tokens = req.num_computed_tokens + n
+            if caching and (n > 1 or computed % bs == 0):
+                bm.commit(req.request_id, req.token_ids, computed)
             if token is None:
                 continue
             finished = req.append_token(token)
@@ -284,10 +395,70 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req, finished)
                 self.stats.num_finished += 1
-            updates.append(TokenUpdate(req, token, finished))
+            append(_new_row(TokenUpdate, (req, token, finished)))
         return updates
+
+    def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
+        """Feed a measured step duration to the cost model and the aging look-ahead."""
+        self.cost_model.observe(output.features(), seconds)
+        self.step_seconds = seconds if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * seconds
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.block_manager.free(req.request_id)
         del self.requests[req.request_id]
+        self.tenant_live[req.tenant] -= 1
+        if not self.tenant_live[req.tenant]:
+            del self.tenant_live[req.tenant]
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def reserved_blocks(self) -> int:
+        """Blocks that admitted prompts still need to finish their prefill."""
+        bm, bs = self.block_manager, self.block_manager.block_size
+        total = 0
+        for req in self.running:
+            if req.num_computed_tokens < len(req.token_ids) - 1:
+                total += max(0, -(-len(req.token_ids) // bs) - len(bm.block_tables.get(req.request_id, ())))
+        return total
+
+    def snapshot(self) -> dict:
+        """Counters and gauges: queues per class, KV blocks by state, scheduler counters."""
+        now = self.clock()
+        bm, s = self.block_manager, self.stats
+        classes = {}
+        for name, queue in self.queues.items():
+            oldest = queue.oldest()
+            classes[name] = {
+                "waiting": len(queue),
+                "running": sum(1 for r in self.running if r.traffic_class == name),
+                "oldest_queue_age_s": round(now - oldest.arrival_time, 6) if oldest else 0.0,
+                "prefill_tokens": s.prefill_tokens_by_class[name],
+            }
+        error = self.cost_model.mean_relative_error
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_reserved": self.reserved_blocks(),
+            "kv_blocks_cached": bm.num_cached_free_blocks,
+            "kv_blocks_free": bm.num_plain_free_blocks,
+            "num_steps": s.num_steps,
+            "num_preemptions": s.num_preemptions,
+            "num_recomputed_tokens": s.num_recomputed_tokens,
+            "num_finished": s.num_finished,
+            "num_aborted": s.num_aborted,
+            "num_cancelled_before_first_token": s.num_cancelled_before_first_token,
+            "prefill_tokens_admitted": s.prefill_tokens_admitted,
+            "prefill_tokens_deferred": s.prefill_tokens_deferred,
+            "decode_steps_delayed": s.decode_steps_delayed,
+            "allocation_failures": s.allocation_failures,
+            "kv_admission_delays": s.kv_admission_delays,
+            "prefix_cache_queried_tokens": s.prefix_cache_queried_tokens,
+            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+            "prefix_cache_evictions": bm.num_evictions,
+            "rejected": dict(s.rejected),
+            "cost_model_error": round(error, 4) if error is not None else None,
+            "classes": classes,
+        }

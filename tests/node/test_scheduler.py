@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, given, settings
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from cadenza.node.block_manager import KVBlockManager
 from cadenza.node.config import SchedulerConfig
+from cadenza.node.policy import Policy
 from cadenza.node.request import Request, RequestStatus, SamplingParams
 from cadenza.node.scheduler import Scheduler, SchedulerOutput
 
@@ -17,14 +19,19 @@ _ids = itertools.count()
 
 
 def make_scheduler(
-    token_budget=64, chunk_size=16, max_num_seqs=8, max_model_len=512, num_blocks=256, block_size=4
+    token_budget=64, chunk_size=16, max_num_seqs=8, max_model_len=512, num_blocks=256, block_size=4,
+    prefix_caching=True, **policy,
 ) -> Scheduler:
-    config = SchedulerConfig(token_budget, chunk_size, max_num_seqs, max_model_len)
-    return Scheduler(config, KVBlockManager(num_blocks, block_size))
+    config = SchedulerConfig(token_budget, chunk_size, max_num_seqs, max_model_len, prefix_caching, Policy(**policy))
+    return Scheduler(config, KVBlockManager(num_blocks, block_size, prefix_caching))
 
 
-def make_request(prompt_len: int, max_tokens: int = 4, arrival: float | None = None) -> Request:
-    req = Request(f"r{next(_ids)}", [7] * prompt_len, SamplingParams(max_tokens=max_tokens, temperature=0))
+def make_request(prompt_len: int, max_tokens: int = 4, arrival: float | None = None, tokens: list[int] | None = None,
+                 **fields) -> Request:
+    """A request with its own prompt tokens (no two share a prefix unless ``tokens`` says so)."""
+    rid = next(_ids)
+    prompt = tokens if tokens is not None else [(rid * 7919 + i * 31) % 30000 + 3 for i in range(prompt_len)]
+    req = Request(f"r{rid}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0), **fields)
     if arrival is not None:
         req.arrival_time = arrival
     return req
@@ -38,9 +45,13 @@ def run_step(sched: Scheduler, token: int = 5) -> SchedulerOutput:
 
 
 def used_blocks_match_tables(sched: Scheduler) -> bool:
+    """Used blocks are exactly those in some table, each ref-counted once per table holding it."""
     bm = sched.block_manager
-    in_tables = sum(len(t) for t in bm.block_tables.values())
-    return bm.num_used_blocks == in_tables and bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
+    holders = Counter(b for t in bm.block_tables.values() for b in t)
+    refs_ok = all(bm.ref_counts[b] == n for b, n in holders.items())
+    zero_ok = all(bm.ref_counts[b] == 0 for b in range(bm.num_blocks) if b not in holders)
+    return (refs_ok and zero_ok and bm.num_used_blocks == len(holders)
+            and bm.num_used_blocks + bm.num_cached_free_blocks + bm.num_plain_free_blocks == bm.num_blocks)
 
 
 # -- behaviour ------------------------------------------------------------------------------------
@@ -171,7 +182,7 @@ def test_preempted_request_keeps_its_generated_tokens_and_recomputes_them():
     while not new.num_preemptions:
         run_step(sched)
     assert new.num_computed_tokens == 0 and new.num_output_tokens > 0
-    assert sched.waiting[0] is new
+    assert sched.queues["interactive"].resume == [new]
 
 
 def test_abort_frees_kv_blocks_immediately():

@@ -1,0 +1,102 @@
+"""Admission control at arrival: refuse what cannot fit, and what overloads, clearly and at once.
+
+A request that could never be served (prompt or prompt + ``max_tokens`` over ``max_model_len``,
+a prompt above its tenant's queued-token quota) is refused with 400/413. One that would overload
+a queue — the class's queue is at its depth limit, the tenant is at its concurrency or
+queued-token quota — is refused with 429 and a ``Retry-After`` estimated from how fast that class's
+queue drains. Nothing already admitted is ever dropped. No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from cadenza.node.policy import Policy
+from cadenza.node.request import Request
+
+
+class AdmissionError(ValueError):
+    """A refused request.
+
+    Attributes:
+        status: HTTP status: 400 (can never fit), 413 (larger than a quota), 429 (overload).
+        retry_after: seconds to wait before retrying (429 only).
+        reason: short machine-readable cause (``queue_full``, ``tenant_concurrency``, ...).
+    """
+
+    def __init__(self, status: int, message: str, reason: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class DrainRate:
+    """Requests leaving a queue per second, over the last ``window`` admissions."""
+
+    def __init__(self, window: int = 64) -> None:
+        self._times: deque[float] = deque(maxlen=window)
+
+    def record(self, now: float) -> None:
+        self._times.append(now)
+
+    def per_second(self, now: float) -> float | None:
+        if len(self._times) < 2:
+            return None
+        span = max(now - self._times[0], 1e-3)
+        return len(self._times) / span
+
+    def retry_after(self, queued: int, now: float) -> int:
+        """Seconds until ``queued`` requests ahead have drained (1 to 300)."""
+        rate = self.per_second(now)
+        if rate is None:
+            return 1
+        return int(min(300, max(1, math.ceil(queued / rate))))
+
+
+def check_admission(
+    req: Request,
+    policy: Policy,
+    max_model_len: int,
+    class_depth: int,
+    tenant_live: int,
+    tenant_queued_tokens: int,
+    drain: DrainRate,
+    now: float,
+) -> None:
+    """Refuse ``req`` if it cannot or should not be queued now.
+
+    Args:
+        class_depth: requests waiting in the request's class.
+        tenant_live: the tenant's live requests (waiting or running).
+        tenant_queued_tokens: the tenant's prompt tokens waiting.
+
+    Raises:
+        AdmissionError: with the status, a message for the client and ``Retry-After`` for 429.
+    """
+    total = req.num_prompt_tokens + req.sampling.max_tokens
+    if total > max_model_len:
+        raise AdmissionError(
+            400, f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling.max_tokens}) "
+            f"exceeds max_model_len={max_model_len}", "too_long")
+    cls = policy.classes[req.traffic_class]
+    if cls.max_queue_depth is not None and class_depth >= cls.max_queue_depth:
+        raise AdmissionError(
+            429, f"the {req.traffic_class} queue is full ({class_depth} requests waiting); retry later",
+            "queue_full", drain.retry_after(class_depth, now))
+    tenant = policy.tenant(req.tenant)
+    if tenant.max_concurrent is not None and tenant_live >= tenant.max_concurrent:
+        raise AdmissionError(
+            429, f"tenant {req.tenant!r} has {tenant_live} requests in flight, its limit; retry later",
+            "tenant_concurrency", drain.retry_after(1, now))
+    limit = tenant.max_queued_prompt_tokens
+    if limit is not None:
+        if req.num_prompt_tokens > limit:
+            raise AdmissionError(
+                413, f"the prompt ({req.num_prompt_tokens} tokens) is larger than tenant {req.tenant!r}'s "
+                f"queued-token quota ({limit})", "tenant_tokens_quota")
+        if tenant_queued_tokens + req.num_prompt_tokens > limit:
+            raise AdmissionError(
+                429, f"tenant {req.tenant!r} has {tenant_queued_tokens} prompt tokens queued (limit {limit}); "
+                "retry later", "tenant_tokens", drain.retry_after(class_depth or 1, now))

@@ -1,0 +1,206 @@
+"""Traffic classes and tenants: the scheduling policy's settings (frozen, self-validating).
+
+Every request has a **class** — ``interactive``, ``batch`` or ``background``, in that priority
+order — and a **tenant**. Classes get their own queue and a share of each step's prefill budget;
+tenants within a class share prefill tokens by weighted fair queuing. No torch here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+CLASSES = ("interactive", "batch", "background")  # highest priority first
+CLASS_RANK = {name: rank for rank, name in enumerate(CLASSES)}
+DEFAULT_TENANT = "default"
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
+
+
+class PolicyError(ValueError):
+    """An invalid policy value; the message starts with the setting's path."""
+
+
+def check_class(name: object) -> str:
+    """A valid class name, or :class:`PolicyError`."""
+    if name not in CLASS_RANK:
+        raise PolicyError(f"class: must be one of {', '.join(CLASSES)}, got {name!r}")
+    return name  # type: ignore[return-value]
+
+
+def check_tenant(name: object) -> str:
+    """A valid tenant name (1-64 of ``A-Za-z0-9._:-``, starting alphanumeric), or :class:`PolicyError`."""
+    if not isinstance(name, str) or not _TENANT.match(name):
+        raise PolicyError(f"tenant: must be 1-64 characters of A-Za-z0-9._:- starting with a letter or digit, got {name!r}")
+    return name
+
+
+def _optional_positive(value: object, path: str, kind: type = int) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    if kind is int:
+        ok = ok and isinstance(value, int)
+    if not ok:
+        raise PolicyError(f"{path}: must be a positive {kind.__name__} or null, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPolicy:
+    """How one class shares the prefill part of each step.
+
+    Attributes:
+        max_prefill_tokens: most prefill tokens the class may take in one step (None: no cap).
+        min_share: fraction of the step's prefill budget kept for the class whenever it has
+            prefill work, even while higher classes want more (0 to 1).
+        max_queue_age_s: once the class's oldest waiting request has waited this long (seconds),
+            it is admitted next, ahead of every other class (aging: nothing starves).
+        max_queue_depth: most requests waiting in the class; more are refused with 429.
+    """
+
+    max_prefill_tokens: int | None = None
+    min_share: float = 0.0
+    max_queue_age_s: float | None = None
+    max_queue_depth: int | None = None
+
+    def validate(self, path: str) -> None:
+        _optional_positive(self.max_prefill_tokens, f"{path}.max_prefill_tokens")
+        if not isinstance(self.min_share, (int, float)) or isinstance(self.min_share, bool) or not 0 <= self.min_share <= 1:
+            raise PolicyError(f"{path}.min_share: must be between 0 and 1, got {self.min_share!r}")
+        _optional_positive(self.max_queue_age_s, f"{path}.max_queue_age_s", float)
+        _optional_positive(self.max_queue_depth, f"{path}.max_queue_depth")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    """A tenant's weight and quotas within every class.
+
+    Attributes:
+        weight: share of prefill tokens relative to other tenants of the same class (> 0).
+        max_concurrent: most live requests (waiting or running); more are refused with 429.
+        max_queued_prompt_tokens: most prompt tokens waiting; more are refused with 429.
+    """
+
+    weight: float = 1.0
+    max_concurrent: int | None = None
+    max_queued_prompt_tokens: int | None = None
+
+    def validate(self, path: str) -> None:
+        _optional_positive(self.weight, f"{path}.weight", float)
+        _optional_positive(self.max_concurrent, f"{path}.max_concurrent")
+        _optional_positive(self.max_queued_prompt_tokens, f"{path}.max_queued_prompt_tokens")
+
+
+def default_class_policies() -> dict[str, ClassPolicy]:
+    """Interactive first; batch keeps a tenth of the prefill budget and ages in 30 s; background
+    ages in 120 s."""
+    return {
+        "interactive": ClassPolicy(),
+        "batch": ClassPolicy(min_share=0.1, max_queue_age_s=30.0),
+        "background": ClassPolicy(max_queue_age_s=120.0),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Classes, tenants and the knobs of the time-based decode reservation and preemption.
+
+    Attributes:
+        classes: one :class:`ClassPolicy` per class (all three).
+        tenants: per-tenant settings; tenants not listed get ``default_tenant``.
+        default_tenant: settings of every unlisted tenant.
+        step_time_target_ms: when set, prefill chunks shrink so the cost model's predicted step
+            time stays within it (the reservation for decodes, in time).
+        max_preemptions: a request preempted more than this many times is not preempted again.
+        watermark: fraction of KV blocks kept free when admitting new prompts.
+    """
+
+    classes: Mapping[str, ClassPolicy] = field(default_factory=default_class_policies)
+    tenants: Mapping[str, TenantPolicy] = field(default_factory=dict)
+    default_tenant: TenantPolicy = field(default_factory=TenantPolicy)
+    step_time_target_ms: float | None = None
+    max_preemptions: int = 2
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if set(self.classes) != set(CLASSES):
+            raise PolicyError(f"classes: must define exactly {', '.join(CLASSES)}, got {', '.join(self.classes)}")
+        for name, cls in self.classes.items():
+            cls.validate(f"classes.{name}")
+        if sum(c.min_share for c in self.classes.values()) > 1:
+            raise PolicyError("classes: the min_share values add up to more than 1")
+        for name, tenant in self.tenants.items():
+            check_tenant(name)
+            tenant.validate(f"tenants.{name}")
+        self.default_tenant.validate("default_tenant")
+        _optional_positive(self.step_time_target_ms, "step_time_target_ms", float)
+        if not isinstance(self.max_preemptions, int) or isinstance(self.max_preemptions, bool) or self.max_preemptions < 0:
+            raise PolicyError(f"max_preemptions: must be an integer >= 0, got {self.max_preemptions!r}")
+        if not isinstance(self.watermark, (int, float)) or not 0 <= self.watermark < 0.5:
+            raise PolicyError(f"watermark: must be in [0, 0.5), got {self.watermark!r}")
+
+    def tenant(self, name: str) -> TenantPolicy:
+        return self.tenants.get(name, self.default_tenant)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready settings (what ``GET /admin/config`` shows)."""
+        return {
+            "classes": {name: asdict(p) for name, p in self.classes.items()},
+            "tenants": {name: asdict(p) for name, p in self.tenants.items()},
+            "default_tenant": asdict(self.default_tenant),
+            "step_time_target_ms": self.step_time_target_ms,
+            "max_preemptions": self.max_preemptions,
+            "watermark": self.watermark,
+        }
+
+    def updated(self, changes: Mapping[str, Any]) -> "Policy":
+        """A new policy with ``changes`` (same shape as :meth:`to_dict`, any subset) applied.
+
+        Classes and tenants merge field by field; ``"tenants": {"t": null}`` removes a tenant.
+
+        Raises:
+            PolicyError: an unknown key or an invalid value (nothing is changed).
+        """
+        unknown = set(changes) - {"classes", "tenants", "default_tenant", "step_time_target_ms",
+                                  "max_preemptions", "watermark"}
+        if unknown:
+            raise PolicyError(f"{sorted(unknown)[0]}: unknown policy setting")
+        classes = dict(self.classes)
+        for name, patch in _mapping(changes.get("classes", {}), "classes").items():
+            check_class(name)
+            classes[name] = _merge(ClassPolicy, classes[name], patch, f"classes.{name}")
+        tenants = dict(self.tenants)
+        for name, patch in _mapping(changes.get("tenants", {}), "tenants").items():
+            check_tenant(name)
+            if patch is None:
+                tenants.pop(name, None)
+            else:
+                tenants[name] = _merge(TenantPolicy, tenants.get(name, self.default_tenant), patch, f"tenants.{name}")
+        default_tenant = self.default_tenant
+        if "default_tenant" in changes:
+            default_tenant = _merge(TenantPolicy, default_tenant, changes["default_tenant"], "default_tenant")
+        return Policy(
+            classes=classes,
+            tenants=tenants,
+            default_tenant=default_tenant,
+            step_time_target_ms=changes.get("step_time_target_ms", self.step_time_target_ms),
+            max_preemptions=changes.get("max_preemptions", self.max_preemptions),
+            watermark=changes.get("watermark", self.watermark),
+        )
+
+
+def _mapping(value: object, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise PolicyError(f"{path}: must be an object")
+    return value
+
+
+def _merge(kind: type, current: Any, patch: object, path: str) -> Any:
+    patch = _mapping(patch, path)
+    names = {f.name for f in fields(kind)}
+    if unknown := set(patch) - names:
+        raise PolicyError(f"{path}.{sorted(unknown)[0]}: unknown setting (known: {', '.join(sorted(names))})")
+    merged = kind(**{**asdict(current), **patch})
+    merged.validate(path)
+    return merged

@@ -1,0 +1,219 @@
+"""The prefill adder: spends what the decodes left of a step on prefill chunks, by class policy.
+
+Order of work in a step, after the decodes:
+
+1. **Budget.** The prefill budget is what the decodes left of ``token_budget``; with
+   ``step_time_target_ms`` and a calibrated cost model it also stops where the predicted step
+   would exceed the target — chunks shrink, the decode cadence holds (the decode reservation in
+   time). A floor of a few tokens per step keeps prefill from stalling outright.
+2. **Aging.** A class whose oldest waiting request has waited ``max_queue_age_s`` (counting the
+   step about to run) has that request admitted first, ahead of every class.
+3. **Classes, highest first.** Each class may take up to its ``max_prefill_tokens``, but never
+   the ``min_share`` of the budget reserved for lower classes that have work; whatever a class
+   leaves goes on down. Within a class: partial prefills (requests that already hold KV) first,
+   then preempted requests resuming (oldest first), then new admissions; tenants share it all by
+   weighted fair queuing (:class:`~cadenza.node.queues.ClassQueue`).
+4. **KV headroom.** A new admission needs blocks for its whole prompt (less what the prefix cache
+   holds), plus a watermark, beyond the blocks already reserved for admitted prompts — otherwise it
+   waits (new prefill is delayed before anything is preempted). A partial prefill that cannot grow
+   may preempt a lower-priority request; else it waits.
+
+Each chunk is at most ``chunk_size``. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from typing import TYPE_CHECKING
+
+from cadenza.node.policy import CLASSES
+from cadenza.node.request import Request
+
+if TYPE_CHECKING:
+    from cadenza.node.scheduler import Scheduler, Step
+
+PREFILL_FLOOR = 16  # tokens a step always offers prefill work, whatever the step-time target
+
+
+class PrefillAdder:
+    """Fills one step's prefill part (see the module docstring)."""
+
+    def __init__(self, sched: Scheduler, step: Step) -> None:
+        self.sched = sched
+        self.step = step
+        self.bm = sched.block_manager
+        self.policy = sched.policy
+        self.chunk_cap = sched.config.effective_chunk_size
+        self.max_running = sched.config.max_running
+        self.used = dict.fromkeys(CLASSES, 0)
+        self.partials: dict[str, dict[str, deque[Request]]] = {c: defaultdict(deque) for c in CLASSES}
+        self.wanted: dict[str, int] = {}  # partial prefill -> tokens it wanted this step
+        self.reserved = 0  # blocks admitted prompts still need
+        bs = self.bm.block_size
+        tables = self.bm.block_tables
+        for req in sched.running:
+            n = len(req.token_ids)
+            if req.num_computed_tokens < n - 1:
+                self.reserved += max(0, -(-n // bs) - len(tables.get(req.request_id, ())))
+                if req.request_id not in step.prefills:
+                    self.partials[req.traffic_class][req.tenant].append(req)
+                    self.wanted[req.request_id] = min(n - req.num_computed_tokens, self.chunk_cap)
+        self.admissions_open = not step.out.preempted  # memory is short: delay new prefill first
+        self.seconds_left = self._time_budget()
+
+    def _time_budget(self) -> float | None:
+        target = self.policy.step_time_target_ms
+        model = self.sched.cost_model
+        if target is None or not model.ready:
+            return None
+        decode_only = self.step.out.features()._replace(prefill_tokens=0, prefill_attention_tokens=0.0)
+        return target / 1000.0 - (model.predict(decode_only) or 0.0)
+
+    @property
+    def left(self) -> int:
+        """Tokens of the step's budget still unspent."""
+        return self.step.budget_left
+
+    # -- the pass -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        if self.left > 0:
+            self._admit_aged()
+            has_work = {c: bool(self.partials[c]) or len(self.sched.queues[c]) > 0 for c in CLASSES}
+            budget = self.left
+            reserve = {c: min(int(self.policy.classes[c].min_share * budget), self._cap(c)) if has_work[c] else 0
+                       for c in CLASSES}
+            for protect_lower in (True, False):  # second round: what lower classes left unused
+                for i, c in enumerate(CLASSES):
+                    if not has_work[c]:
+                        continue
+                    held = sum(max(0, reserve[low] - self.used[low]) for low in CLASSES[i + 1:]) if protect_lower else 0
+                    room = min(self._cap(c) - self.used[c], self.left - held)
+                    if room > 0:
+                        self._fill_class(c, room)
+        self._count_deferred()
+
+    def _cap(self, cls: str) -> int:
+        cap = self.policy.classes[cls].max_prefill_tokens
+        return self.sched.config.token_budget if cap is None else cap
+
+    def _admit_aged(self) -> None:
+        now = self.sched.clock() + self.sched.step_seconds  # the age once this step has run
+        for cls in CLASSES:
+            max_age = self.policy.classes[cls].max_queue_age_s
+            oldest = self.sched.queues[cls].oldest()
+            if max_age is None or oldest is None or now - oldest.arrival_time < max_age:
+                continue
+            if not self._admit(oldest, self.left):
+                self.admissions_open = False  # hold memory and slots for it
+                return
+
+    def _fill_class(self, cls: str, room: int) -> None:
+        limit = self.used[cls] + room
+        queue = self.sched.queues[cls]
+        partials = self.partials[cls]
+        while partials and self.used[cls] < limit and self.left > 0:  # 1. partial prefills, by WFQ
+            tenant = min(partials, key=lambda t: queue.service[t])
+            req = partials[tenant].popleft()
+            if not partials[tenant]:
+                del partials[tenant]
+            self._continue(req, limit - self.used[cls])
+        while queue.resume and self.used[cls] < limit and self.left > 0:  # 2. preempted, oldest first
+            if not self._admit(queue.resume[0], limit - self.used[cls]):
+                return
+        blocked: set[str] = set()
+        while self.admissions_open and self.used[cls] < limit and self.left > 0:  # 3. new, by WFQ
+            tenant = queue.next_tenant(blocked)
+            if tenant is None:
+                return
+            if not self._admit(queue.tenants[tenant][0], limit - self.used[cls]):
+                blocked.add(tenant)  # its head does not fit now; the others may
+
+    # -- chunks -----------------------------------------------------------------------------------
+
+    def _chunk(self, req: Request, start: int, room: int) -> int:
+        """Tokens of the request's next chunk from ``start``: prompt, cap, room, budget, time."""
+        n = min(len(req.token_ids) - start, self.chunk_cap, room, self.left)
+        if self.seconds_left is not None:
+            fits = self.sched.cost_model.max_chunk(self.seconds_left, start)
+            floor = PREFILL_FLOOR if self.step.out.num_prefill_tokens == 0 else 0
+            n = min(n, max(fits, floor))
+        return n
+
+    def _continue(self, req: Request, room: int) -> None:
+        """Give a partial prefill its next chunk, preempting a lower-priority request if KV is short."""
+        n = self._chunk(req, req.num_computed_tokens, room)
+        if n <= 0:
+            return
+        fits = self.bm.capacity(req.request_id) - req.num_computed_tokens
+        while fits <= 0:
+            self.sched.stats.allocation_failures += 1
+            victim = self.sched.victim_for(req, include_self=False)
+            if victim is None:
+                return
+            self._preempt(victim)
+            fits = self.bm.capacity(req.request_id) - req.num_computed_tokens
+        self._grant(req, min(n, fits))
+
+    def _admit(self, req: Request, room: int) -> bool:
+        """Start a waiting request with a first chunk if a slot, budget and KV headroom allow."""
+        if not self.admissions_open or len(self.sched.running) >= self.max_running:
+            self.admissions_open = False
+            return False
+        bm, bs = self.bm, self.bm.block_size
+        cached = bm.match_prefix(req.request_id, req.token_ids)
+        evictable = sum(1 for b in cached if bm.ref_counts[b] == 0)
+        need = -(-len(req.token_ids) // bs) - len(cached)
+        watermark = self.sched.watermark_blocks if self.sched.running else 0
+        if need > bm.num_free_blocks - evictable - self.reserved - watermark:
+            self.sched.stats.kv_admission_delays += 1
+            return False
+        start = len(cached) * bs
+        n = self._chunk(req, start, room)
+        if n <= 0:
+            return False
+        self.sched.start_running(req)
+        bm.adopt_prefix(req.request_id, cached)
+        req.num_computed_tokens = req.num_cached_tokens = start
+        stats = self.sched.stats
+        stats.prefix_cache_queried_tokens += len(req.token_ids)
+        stats.prefix_cache_hit_tokens += start
+        self._grant(req, n)
+        self.reserved += max(0, need - -(-(start + n) // bs) + len(cached))
+        return True
+
+    def _grant(self, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        self.bm.allocate(req.request_id, start + n)
+        self.step.add_prefill(req, start, n, self.bm.block_tables[req.request_id])
+        if self.seconds_left is not None:
+            self.seconds_left -= self.sched.cost_model.chunk_cost(n, start)
+        self._account(req, n)
+
+    def _account(self, req: Request, n: int) -> None:
+        self.used[req.traffic_class] += n
+        self.sched.queues[req.traffic_class].charge(req.tenant, n, self.policy.tenant(req.tenant).weight)
+        stats = self.sched.stats
+        stats.prefill_tokens_admitted += n
+        stats.prefill_tokens_by_class[req.traffic_class] += n
+        stats.prefill_tokens_by_tenant[req.tenant] += n
+
+    def _preempt(self, victim: Request) -> None:
+        """Preempt ``victim``; a prefill chunk it already had in this step is refunded."""
+        chunk = self.step.prefills.get(victim.request_id)
+        if chunk is not None:
+            self._account(victim, -chunk.num_tokens)
+        self.sched._preempt(victim, self.step)  # unschedules it and refunds the step's budget
+        self.admissions_open = False
+        self.wanted.pop(victim.request_id, None)
+        for tenants in self.partials.values():
+            for queue in tenants.values():
+                if victim in queue:
+                    queue.remove(victim)
+
+    def _count_deferred(self) -> None:
+        deferred = 0
+        for req_id, wanted in self.wanted.items():
+            chunk = self.step.prefills.get(req_id)
+            deferred += max(0, wanted - (chunk.num_tokens if chunk else 0))
+        self.sched.stats.prefill_tokens_deferred += deferred
