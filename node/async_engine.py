@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from cadenza.node.engine import Engine, RequestOutput
-from cadenza.node.request import SamplingParams
+from cadenza.node.request import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +35,19 @@ class _Add:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float
+    traffic_class: str
+    tenant: str
 
 
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Reconfigure:
+    changes: dict
+    done: asyncio.Future
 
 
 _STOP = object()
@@ -102,22 +110,32 @@ class AsyncEngine:
     # -- requests -------------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        traffic_class: str = "interactive",
+        tenant: str = "default",
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until one is finished.
 
+        Admission control runs here first (on the caller's thread, reading the scheduler's
+        counters), so an overloaded queue refuses at once instead of after the current step.
         Leaving the iteration early (client gone, task cancelled) aborts the request: its KV
         blocks are freed before the next step.
 
         Raises:
+            AdmissionError: refused (400/413/429 with ``retry_after``).
             ValueError: the engine refused the request (message for the client).
             EngineDeadError: the engine is not running.
         """
         if not self.is_ready:
             raise EngineDeadError("engine is not ready")
+        probe = Request(request_id, prompt_token_ids, sampling, traffic_class=traffic_class, tenant=tenant)
+        self.engine.scheduler.check_admission(probe)  # type: ignore[union-attr]
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt_token_ids, sampling, time.monotonic()))
+        self._commands.put(_Add(request_id, prompt_token_ids, sampling, time.monotonic(), traffic_class, tenant))
         finished = False
         try:
             while True:
@@ -137,6 +155,21 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread."""
         self._commands.put(_Abort(request_id))
+
+    async def reconfigure(self, changes: dict):
+        """Apply :meth:`Engine.reconfigure` in the engine thread, effective from the next step.
+
+        Returns:
+            The scheduler configuration now in force.
+
+        Raises:
+            ValueError: an invalid change (nothing changed); EngineDeadError: not running.
+        """
+        if not self.is_ready:
+            raise EngineDeadError("engine is not ready")
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(_Reconfigure(changes, done))
+        return await done
 
     def stats(self) -> dict[str, float | int]:
         """The engine's counters (empty until loaded)."""
@@ -182,10 +215,13 @@ class AsyncEngine:
                     return
                 if isinstance(cmd, _Abort):
                     engine.abort_request(cmd.request_id)
+                elif isinstance(cmd, _Reconfigure):
+                    self._settle(cmd.done, engine.reconfigure, cmd.changes)
                 else:
                     try:
-                        engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.arrival_time)
-                    except ValueError as exc:
+                        engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.arrival_time,
+                                           cmd.traffic_class, cmd.tenant)
+                    except ValueError as exc:  # AdmissionError included
                         failures.append((cmd.request_id, exc))
             if failures:
                 self._publish(failures)
@@ -203,6 +239,24 @@ class AsyncEngine:
                 continue
             if outputs:
                 self._publish(outputs)
+
+    def _settle(self, future: asyncio.Future, fn, *args) -> None:
+        """Run ``fn`` here (the engine thread) and hand its result or error to ``future``."""
+        try:
+            result, error = fn(*args), None
+        except (ValueError, TypeError) as exc:
+            result, error = None, exc
+        assert self._loop is not None
+
+        def settle() -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        self._loop.call_soon_threadsafe(settle)
 
     def _publish(self, items: list) -> None:
         assert self._loop is not None

@@ -7,9 +7,13 @@ import logging
 import os
 import sys
 from functools import partial
+from pathlib import Path
+
+import yaml
 
 from cadenza.node.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from cadenza.node.embedded import EmbeddedModelError
+from cadenza.node.policy import CLASSES, Policy
 
 logger = logging.getLogger("cadenza")
 
@@ -51,6 +55,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="kernels: auto (CADENZA_ATTENTION_BACKEND, else triton on CUDA, torch elsewhere)")
     g.add_argument("--seed", type=int, default=0)
+    p = parser.add_argument_group("scheduling policy")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d_sched.prefix_caching,
+                   help="reuse the KV blocks of identical prompt prefixes")
+    p.add_argument("--step-time-target-ms", type=float, default=None,
+                   help="shrink prefill chunks so predicted steps stay within this (decode reservation in time)")
+    p.add_argument("--policy", type=Path, default=None, metavar="FILE",
+                   help="JSON or YAML with classes/tenants settings (the shape of GET /admin/config)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -66,6 +77,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model = str(ensure_embedded_model())
         args.served_model_name = args.served_model_name or EMBEDDED_MODEL_NAME
     kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * _GIB)
+    policy = Policy()
+    if args.policy is not None:
+        try:
+            policy = policy.updated(yaml.safe_load(args.policy.read_text()) or {})
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"policy: cannot read {args.policy}: {exc}") from None
+    if args.step_time_target_ms is not None:
+        policy = policy.updated({"step_time_target_ms": args.step_time_target_ms})
     return EngineConfig(
         model=model,
         served_model_name=args.served_model_name,
@@ -78,6 +97,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             chunk_size=args.chunk_size,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
+            prefix_caching=args.prefix_caching,
+            policy=policy,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -101,7 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise ConfigError(f"device: {config.device} requested but this torch build sees no CUDA device")
     logger.info("serving %s from %s on http://%s:%d/v1", config.model_name, config.model, args.host, args.port)
-    return serve(partial(Engine, config), config.model_name, args.host, args.port)
+    return serve(partial(Engine, config), config.model_name, args.host, args.port, args.default_class)
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -122,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--default-class", choices=CLASSES, default="interactive",
+                       help="traffic class of requests without an x-cadenza-class header")
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="replay a trace against an OpenAI-compatible endpoint")

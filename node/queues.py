@@ -62,6 +62,8 @@ class ClassQueue:
             if not queue:
                 del self.tenants[req.tenant]
         self.queued_prompt_tokens[req.tenant] -= req.num_tokens
+        if not self.queued_prompt_tokens[req.tenant]:
+            del self.queued_prompt_tokens[req.tenant]
         self._count -= 1
 
     def oldest(self) -> Request | None:

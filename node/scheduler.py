@@ -205,22 +205,31 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already live")
         try:
-            check_class(request.traffic_class)
-            check_tenant(request.tenant)
-        except PolicyError as exc:
-            raise AdmissionError(400, str(exc), "bad_class_or_tenant") from None
-        queue = self.queues[request.traffic_class]
-        try:
-            check_admission(request, self.policy, self.config.max_model_len, len(queue),
-                            self.tenant_live[request.tenant], queue.queued_prompt_tokens[request.tenant],
-                            self.drain[request.traffic_class], self.clock())
+            self.check_admission(request)
         except AdmissionError as exc:
             self.stats.rejected[exc.reason] += 1
             raise
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.tenant_live[request.tenant] += 1
-        queue.push(request)
+        self.queues[request.traffic_class].push(request)
+
+    def check_admission(self, request: Request) -> None:
+        """Would :meth:`add_request` refuse this request now? Only reads state, so another thread
+        (the HTTP front) may call it to refuse at once; ``add_request`` checks again.
+
+        Raises:
+            AdmissionError: as :meth:`add_request`.
+        """
+        try:
+            check_class(request.traffic_class)
+            check_tenant(request.tenant)
+        except PolicyError as exc:
+            raise AdmissionError(400, str(exc), "bad_class_or_tenant") from None
+        queue = self.queues[request.traffic_class]
+        check_admission(request, self.policy, self.config.max_model_len, len(queue),
+                        self.tenant_live.get(request.tenant, 0), queue.queued_prompt_tokens.get(request.tenant, 0),
+                        self.drain[request.traffic_class], self.clock())
 
     def abort_request(self, request_id: str) -> Request | None:
         """Drop a live request now and free its KV blocks; None if it is not live."""

@@ -1,7 +1,8 @@
 """The aiohttp application: OpenAI-compatible routes, health probes, engine lifecycle.
 
 ``/health`` is liveness (200 while the engine thread runs or loads, 503 once it has died);
-``/ready`` is readiness (200 once the model is loaded). The engine starts loading when the app
+``/ready`` is readiness (200 once the model is loaded, with the engine's counters);
+``/admin/config`` reads and changes scheduling knobs live (bearer token, :mod:`.admin`). The engine starts loading when the app
 starts, so the server listens — and Kubernetes probes get answers — while weights load.
 """
 
@@ -16,7 +17,8 @@ from aiohttp import web
 
 from cadenza.node.async_engine import AsyncEngine
 from cadenza.node.engine import Engine
-from cadenza.node.server import openai_api
+from cadenza.node.policy import check_class
+from cadenza.node.server import admin, openai_api
 from cadenza.node.server.errors import error_middleware, error_response
 
 logger = logging.getLogger(__name__)
@@ -25,16 +27,19 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 2**20
 
 
-def create_app(engine_factory: Callable[[], Engine], model_name: str) -> web.Application:
+def create_app(engine_factory: Callable[[], Engine], model_name: str, default_class: str = "interactive") -> web.Application:
     """Build the app; the engine is built by ``engine_factory`` in its own thread at start-up.
 
     Args:
         engine_factory: returns a loaded :class:`Engine`.
         model_name: the id clients must send as ``model``.
+        default_class: traffic class of requests without an ``x-cadenza-class`` header.
     """
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[openai_api.ENGINE] = AsyncEngine(engine_factory)
     app[openai_api.MODEL_NAME] = model_name
+    app[openai_api.DEFAULT_CLASS] = check_class(default_class)
+    admin.add_routes(app)
     app.cleanup_ctx.append(_engine_lifecycle)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
@@ -67,14 +72,15 @@ async def ready(request: web.Request) -> web.Response:
     return error_response(503, "model loading", headers={"Retry-After": "5"})
 
 
-def serve(engine_factory: Callable[[], Engine], model_name: str, host: str, port: int) -> int:
+def serve(engine_factory: Callable[[], Engine], model_name: str, host: str, port: int,
+          default_class: str = "interactive") -> int:
     """Serve until SIGINT/SIGTERM; return the process exit code.
 
     The server listens at once (probes get answers while the weights load). If the engine fails
     to load — a configuration that cannot work with this model, say — the server stops and the
     exit code is 1, so a supervisor sees the failure instead of a replica that never gets ready.
     """
-    return asyncio.run(_serve(create_app(engine_factory, model_name), host, port))
+    return asyncio.run(_serve(create_app(engine_factory, model_name, default_class), host, port))
 
 
 async def _serve(app: web.Application, host: str, port: int) -> int:

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from cadenza.node.admission import AdmissionError
 from cadenza.node.async_engine import AsyncEngine, EngineDeadError
 from cadenza.node.engine import Engine
+from cadenza.node.policy import DEFAULT_TENANT, PolicyError, check_class, check_tenant
 from cadenza.node.request import SamplingParams
 from cadenza.node.server.errors import APIError, error_body
 from cadenza.node.server.protocol import ChatCompletionRequest, CompletionRequest, parse
@@ -27,6 +29,9 @@ from cadenza.node.tokenizer import ChatTemplateError
 
 ENGINE = web.AppKey("engine", AsyncEngine)
 MODEL_NAME = web.AppKey("model_name", str)
+DEFAULT_CLASS = web.AppKey("default_class", str)
+CLASS_HEADER = "x-cadenza-class"
+TENANT_HEADER = "x-cadenza-tenant"
 
 
 @dataclass(slots=True)
@@ -39,10 +44,24 @@ class _Call:
     sampling: SamplingParams
     stream: bool
     include_usage: bool
+    traffic_class: str
+    tenant: str
+
+
+def _class_and_tenant(request: web.Request) -> tuple[str, str]:
+    """The request's traffic class and tenant from the ``x-cadenza-*`` headers (400 if invalid)."""
+    cls = request.headers.get(CLASS_HEADER, request.app[DEFAULT_CLASS])
+    tenant = request.headers.get(TENANT_HEADER, DEFAULT_TENANT)
+    try:
+        return check_class(cls), check_tenant(tenant)
+    except PolicyError as exc:
+        header = CLASS_HEADER if str(exc).startswith("class") else TENANT_HEADER
+        raise APIError(400, f"{header}: {str(exc).partition(': ')[2]}", param=header) from None
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = _ready_engine(request)
+    traffic_class, tenant = _class_and_tenant(request)
     body = parse(CompletionRequest, await _json(request))
     _check_model(request, body.model)
     body.check_supported()
@@ -55,12 +74,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
     sampling = _sampling(body, len(prompt_ids), body.max_tokens, engine.max_model_len, default_fill=False)
-    call = _Call("text_completion", f"cmpl-{uuid.uuid4().hex}", prompt_ids, sampling, body.stream, body.include_usage)
+    call = _Call("text_completion", f"cmpl-{uuid.uuid4().hex}", prompt_ids, sampling, body.stream, body.include_usage,
+                 traffic_class, tenant)
     return await _respond(request, call)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = _ready_engine(request)
+    traffic_class, tenant = _class_and_tenant(request)
     body = parse(ChatCompletionRequest, await _json(request))
     _check_model(request, body.model)
     body.check_supported()
@@ -71,7 +92,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ChatTemplateError as exc:
         raise APIError(400, f"messages: {exc}", param="messages") from None
     sampling = _sampling(body, len(prompt_ids), body.requested_max_tokens, engine.max_model_len, default_fill=True)
-    call = _Call("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, sampling, body.stream, body.include_usage)
+    call = _Call("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, sampling, body.stream,
+                 body.include_usage, traffic_class, tenant)
     return await _respond(request, call)
 
 
@@ -155,7 +177,7 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
     async_engine = request.app[ENGINE]
     model = request.app[MODEL_NAME]
     created = int(time.time())
-    stream = async_engine.generate(call.request_id, call.prompt_ids, call.sampling)
+    stream = async_engine.generate(call.request_id, call.prompt_ids, call.sampling, call.traffic_class, call.tenant)
     chat = call.kind == "chat.completion"
     if not call.stream:
         text: list[str] = []
@@ -220,6 +242,9 @@ async def _guard(outputs):
     try:
         async for item in outputs:
             yield item
+    except AdmissionError as exc:
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+        raise APIError(exc.status, str(exc), code=exc.reason, headers=headers) from None
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
     except EngineDeadError as exc:

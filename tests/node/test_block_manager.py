@@ -56,3 +56,80 @@ def test_capacity_counts_own_and_free_blocks():
     bm = KVBlockManager(num_blocks=5, block_size=4)
     bm.allocate("a", 6)
     assert bm.capacity("a") == 20 and bm.capacity("b") == 12
+
+
+# -- prefix caching -----------------------------------------------------------------------------------
+
+
+def cached_manager(num_blocks=8, block_size=4) -> KVBlockManager:
+    return KVBlockManager(num_blocks, block_size, prefix_caching=True)
+
+
+def test_a_block_is_offered_for_reuse_only_after_its_kv_is_committed():
+    bm = cached_manager()
+    tokens = list(range(100, 113))  # 13 tokens: 3 full blocks
+    bm.allocate("a", 13)
+    assert bm.match_prefix("b", tokens) == []  # scheduled, KV not written yet
+    bm.commit("a", tokens, 8)  # the step wrote 8 tokens: 2 full blocks
+    assert bm.match_prefix("b", tokens) == bm.block_table("a")[:2]
+
+
+def test_the_last_token_is_never_served_from_the_cache():
+    bm = cached_manager()
+    tokens = list(range(8))  # exactly 2 blocks
+    bm.allocate("a", 8)
+    bm.commit("a", tokens, 8)
+    assert len(bm.match_prefix("b", tokens)) == 1  # the last block would hold the recomputed token
+    assert len(bm.match_prefix("c", tokens + [9])) == 2
+
+
+def test_hashes_chain_over_the_whole_prefix():
+    bm = cached_manager()
+    bm.allocate("a", 8)
+    bm.commit("a", [1, 2, 3, 4, 5, 6, 7, 8], 8)
+    assert bm.match_prefix("b", [9, 9, 9, 9, 5, 6, 7, 8, 0]) == []  # same second block, other prefix
+
+
+def test_shared_blocks_are_ref_counted_and_survive_their_first_user():
+    bm = cached_manager()
+    tokens = list(range(9))
+    bm.allocate("a", 9)
+    bm.commit("a", tokens, 9)
+    shared = bm.match_prefix("b", tokens)
+    bm.adopt_prefix("b", shared)
+    assert [bm.ref_counts[b] for b in shared] == [2, 2]
+    bm.free("a")
+    assert [bm.ref_counts[b] for b in shared] == [1, 1] and bm.num_used_blocks == 2
+    bm.free("b")
+    assert bm.num_used_blocks == 0 and bm.num_cached_free_blocks == 2
+
+
+def test_cached_free_blocks_are_evicted_least_recently_freed_first_and_only_when_needed():
+    bm = cached_manager(num_blocks=4, block_size=2)
+    bm.allocate("a", 4)
+    bm.commit("a", [1, 2, 3, 4], 4)
+    bm.free("a")  # both blocks cached; the tail block is freed first, so it goes first
+    assert bm.num_cached_free_blocks == 2 and bm.num_plain_free_blocks == 2
+    bm.allocate("x", 4)  # two plain free blocks exist: nothing evicted
+    assert bm.num_evictions == 0 and len(bm.match_prefix("b", [1, 2, 3, 4, 5])) == 2
+    bm.allocate("y", 2)
+    assert bm.num_evictions == 1 and len(bm.match_prefix("c", [1, 2, 3, 4, 5])) == 1  # the prefix head survived
+
+
+def test_accounting_is_exact_with_sharing():
+    bm = cached_manager()
+    bm.allocate("a", 12)
+    bm.commit("a", list(range(12)), 12)
+    bm.adopt_prefix("b", bm.match_prefix("b", list(range(13))))
+    bm.allocate("b", 16)
+    assert bm.num_used_blocks + bm.num_cached_free_blocks + bm.num_plain_free_blocks == bm.num_blocks
+    assert bm.num_used_blocks == len({*bm.block_table("a"), *bm.block_table("b")}) == 4
+
+
+def test_prefix_caching_off_matches_nothing():
+    bm = KVBlockManager(8, 4, prefix_caching=False)
+    bm.allocate("a", 9)
+    bm.commit("a", list(range(9)), 9)
+    assert bm.match_prefix("b", list(range(9))) == []
+    bm.free("a")
+    assert bm.num_cached_free_blocks == 0

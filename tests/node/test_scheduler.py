@@ -2,39 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cadenza.node.block_manager import KVBlockManager
 from cadenza.node.config import SchedulerConfig
-from cadenza.node.policy import Policy
-from cadenza.node.request import Request, RequestStatus, SamplingParams
+from cadenza.node.request import Request, RequestStatus
 from cadenza.node.scheduler import Scheduler, SchedulerOutput
-
-_ids = itertools.count()
-
-
-def make_scheduler(
-    token_budget=64, chunk_size=16, max_num_seqs=8, max_model_len=512, num_blocks=256, block_size=4,
-    prefix_caching=True, **policy,
-) -> Scheduler:
-    config = SchedulerConfig(token_budget, chunk_size, max_num_seqs, max_model_len, prefix_caching, Policy(**policy))
-    return Scheduler(config, KVBlockManager(num_blocks, block_size, prefix_caching))
-
-
-def make_request(prompt_len: int, max_tokens: int = 4, arrival: float | None = None, tokens: list[int] | None = None,
-                 **fields) -> Request:
-    """A request with its own prompt tokens (no two share a prefix unless ``tokens`` says so)."""
-    rid = next(_ids)
-    prompt = tokens if tokens is not None else [(rid * 7919 + i * 31) % 30000 + 3 for i in range(prompt_len)]
-    req = Request(f"r{rid}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0), **fields)
-    if arrival is not None:
-        req.arrival_time = arrival
-    return req
+from fake_engine import make_request, make_scheduler
 
 
 def run_step(sched: Scheduler, token: int = 5) -> SchedulerOutput:

@@ -1,0 +1,94 @@
+"""``GET/PUT /admin/config``: read and change scheduling knobs on a running server.
+
+Changes take effect from the next engine step. The endpoint needs ``Authorization: Bearer
+<token>``; the token comes from ``$CADENZA_ADMIN_TOKEN`` or from the file named by
+``$CADENZA_ADMIN_TOKEN_FILE`` (a mounted Kubernetes Secret — read on every request, so a rotated
+secret takes effect without a restart). With neither set, the endpoint refuses everyone. A
+missing or wrong token is a 401; an invalid change is a 400 and nothing changes.
+
+``PUT`` takes any subset of: ``token_budget``, ``chunk_size`` (``null`` = no cap),
+``max_num_seqs``, ``prefix_caching``, ``step_time_target_ms``, ``classes`` (per class, any of
+``max_prefill_tokens``, ``min_share``, ``max_queue_age_s``, ``max_queue_depth``), ``tenants`` (per
+tenant ``weight``, ``max_concurrent``, ``max_queued_prompt_tokens``; ``null`` removes a tenant),
+``default_tenant``, ``max_preemptions``, ``watermark``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from pathlib import Path
+
+from aiohttp import web
+
+from cadenza.node.config import SchedulerConfig
+from cadenza.node.server.errors import APIError
+from cadenza.node.server.openai_api import ENGINE
+
+TOKEN_ENV = "CADENZA_ADMIN_TOKEN"
+TOKEN_FILE_ENV = "CADENZA_ADMIN_TOKEN_FILE"
+
+
+def admin_token() -> str | None:
+    """The configured bearer token, or None when the admin API is disabled."""
+    if token := os.environ.get(TOKEN_ENV, "").strip():
+        return token
+    if path := os.environ.get(TOKEN_FILE_ENV):
+        try:
+            return Path(path).read_text().strip() or None
+        except OSError:
+            return None
+    return None
+
+
+def _authorize(request: web.Request) -> None:
+    expected = admin_token()
+    challenge = {"WWW-Authenticate": 'Bearer realm="cadenza-admin"'}
+    if expected is None:
+        raise APIError(401, f"the admin API is disabled: set {TOKEN_ENV} or {TOKEN_FILE_ENV}", headers=challenge)
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        raise APIError(401, "missing or wrong bearer token", headers=challenge)
+
+
+def config_view(config: SchedulerConfig) -> dict:
+    """The live knobs as JSON (``max_model_len`` is shown but cannot change)."""
+    return {
+        "token_budget": config.token_budget,
+        "chunk_size": config.chunk_size,
+        "max_num_seqs": config.max_num_seqs,
+        "max_model_len": config.max_model_len,
+        "prefix_caching": config.prefix_caching,
+        **config.policy.to_dict(),
+    }
+
+
+async def get_config(request: web.Request) -> web.Response:
+    _authorize(request)
+    engine = request.app[ENGINE]
+    if engine.engine is None:
+        raise APIError(503, "the model is still loading", headers={"Retry-After": "5"})
+    return web.json_response(config_view(engine.engine.scheduler.config))
+
+
+async def put_config(request: web.Request) -> web.Response:
+    _authorize(request)
+    try:
+        changes = await request.json(loads=json.loads)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(changes, dict) or not changes:
+        raise APIError(400, "request body must be a non-empty JSON object of settings")
+    if "max_model_len" in changes:
+        raise APIError(400, "max_model_len: cannot change on a running server", param="max_model_len")
+    try:
+        config = await request.app[ENGINE].reconfigure(changes)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc)) from None
+    return web.json_response(config_view(config))
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/config", get_config)
+    app.router.add_put("/admin/config", put_config)

@@ -1,0 +1,165 @@
+"""Traffic-class and tenant headers, overload refusals, and the live admin configuration API."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from functools import partial
+
+import pytest
+
+from cadenza.node.config import CacheConfig, EngineConfig, SchedulerConfig
+from cadenza.node.engine import Engine
+from cadenza.node.policy import ClassPolicy, Policy, TenantPolicy, default_class_policies
+from cadenza.node.server.admin import TOKEN_ENV, TOKEN_FILE_ENV
+from cadenza.node.server.app import create_app
+from cadenza.node.server.openai_api import ENGINE
+
+MODEL = "tiny"
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+async def client(aiohttp_client, tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    policy = Policy(
+        classes={**default_class_policies(), "background": ClassPolicy(max_queue_depth=1)},
+        tenants={"capped": TenantPolicy(max_concurrent=1)},
+    )
+    config = EngineConfig(
+        model=str(tiny_llama_dir), served_model_name=MODEL,
+        scheduler=SchedulerConfig(token_budget=64, chunk_size=16, max_num_seqs=2, max_model_len=1024, policy=policy),
+        cache=CacheConfig(block_size=16, num_kv_blocks=128),
+    )
+    app = create_app(partial(Engine, config), MODEL, default_class="batch")
+    client = await aiohttp_client(app)
+    await app[ENGINE].wait_ready()
+    return client
+
+
+def body(**extra):
+    return {"model": MODEL, "prompt": "Hello there", "max_tokens": 3, "temperature": 0, **extra}
+
+
+async def test_class_and_tenant_headers_route_the_request(client):
+    resp = await client.post("/v1/completions", json=body(), headers={"x-cadenza-class": "interactive",
+                                                                    "x-cadenza-tenant": "acme"})
+    assert resp.status == 200
+    stats = client.app[ENGINE].stats()
+    assert stats["classes"]["interactive"]["prefill_tokens"] > 0
+    assert client.app[ENGINE].engine.scheduler.stats.prefill_tokens_by_tenant["acme"] > 0
+
+
+async def test_requests_without_a_class_header_take_the_server_default(client):
+    assert (await client.post("/v1/completions", json=body())).status == 200
+    assert client.app[ENGINE].stats()["classes"]["batch"]["prefill_tokens"] > 0
+
+
+@pytest.mark.parametrize("header, value", [("x-cadenza-class", "urgent"), ("x-cadenza-tenant", "no spaces please")])
+async def test_invalid_class_or_tenant_header_is_a_400(client, header, value):
+    resp = await client.post("/v1/completions", json=body(), headers={header: value})
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == header
+    assert (await client.post("/v1/completions", json=body())).status == 200
+
+
+def slow_steps(client, monkeypatch, seconds: float = 0.02) -> None:
+    runner = client.app[ENGINE].engine.runner
+    original = runner.execute
+
+    def execute(step):
+        time.sleep(seconds)
+        return original(step)
+
+    monkeypatch.setattr(runner, "execute", execute)
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+async def test_a_full_queue_is_refused_at_once_with_429_and_retry_after(client, monkeypatch):
+    slow_steps(client, monkeypatch)
+    sched = client.app[ENGINE].engine.scheduler
+    long = body(max_tokens=500, ignore_eos=True)
+    busy = [asyncio.ensure_future(client.post("/v1/completions", json=long)) for _ in range(2)]  # both slots
+    await wait_until(lambda: sched.num_running == 2)
+    queued = asyncio.ensure_future(client.post("/v1/completions", json=long, headers={"x-cadenza-class": "background"}))
+    await wait_until(lambda: len(sched.queues["background"]) == 1)  # the background queue (depth 1) is full
+    started = time.monotonic()
+    resp = await client.post("/v1/completions", json=body(), headers={"x-cadenza-class": "background"})
+    assert resp.status == 429 and time.monotonic() - started < 0.5  # at once, not after a step
+    assert int(resp.headers["Retry-After"]) >= 1
+    error = (await resp.json())["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == "queue_full"
+    for task in (*busy, queued):
+        task.cancel()
+    await wait_until(lambda: sched.num_running == 0 and sched.num_waiting == 0)
+    assert (await client.post("/v1/completions", json=body())).status == 200  # nothing was lost or stuck
+
+
+async def test_a_tenant_over_its_concurrency_quota_gets_429(client, monkeypatch):
+    slow_steps(client, monkeypatch)
+    sched = client.app[ENGINE].engine.scheduler
+    headers = {"x-cadenza-tenant": "capped"}
+    slow = asyncio.ensure_future(client.post("/v1/completions", json=body(max_tokens=500, ignore_eos=True),
+                                             headers=headers))
+    await wait_until(lambda: sched.tenant_live.get("capped", 0) == 1)
+    resp = await client.post("/v1/completions", json=body(), headers=headers)
+    assert resp.status == 429 and (await resp.json())["error"]["code"] == "tenant_concurrency"
+    assert (await client.post("/v1/completions", json=body(), headers={"x-cadenza-tenant": "free"})).status == 200
+    slow.cancel()
+
+
+# -- /admin/config ----------------------------------------------------------------------------------
+
+
+async def test_admin_config_needs_the_bearer_token(client):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
+        resp = await client.get("/admin/config", headers=headers)
+        assert resp.status == 401 and resp.headers["WWW-Authenticate"].startswith("Bearer")
+        assert (await client.put("/admin/config", json={"token_budget": 32}, headers=headers)).status == 401
+    assert (await client.get("/admin/config", headers=AUTH)).status == 200
+
+
+async def test_admin_config_is_disabled_without_a_configured_token(client, monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV)
+    resp = await client.get("/admin/config", headers=AUTH)
+    assert resp.status == 401 and "disabled" in (await resp.json())["error"]["message"]
+
+
+async def test_the_token_may_come_from_a_mounted_secret_file(client, monkeypatch, tmp_path):
+    monkeypatch.delenv(TOKEN_ENV)
+    secret = tmp_path / "token"
+    secret.write_text("from-a-secret\n")
+    monkeypatch.setenv(TOKEN_FILE_ENV, str(secret))
+    assert (await client.get("/admin/config", headers={"Authorization": "Bearer from-a-secret"})).status == 200
+
+
+async def test_put_changes_knobs_live_from_the_next_step(client):
+    change = {"token_budget": 32, "chunk_size": 8, "step_time_target_ms": 250,
+              "classes": {"batch": {"max_prefill_tokens": 8}}, "tenants": {"gold": {"weight": 3}}}
+    resp = await client.put("/admin/config", json=change, headers=AUTH)
+    assert resp.status == 200, await resp.text()
+    view = await resp.json()
+    assert view["token_budget"] == 32 and view["chunk_size"] == 8 and view["step_time_target_ms"] == 250
+    assert view["classes"]["batch"]["max_prefill_tokens"] == 8 and view["tenants"]["gold"]["weight"] == 3
+    config = client.app[ENGINE].engine.scheduler.config
+    assert config.token_budget == 32 and config.policy.tenant("gold").weight == 3
+    assert (await client.get("/admin/config", headers=AUTH)).status == 200
+    assert (await client.post("/v1/completions", json=body())).status == 200
+
+
+@pytest.mark.parametrize("change", [
+    {"token_budget": 0}, {"chunk_size": -4}, {"classes": {"batch": {"min_share": 1.5}}},
+    {"tenants": {"gold": {"weight": -1}}}, {"turbo": True}, {"max_model_len": 64}, [], {},
+])
+async def test_invalid_changes_are_a_400_and_nothing_changes(client, change):
+    before = await (await client.get("/admin/config", headers=AUTH)).json()
+    resp = await client.put("/admin/config", json=change, headers=AUTH)
+    assert resp.status == 400 and (await resp.json())["error"]["message"]
+    assert await (await client.get("/admin/config", headers=AUTH)).json() == before

@@ -1,0 +1,333 @@
+"""The scheduling policy, driven without a model: classes, tenants, aging, KV pressure, overload.
+
+Numbers in test names and assertions are those of the issue that specified the policy.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cadenza.node.admission import AdmissionError
+from cadenza.node.policy import ClassPolicy, Policy, TenantPolicy, default_class_policies
+from cadenza.node.request import RequestStatus
+from fake_engine import FakeEngine, make_request, make_scheduler
+
+
+def classes(**changes: ClassPolicy) -> dict:
+    return {**default_class_policies(), **changes}
+
+
+# -- token budget and chunks ----------------------------------------------------------------------
+
+
+def test_unchunked_prompt_one_over_the_budget_completes_in_two_prefill_steps_beside_ten_short_ones():
+    sched = make_scheduler(token_budget=2048, chunk_size=None, max_num_seqs=16, max_model_len=4096, num_blocks=2048,
+                           block_size=16)
+    engine = FakeEngine(sched)
+    long = engine.add(make_request(2049, max_tokens=4))
+    short = [engine.add(make_request(20, max_tokens=4)) for _ in range(10)]
+    engine.run()
+    prefill_steps = [i for i, out in enumerate(engine.record.steps)
+                     if any(r.request is long and r.start < 2049 and not (r.num_tokens == 1 and r.start == 2049)
+                            for r in out.rows)]
+    assert len(prefill_steps) == 2
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in [long, *short])
+    assert all(out.num_tokens <= 2048 for out in engine.record.steps)
+
+
+def test_short_prompts_get_their_first_token_within_a_few_steps_of_a_64k_prompt():
+    """Budget 2048: one 64k-token prompt, then 50 prompts of 100 tokens, with 8 streams decoding."""
+    sched = make_scheduler(token_budget=2048, chunk_size=256, max_num_seqs=64, max_model_len=70_000,
+                           num_blocks=80_000 // 16, block_size=16)
+    engine = FakeEngine(sched)
+    streams = [engine.add(make_request(10, max_tokens=10_000)) for _ in range(8)]
+    while any(s.num_output_tokens == 0 for s in streams):
+        engine.step()
+    engine.add(make_request(65_536, max_tokens=1))
+    short = [engine.add(make_request(100, max_tokens=2)) for _ in range(50)]
+    before = len(engine.record.steps)
+    for _ in range(12):
+        counts = [s.num_output_tokens for s in streams]
+        engine.step()
+        assert [s.num_output_tokens for s in streams] == [c + 1 for c in counts]  # every stream, every step
+    ttft_steps = [engine.record.first_token_step[r.request_id] - before + 1 for r in short]
+    assert max(ttft_steps) <= 4
+
+
+# -- traffic classes ------------------------------------------------------------------------------
+
+
+def test_higher_classes_prefill_first_but_lower_classes_keep_their_min_share():
+    sched = make_scheduler(token_budget=100, chunk_size=100, max_num_seqs=32, max_model_len=4096, num_blocks=1024,
+                           classes=classes(batch=ClassPolicy(min_share=0.2)))
+    engine = FakeEngine(sched)
+    batch = engine.add(make_request(1000, max_tokens=1, traffic_class="batch"))
+    inter = engine.add(make_request(1000, max_tokens=1, traffic_class="interactive"))
+    out = engine.step()
+    tokens = {r.request.request_id: r.num_tokens for r in out.rows}
+    assert tokens == {inter.request_id: 80, batch.request_id: 20}
+
+
+def test_a_class_never_takes_more_than_its_max_prefill_tokens_per_step():
+    sched = make_scheduler(token_budget=256, chunk_size=256, max_num_seqs=32, max_model_len=4096,
+                           classes=classes(batch=ClassPolicy(max_prefill_tokens=32)))
+    engine = FakeEngine(sched)
+    for _ in range(3):
+        engine.add(make_request(500, max_tokens=1, traffic_class="batch"))
+    for _ in range(5):
+        out = engine.step()
+        assert sum(r.num_tokens for r in out.rows if r.request.traffic_class == "batch") <= 32
+
+
+def test_batch_request_is_admitted_within_its_max_queue_age_despite_an_interactive_flood():
+    """Interactive flood plus one batch request: its queue age never exceeds the class maximum."""
+    max_age = 2.0
+    sched = make_scheduler(token_budget=64, chunk_size=64, max_num_seqs=4, max_model_len=1024, num_blocks=4096,
+                           classes=classes(batch=ClassPolicy(min_share=0.0, max_queue_age_s=max_age)))
+    engine = FakeEngine(sched, step_seconds=0.1)
+    for _ in range(8):
+        engine.add(make_request(60, max_tokens=8))
+    batch = engine.add(make_request(60, max_tokens=4, traffic_class="batch"))
+    for _ in range(60):
+        for _ in range(3):  # the flood keeps coming
+            engine.add(make_request(60, max_tokens=8))
+        engine.step()
+        if batch.admitted_time is not None:
+            break
+        assert engine.clock.now - batch.arrival_time <= max_age
+    assert batch.admitted_time is not None
+    assert batch.admitted_time - batch.arrival_time <= max_age
+
+
+# -- tenants --------------------------------------------------------------------------------------
+
+
+def test_two_saturating_tenants_with_weights_3_to_1_get_prefill_tokens_3_to_1():
+    policy = {"tenants": {"gold": TenantPolicy(weight=3.0), "bronze": TenantPolicy(weight=1.0)}}
+    sched = make_scheduler(token_budget=128, chunk_size=64, max_num_seqs=8, max_model_len=4096, num_blocks=8192,
+                           **policy)
+    engine = FakeEngine(sched)
+    rng = random.Random(0)
+    for _ in range(400):
+        engine.add(make_request(rng.randint(20, 300), max_tokens=2, tenant="gold"))
+        engine.add(make_request(rng.randint(20, 300), max_tokens=2, tenant="bronze"))
+    for _ in range(300):  # both stay saturated throughout
+        engine.step()
+    served = sched.stats.prefill_tokens_by_tenant
+    assert len(sched.queues["interactive"].tenants) == 2
+    assert served["gold"] / served["bronze"] == pytest.approx(3.0, rel=0.10)
+
+
+def test_tenant_quotas_refuse_with_429_and_a_too_large_prompt_with_413():
+    sched = make_scheduler(tenants={"t": TenantPolicy(max_concurrent=2, max_queued_prompt_tokens=100)})
+    sched.add_request(make_request(40, tenant="t"))
+    with pytest.raises(AdmissionError) as err:
+        sched.add_request(make_request(70, tenant="t"))
+    assert err.value.status == 429 and err.value.reason == "tenant_tokens" and err.value.retry_after >= 1
+    sched.add_request(make_request(10, tenant="t"))
+    with pytest.raises(AdmissionError) as err:
+        sched.add_request(make_request(10, tenant="t"))
+    assert err.value.status == 429 and err.value.reason == "tenant_concurrency"
+    with pytest.raises(AdmissionError) as err:
+        sched.add_request(make_request(101, tenant="u", ))  # other tenants are not limited
+        sched.add_request(make_request(101, tenant="t"))
+    assert err.value.status in (413, 429)
+    assert sched.stats.rejected["tenant_concurrency"] >= 1
+
+
+def test_queue_depth_limit_refuses_with_retry_after_from_the_drain_rate():
+    sched = make_scheduler(token_budget=32, chunk_size=32, max_num_seqs=1, max_model_len=1024,
+                           classes=classes(interactive=ClassPolicy(max_queue_depth=5)))
+    engine = FakeEngine(sched, step_seconds=0.5)
+    for _ in range(5):
+        engine.add(make_request(16, max_tokens=1))
+    for _ in range(6):
+        engine.step()  # one request drains per 0.5 s step
+    for _ in range(5):
+        engine.add(make_request(16, max_tokens=1))
+    with pytest.raises(AdmissionError) as err:
+        engine.add(make_request(16, max_tokens=1))
+    assert err.value.status == 429 and err.value.reason == "queue_full"
+    assert 2 <= err.value.retry_after <= 4  # 5 queued at ~2 per second
+
+
+def test_invalid_class_or_tenant_is_a_400():
+    sched = make_scheduler()
+    for fields in ({"traffic_class": "vip"}, {"tenant": "bad tenant!"}):
+        with pytest.raises(AdmissionError) as err:
+            sched.add_request(make_request(4, **fields))
+        assert err.value.status == 400
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_is_a_400():
+    sched = make_scheduler(max_model_len=1024)
+    with pytest.raises(AdmissionError) as err:
+        sched.add_request(make_request(1000, max_tokens=100))
+    assert err.value.status == 400 and "max_model_len" in str(err.value)
+
+
+# -- KV pressure ----------------------------------------------------------------------------------
+
+
+def test_new_prefill_waits_for_kv_headroom_before_anything_is_preempted():
+    sched = make_scheduler(token_budget=512, chunk_size=64, max_num_seqs=8, max_model_len=256, num_blocks=80,
+                           block_size=4)
+    engine = FakeEngine(sched)
+    first = engine.add(make_request(200, max_tokens=20))
+    engine.step()
+    second = engine.add(make_request(200, max_tokens=20))
+    engine.step()
+    assert second.status == RequestStatus.WAITING and sched.stats.kv_admission_delays > 0
+    engine.run()
+    assert sched.stats.num_preemptions == 0
+    assert first.status == second.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_preemption_takes_the_lowest_class_first_and_the_newest_within_a_class():
+    sched = make_scheduler(token_budget=64, chunk_size=64, max_num_seqs=8, max_model_len=24, num_blocks=12,
+                           block_size=4, watermark=0.0)
+    engine = FakeEngine(sched)
+    old_batch = engine.add(make_request(10, max_tokens=14, traffic_class="batch"))
+    engine.clock.now += 1
+    new_batch = engine.add(make_request(10, max_tokens=14, traffic_class="batch"))
+    engine.clock.now += 1
+    inter = engine.add(make_request(10, max_tokens=14))
+    victims = []
+    while sched.has_unfinished_requests():
+        victims += engine.step().preempted
+    assert victims and victims[0] is new_batch
+    assert inter not in victims
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in (old_batch, new_batch, inter))
+
+
+def test_a_victim_already_scheduled_in_the_step_is_unscheduled_and_refunded():
+    # Nine blocks of 4: a batch request (older, scheduled first) and an interactive one that needs
+    # a new block when none is free.
+    sched = make_scheduler(token_budget=64, chunk_size=64, max_num_seqs=8, max_model_len=32, num_blocks=9,
+                           block_size=4, watermark=0.0)
+    engine = FakeEngine(sched)
+    batch = engine.add(make_request(14, max_tokens=10, traffic_class="batch"))
+    engine.clock.now += 1
+    inter = engine.add(make_request(6, max_tokens=10))
+    refunded = []
+    while sched.has_unfinished_requests():
+        out = engine.step()
+        if batch in out.preempted:
+            refunded.append(out)
+            assert all(r.request is not batch for r in out.rows)  # its row is gone
+            assert out.num_decode_tokens == sum(1 for r in out.rows if r.num_tokens == 1 and r.request.num_output_tokens)
+    assert refunded, "the batch request should have been preempted while scheduled"
+    assert batch.status == inter.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_a_request_preempted_more_than_n_times_is_protected():
+    sched = make_scheduler(token_budget=64, chunk_size=64, max_num_seqs=8, max_model_len=40, num_blocks=12,
+                           block_size=4, watermark=0.0, max_preemptions=1)
+    engine = FakeEngine(sched)
+    reqs = []
+    for _ in range(4):
+        reqs.append(engine.add(make_request(8, max_tokens=30, traffic_class="background")))
+        engine.clock.now += 1
+    engine.run()
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert max(r.num_preemptions for r in reqs) <= 2  # preempted at most N + 1 = 2 times
+    assert sched.stats.num_preemptions > 0
+
+
+def test_preempted_request_resumes_before_new_admissions_of_its_class():
+    sched = make_scheduler(token_budget=64, chunk_size=64, max_num_seqs=8, max_model_len=24, num_blocks=6,
+                           block_size=4, watermark=0.0)
+    engine = FakeEngine(sched)
+    a = engine.add(make_request(10, max_tokens=14))
+    engine.clock.now += 1
+    b = engine.add(make_request(10, max_tokens=14))
+    while not b.num_preemptions:
+        engine.step()
+    engine.clock.now += 1
+    c = engine.add(make_request(4, max_tokens=2))
+    engine.run()
+    assert engine.record.first_token_step[c.request_id] >= 0
+    resumed = next(i for i, out in enumerate(engine.record.steps) if any(r.request is b for r in out.rows)
+                   and i > engine.record.arrival_step[c.request_id])
+    c_first = next(i for i, out in enumerate(engine.record.steps) if any(r.request is c for r in out.rows))
+    assert resumed <= c_first
+    assert a.status == b.status == c.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_two_thousand_requests_with_30_percent_cancelled_leave_no_used_block():
+    """Then one request that needs the whole pool succeeds (cached blocks are evicted for it)."""
+    rng = random.Random(1)
+    sched = make_scheduler(token_budget=256, chunk_size=64, max_num_seqs=32, max_model_len=1024, num_blocks=256,
+                           block_size=4)
+    engine = FakeEngine(sched)
+    shared = [rng.randrange(3, 500) for _ in range(64)]
+    live = []
+    for i in range(2000):
+        prefix = shared[: rng.choice([0, 16, 32, 64])]
+        n = rng.randint(1, 120)
+        tokens = prefix + [rng.randrange(3, 500) for _ in range(n)]
+        live.append(engine.add(make_request(len(tokens), max_tokens=rng.randint(1, 20), tokens=tokens)))
+        if i % 10 == 9:  # every 10 arrivals: a step, then 3 live requests (30 %) are cancelled
+            engine.step()
+            live = [r for r in live if not r.is_finished]
+            for req in rng.sample(live, k=min(len(live), 3)):
+                sched.abort_request(req.request_id)
+            live = [r for r in live if not r.is_finished]
+    engine.run()
+    bm = sched.block_manager
+    assert sched.stats.num_aborted == 600
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+    assert sched.stats.prefix_cache_hit_tokens > 0 and bm.num_cached_free_blocks > 0
+    whole = engine.add(make_request(1023, max_tokens=1))  # 1024 tokens: all 256 blocks
+    engine.run()
+    assert whole.status == RequestStatus.FINISHED_LENGTH and bm.num_evictions > 0
+
+
+# -- decode reservation in time -------------------------------------------------------------------
+
+
+def test_step_time_target_shrinks_prefill_chunks_to_keep_the_predicted_step_within_target():
+    sched = make_scheduler(token_budget=1024, chunk_size=1024, max_num_seqs=16, max_model_len=8192,
+                           num_blocks=4096, block_size=16)
+    engine = FakeEngine(sched)
+    # Teach the cost model: 1 ms per 10 prefill tokens, 0.5 ms per decode, 2 ms fixed.
+    for n in (50, 100, 200, 400, 800, 150, 300, 600, 90, 700):
+        req = engine.add(make_request(n, max_tokens=1))
+        out = sched.schedule()
+        seconds = 0.002 + out.num_prefill_tokens * 1e-4 + out.num_decode_tokens * 5e-4
+        sched.observe_step_time(out, seconds)
+        sched.update_from_output(out, [5] * sum(r.sample for r in out.rows))
+        assert req.is_finished
+    assert sched.cost_model.ready
+    target = sched.config.policy.updated({"step_time_target_ms": 20.0})
+    sched.reconfigure(sched.config.__class__(1024, 1024, 16, 8192, True, target))
+    engine.add(make_request(2000, max_tokens=1))
+    out = sched.schedule()
+    predicted = sched.cost_model.predict(out.features())
+    assert out.num_prefill_tokens < 1024 and predicted <= 0.020 * 1.01
+    assert out.num_prefill_tokens >= 150  # the chunk shrank, it did not vanish
+
+
+def test_live_reconfiguration_takes_effect_from_the_next_step():
+    sched = make_scheduler(token_budget=64, chunk_size=64, max_num_seqs=8, max_model_len=2048)
+    engine = FakeEngine(sched)
+    engine.add(make_request(1000, max_tokens=1))
+    assert engine.step().num_prefill_tokens == 64
+    sched.reconfigure(sched.config.__class__(token_budget=128, chunk_size=32, max_num_seqs=8, max_model_len=2048))
+    assert engine.step().num_prefill_tokens == 32
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.reconfigure(sched.config.__class__(max_model_len=4096))
+
+
+def test_policy_updates_merge_and_validate():
+    policy = Policy().updated({"classes": {"batch": {"min_share": 0.3}}, "tenants": {"gold": {"weight": 3}}})
+    assert policy.classes["batch"].min_share == 0.3 and policy.classes["batch"].max_queue_age_s == 30.0
+    assert policy.tenant("gold").weight == 3 and policy.tenant("other").weight == 1.0
+    assert "gold" not in Policy(tenants={"gold": TenantPolicy()}).updated({"tenants": {"gold": None}}).tenants
+    for bad, path in [({"classes": {"batch": {"min_share": 2}}}, "classes.batch.min_share"),
+                      ({"classes": {"vip": {}}}, "class"), ({"tenants": {"gold": {"weight": 0}}}, "tenants.gold.weight"),
+                      ({"turbo": 1}, "turbo"), ({"classes": {"batch": {"speed": 1}}}, "classes.batch.speed")]:
+        with pytest.raises(ValueError, match=path):
+            Policy().updated(bad)
