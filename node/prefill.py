@@ -3,9 +3,10 @@
 Order of work in a step, after the decodes:
 
 1. **Budget.** The prefill budget is what the decodes left of ``token_budget``; with
-   ``step_time_target_ms`` and a calibrated cost model it also stops where the predicted step
-   would exceed the target — chunks shrink, the decode cadence holds (the decode reservation in
-   time). A floor of a few tokens per step keeps prefill from stalling outright.
+   ``step_time_target_ms``, a calibrated cost model and an interactive stream decoding, it also
+   stops where the predicted step would exceed the target — chunks shrink, the interactive
+   decode cadence holds (the decode reservation in time). A floor of a few tokens per step keeps
+   prefill from stalling outright.
 2. **Aging.** A class whose oldest waiting request has waited ``max_queue_age_s`` (counting the
    step about to run) has that request admitted first, ahead of every class.
 3. **Classes, highest first.** Each class may take up to its ``max_prefill_tokens``, but never
@@ -62,9 +63,15 @@ class PrefillAdder:
         self.seconds_left = self._time_budget()
 
     def _time_budget(self) -> float | None:
+        """Seconds of the step-time target left after the decodes — when the step decodes an
+        interactive stream (whose inter-token latency the target protects) and the cost model is
+        calibrated; else None (no time limit)."""
         target = self.policy.step_time_target_ms
         model = self.sched.cost_model
         if target is None or not model.ready:
+            return None
+        if not any(r.traffic_class == "interactive" and r.num_computed_tokens == len(r.token_ids) - 1
+                   for r in self.sched.running):
             return None
         decode_only = self.step.out.features()._replace(prefill_tokens=0, prefill_attention_tokens=0.0)
         return target / 1000.0 - (model.predict(decode_only) or 0.0)

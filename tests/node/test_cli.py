@@ -68,3 +68,23 @@ def test_a_busy_port_is_reported_without_a_traceback(tiny_llama_dir):
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "cannot listen on 127.0.0.1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_policy_file_and_flags_reach_the_engine_config(tmp_path, tiny_llama_dir):
+    from cadenza.node.cli import build_parser, engine_config_from_args
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("classes:\n  batch:\n    max_prefill_tokens: 64\ntenants:\n  gold:\n    weight: 3\n")
+    args = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--policy", str(policy),
+                                      "--step-time-target-ms", "80", "--no-prefix-caching"])
+    config = engine_config_from_args(args)
+    assert config.scheduler.policy.classes["batch"].max_prefill_tokens == 64
+    assert config.scheduler.policy.tenant("gold").weight == 3
+    assert config.scheduler.policy.step_time_target_ms == 80 and not config.scheduler.prefix_caching
+
+
+def test_an_invalid_policy_file_is_refused_naming_the_setting(tmp_path, tiny_llama_dir):
+    policy = tmp_path / "policy.json"
+    policy.write_text('{"classes": {"batch": {"min_share": 3}}}')
+    result = serve("--model", str(tiny_llama_dir), "--policy", str(policy))
+    assert result.returncode == 2 and "classes.batch.min_share" in result.stderr

@@ -288,7 +288,7 @@ def test_two_thousand_requests_with_30_percent_cancelled_leave_no_used_block():
 # -- decode reservation in time -------------------------------------------------------------------
 
 
-def test_step_time_target_shrinks_prefill_chunks_to_keep_the_predicted_step_within_target():
+def test_step_time_target_shrinks_prefill_chunks_while_an_interactive_stream_decodes():
     sched = make_scheduler(token_budget=1024, chunk_size=1024, max_num_seqs=16, max_model_len=8192,
                            num_blocks=4096, block_size=16)
     engine = FakeEngine(sched)
@@ -303,9 +303,16 @@ def test_step_time_target_shrinks_prefill_chunks_to_keep_the_predicted_step_with
     assert sched.cost_model.ready
     target = sched.config.policy.updated({"step_time_target_ms": 20.0})
     sched.reconfigure(sched.config.__class__(1024, 1024, 16, 8192, True, target))
-    engine.add(make_request(2000, max_tokens=1))
+    engine.add(make_request(8000, max_tokens=1, traffic_class="batch"))
+    out = sched.schedule()  # no interactive stream is decoding: nothing to protect, full chunk
+    assert out.num_prefill_tokens == 1024
+    sched.update_from_output(out, [])
+    stream = engine.add(make_request(4, max_tokens=50))
+    while stream.num_output_tokens == 0:
+        engine.step()
     out = sched.schedule()
     predicted = sched.cost_model.predict(out.features())
+    assert out.num_decode_tokens == 1
     assert out.num_prefill_tokens < 1024 and predicted <= 0.020 * 1.01
     assert out.num_prefill_tokens >= 150  # the chunk shrank, it did not vanish
 

@@ -163,3 +163,14 @@ async def test_invalid_changes_are_a_400_and_nothing_changes(client, change):
     resp = await client.put("/admin/config", json=change, headers=AUTH)
     assert resp.status == 400 and (await resp.json())["error"]["message"]
     assert await (await client.get("/admin/config", headers=AUTH)).json() == before
+
+
+async def test_context_limits_at_max_model_len_1024(client):
+    """A 1,025-token prompt is a 400; 1,000 tokens + max_tokens 100 is a 400; the server stays up."""
+    resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 1025, "max_tokens": 1})
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "context_length_exceeded"
+    resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 1000, "max_tokens": 100})
+    assert resp.status == 400 and "1024" in (await resp.json())["error"]["message"]
+    resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": [], "max_tokens": 1})
+    assert resp.status == 400  # a 0-token prompt
+    assert (await client.post("/v1/completions", json=body())).status == 200
