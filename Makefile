@@ -31,6 +31,7 @@ bench: model
 	$(BIN)/python -m bench.scheduler_overhead
 	$(BIN)/python -m bench.itl_protection
 	$(BIN)/python -m bench.throughput_vs_hf
+	$(BIN)/python -m bench.classes
 
 # On a machine with a CUDA GPU: native kernel tests, attention bandwidth/throughput, engine step.
 gpu-check: model
