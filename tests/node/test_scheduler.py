@@ -227,6 +227,8 @@ workloads = st.fixed_dictionaries(
             min_size=1,
             max_size=12,
         ),
+        "shared_prefixes": st.booleans(),  # prompts cut from 2 token streams: the prefix cache hits
+        "classes": st.lists(st.sampled_from(["interactive", "batch", "background"]), min_size=12, max_size=12),
     }
 )
 
@@ -238,8 +240,14 @@ def simulate(w: dict) -> Trace:
     num_blocks = -(-max_model_len // bs) + w["spare_blocks"]
     sched = make_scheduler(w["token_budget"], w["chunk_size"], w["max_num_seqs"], max_model_len, num_blocks, bs)
     trace = Trace(sched.config)
+    streams = [[(7 * j + k * 13) % 97 + 3 for j in range(120)] for k in range(2)]
+
+    def request(i: int, prompt_len: int, max_tokens: int):
+        tokens = streams[i % 2][:prompt_len] if w["shared_prefixes"] else None
+        return make_request(prompt_len, max_tokens, arrival=float(i), tokens=tokens, traffic_class=w["classes"][i])
+
     pending = sorted(
-        ((arrival, i, make_request(p, m, arrival=float(i)), abort) for i, (p, m, arrival, abort) in enumerate(w["requests"])),
+        ((arrival, i, request(i, p, m), abort) for i, (p, m, arrival, abort) in enumerate(w["requests"])),
         key=lambda x: (x[0], x[1]),
     )
     for step in range(5000):
