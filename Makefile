@@ -32,6 +32,7 @@ bench: model
 	$(BIN)/python -m bench.itl_protection
 	$(BIN)/python -m bench.throughput_vs_hf
 	$(BIN)/python -m bench.classes
+	$(BIN)/python -m bench.telemetry_overhead
 
 # On a machine with a CUDA GPU: native kernel tests, attention bandwidth/throughput, engine step.
 gpu-check: model

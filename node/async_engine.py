@@ -18,9 +18,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cadenza.node.engine import Engine, RequestOutput
 from cadenza.node.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from cadenza.node.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ class _Reconfigure:
 
 
 _STOP = object()
+STATS_PERIOD_S = 0.2
 
 
 class AsyncEngine:
@@ -60,8 +65,9 @@ class AsyncEngine:
         factory: builds the engine; called in the engine thread.
     """
 
-    def __init__(self, factory: Callable[[], Engine]) -> None:
+    def __init__(self, factory: Callable[[], Engine], telemetry: "Telemetry | None" = None) -> None:
         self._factory = factory
+        self.telemetry = telemetry
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -69,6 +75,8 @@ class AsyncEngine:
         self._ready = threading.Event()
         self.engine: Engine | None = None
         self.error: BaseException | None = None
+        self._stats: dict = {}
+        self._stats_time = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -116,6 +124,7 @@ class AsyncEngine:
         sampling: SamplingParams,
         traffic_class: str = "interactive",
         tenant: str = "default",
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until one is finished.
 
@@ -135,7 +144,8 @@ class AsyncEngine:
         self.engine.scheduler.check_admission(probe)  # type: ignore[union-attr]
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt_token_ids, sampling, time.monotonic(), traffic_class, tenant))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._commands.put(_Add(request_id, prompt_token_ids, sampling, arrival, traffic_class, tenant))
         finished = False
         try:
             while True:
@@ -171,21 +181,28 @@ class AsyncEngine:
         self._commands.put(_Reconfigure(changes, done))
         return await done
 
-    def stats(self) -> dict[str, float | int]:
-        """The engine's counters (empty until loaded)."""
-        return self.engine.stats() if self.engine is not None else {}
+    def stats(self) -> dict:
+        """The engine's counters as the engine thread last published them (empty until loaded).
+
+        The engine thread refreshes them at most every ``STATS_PERIOD_S``, whenever a request
+        finishes and whenever it goes idle, so readers on other threads never walk scheduler
+        structures that are changing under them.
+        """
+        return self._stats
 
     # -- engine thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             self.engine = self._factory()
+            self.engine.observer = self.telemetry
         except BaseException as exc:  # reported through wait_ready
             if not isinstance(exc, (ValueError, FileNotFoundError)):  # config errors need no traceback
                 logger.exception("engine failed to load")
             self.error = exc
             self._ready.set()
             return
+        self._refresh_stats(force=True)
         self._ready.set()
         try:
             self._loop_forever(self.engine)
@@ -203,6 +220,7 @@ class AsyncEngine:
             except queue.Empty:
                 commands = []
                 if not engine.has_unfinished_requests():
+                    self._refresh_stats(force=True)
                     continue
             while True:
                 try:
@@ -226,6 +244,7 @@ class AsyncEngine:
             if failures:
                 self._publish(failures)
             if not engine.has_unfinished_requests():
+                self._refresh_stats(force=True)
                 continue
             try:
                 outputs = engine.step()
@@ -237,8 +256,15 @@ class AsyncEngine:
                     engine.abort_request(request_id)
                 self._publish([(rid, RuntimeError(f"engine step failed: {exc}")) for rid in live])
                 continue
+            self._refresh_stats(force=any(o.finished for o in outputs) or not engine.has_unfinished_requests())
             if outputs:
                 self._publish(outputs)
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_time >= STATS_PERIOD_S:
+            self._stats = self.engine.stats()  # type: ignore[union-attr]
+            self._stats_time = now
 
     def _settle(self, future: asyncio.Future, fn, *args) -> None:
         """Run ``fn`` here (the engine thread) and hand its result or error to ``future``."""
@@ -266,8 +292,11 @@ class AsyncEngine:
             pass
 
     def _dispatch(self, items: list) -> None:
+        telemetry = self.telemetry
         for item in items:
             if isinstance(item, RequestOutput):
+                if telemetry is not None:
+                    telemetry.on_output(item)
                 stream = self._streams.get(item.request_id)
                 if stream is not None:
                     stream.put_nowait(item)

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from cadenza.node.block_manager import KVBlockManager
 from cadenza.node.config import EngineConfig, SchedulerConfig, resolve_max_model_len
@@ -22,7 +22,7 @@ from cadenza.node.detokenizer import IncrementalDetokenizer
 from cadenza.node.model_runner import ModelRunner
 from cadenza.node.models.config import ModelConfig
 from cadenza.node.request import Request, RequestStatus, SamplingParams
-from cadenza.node.scheduler import Scheduler
+from cadenza.node.scheduler import Scheduler, SchedulerOutput
 from cadenza.node.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,8 @@ class RequestOutput:
         text: newly decodable text; never a broken UTF-8 sequence, never part of a stop string.
         finish_reason: ``stop`` | ``length`` | ``abort`` once finished, else None.
         num_prompt_tokens, num_output_tokens: counts so far (usage).
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        time: ``time.monotonic()`` when the step that produced it finished (seconds).
     """
 
     request_id: str
@@ -45,10 +47,21 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0
+    time: float = 0.0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class StepObserver(Protocol):
+    """Sees every step right after it ran, in the engine thread (telemetry attaches one)."""
+
+    def on_step(self, out: SchedulerOutput, seconds: float, now: float) -> None:
+        """``out``: the step's rows, preemptions and admissions; ``seconds``: its model time;
+        ``now``: ``time.monotonic()`` at its end."""
+        ...
 
 
 class Engine:
@@ -89,6 +102,7 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step_tokens = 0  # tokens the last step computed (0: nothing was schedulable)
         self.step_time_s: deque[float] = deque(maxlen=1024)  # measured model time of recent steps
+        self.observer: StepObserver | None = None  # telemetry, when attached
 
     @classmethod
     def from_model(cls, model: str | Path, **scheduler_and_cache: object) -> "Engine":
@@ -155,6 +169,9 @@ class Engine:
         elapsed = time.perf_counter() - started
         self.scheduler.observe_step_time(out, elapsed)
         self.step_time_s.append(elapsed)
+        now = time.monotonic()
+        if self.observer is not None:
+            self.observer.on_step(out, elapsed, now)
         outputs = []
         for req, token, finished in self.scheduler.update_from_output(out, tokens):
             text = ""
@@ -174,7 +191,7 @@ class Engine:
             outputs.append(
                 RequestOutput(
                     req.request_id, [token], text, finished.finish_reason if finished else None,
-                    req.num_prompt_tokens, req.num_output_tokens,
+                    req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens, now,
                 )
             )
         return outputs

@@ -179,7 +179,7 @@ class PrefillAdder:
         n = self._chunk(req, start, room)
         if n <= 0:
             return False
-        self.sched.start_running(req)
+        self.sched.start_running(req, self.step)
         bm.adopt_prefix(req.request_id, cached)
         req.num_computed_tokens = req.num_cached_tokens = start
         stats = self.sched.stats

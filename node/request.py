@@ -104,6 +104,7 @@ class Request:
         num_preemptions: times its KV was dropped for recompute.
         num_cached_tokens: prompt tokens served from the prefix cache at its (last) admission.
         admitted_time: when it was first admitted to run (queue time = this - arrival).
+        preempted_time: when it was last preempted (None once it runs again).
     """
 
     request_id: str
@@ -119,6 +120,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     admitted_time: float | None = None
+    preempted_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -67,6 +67,8 @@ class SchedulerOutput:
     decode_context_tokens: int = 0
     prefill_attention_tokens: float = 0.0
     preempted: list[Request] = field(default_factory=list)
+    prefill_rows: list[ScheduledRow] = field(default_factory=list)
+    admitted: list[tuple[Request, str, float]] = field(default_factory=list)  # (request, phase, seconds queued)
 
     @property
     def num_tokens(self) -> int:
@@ -136,6 +138,7 @@ class SchedulerStats:
     num_aborted: int = 0
     num_cancelled_before_first_token: int = 0
     prefill_tokens_admitted: int = 0  # prefill tokens scheduled into steps
+    decode_tokens: int = 0  # decode tokens scheduled into steps
     prefill_tokens_deferred: int = 0  # chunk tokens partial prefills wanted but did not get
     decode_steps_delayed: int = 0  # decodes that could not run in a step
     allocation_failures: int = 0  # KV block allocations that failed (then preempt or wait)
@@ -279,6 +282,8 @@ class Scheduler:
             # Every running request is blocked on KV and none may be preempted (all protected):
             # break the deadlock with the lowest-priority one.
             self._preempt(max(self.running, key=self._victim_key), step)
+        self.stats.decode_tokens += step.out.num_decode_tokens
+        step.out.prefill_rows = list(step.prefills.values())
         return step.out
 
     def _schedule_decodes(self, step: Step) -> None:
@@ -356,18 +361,24 @@ class Scheduler:
         self.stats.num_recomputed_tokens += req.num_computed_tokens
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.preempted_time = self.clock()
         req.status = RequestStatus.PREEMPTED
         self.queues[req.traffic_class].push_resume(req)
         step.out.preempted.append(req)
 
-    def start_running(self, req: Request) -> None:
+    def start_running(self, req: Request, step: Step) -> None:
         """Move a queued request into the running set (the prefill adder admitted it)."""
         self.queues[req.traffic_class].pop(req)
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=_arrival)
+        now = self.clock()
         if req.admitted_time is None:
-            req.admitted_time = self.clock()
-        self.drain[req.traffic_class].record(self.clock())
+            req.admitted_time = now
+            step.out.admitted.append((req, "admission", now - req.arrival_time))
+        else:
+            step.out.admitted.append((req, "resume", now - (req.preempted_time or now)))
+            req.preempted_time = None
+        self.drain[req.traffic_class].record(now)
 
     # -- applying a step ----------------------------------------------------------------------
 
@@ -460,6 +471,7 @@ class Scheduler:
             "num_aborted": s.num_aborted,
             "num_cancelled_before_first_token": s.num_cancelled_before_first_token,
             "prefill_tokens_admitted": s.prefill_tokens_admitted,
+            "decode_tokens": s.decode_tokens,
             "prefill_tokens_deferred": s.prefill_tokens_deferred,
             "decode_steps_delayed": s.decode_steps_delayed,
             "allocation_failures": s.allocation_failures,

@@ -2,14 +2,19 @@
 
 Loads a trace (:mod:`cadenza.node.bench.trace`), scales it, synthesizes prompts of the trace's
 lengths (:mod:`cadenza.node.bench.prompts`), replays it with streaming
-(:mod:`cadenza.node.bench.client`), prints a report (:mod:`cadenza.node.bench.report`) and
-optionally writes everything, per-request records included, to JSON.
+(:mod:`cadenza.node.bench.client`) while sampling a cadenza server's counters
+(:mod:`cadenza.node.bench.server_samples`), prints a report (:mod:`cadenza.node.bench.report`),
+optionally writes everything, per-request records included, to JSON, and draws figures
+(:mod:`cadenza.node.bench.plots`). Requests can be sent as traffic classes (``--class``,
+``--batch-above``); each carries a W3C ``traceparent`` whose trace id is in its record.
 
 Usage::
 
     cadenza bench --trace data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \\
         --base-url http://localhost:8000/v1 --time-scale 4 --length-scale 0.25 \\
-        --duration 120 --slo-ttft-ms 500 --slo-itl-ms 100 --json out.json
+        --duration 120 --slo-ttft-ms 500 --slo-itl-ms 100 --json out.json \\
+        --batch-above 2048 --plot figures/
+    cadenza bench --plot-only out.json --plot figures/
     python -m cadenza.node.bench.cli --help
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import sys
 from datetime import datetime, timezone
@@ -27,10 +33,13 @@ import aiohttp
 from tqdm import tqdm
 
 from cadenza.node.bench.client import ReplayConfig, ReplayResult, RequestRecord, fetch_model, replay
+from cadenza.node.bench.headers import ClassRule, request_headers
 from cadenza.node.bench.prompts import PromptSynthesizer, load_tokenizer
 from cadenza.node.bench.report import SLO, format_summary, summarize
+from cadenza.node.bench.server_samples import ServerSampler
 from cadenza.node.bench.trace import ScaledTrace, TraceRequest, load_trace, scale_trace
 from cadenza.node.embedded import embedded_model_dir
+from cadenza.node.policy import CLASSES
 
 DESCRIPTION = (
     "Replay a request trace (Azure CSV or JSONL) against an OpenAI-compatible endpoint with "
@@ -41,11 +50,14 @@ DESCRIPTION = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``cadenza bench`` options to ``parser``."""
     io = parser.add_argument_group("trace and endpoint")
-    io.add_argument("--trace", required=True, type=Path, metavar="PATH",
-                    help="Azure CSV (TIMESTAMP, ContextTokens, GeneratedTokens) or JSONL "
-                         "(timestamp in ms, input_length, output_length) trace file")
-    io.add_argument("--base-url", required=True, metavar="URL",
-                    help="API root including the version, e.g. http://localhost:8000/v1")
+    io.add_argument("--trace", type=Path, metavar="PATH",
+                    help="(required unless --plot-only) Azure CSV (TIMESTAMP, ContextTokens, "
+                         "GeneratedTokens) or JSONL (timestamp in ms, input_length, "
+                         "output_length) trace file")
+    io.add_argument("--base-url", metavar="URL",
+                    help="(required unless --plot-only) API root including the version, e.g. "
+                         "http://localhost:8000/v1; a cadenza server's counters are polled at "
+                         "its origin's /ready every 0.5 s")
     io.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                     help="POST {base}/completions with a prompt (default) or "
                          "{base}/chat/completions with one user message")
@@ -72,6 +84,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="replay only requests arriving in the first S seconds (after "
                             "--time-scale)")
 
+    classes = parser.add_argument_group("traffic classes (x-cadenza-class header)")
+    pick = classes.add_mutually_exclusive_group()
+    pick.add_argument("--class", dest="traffic_class", choices=CLASSES, default=None,
+                      metavar="NAME", help=f"send every request as class NAME ({', '.join(CLASSES)}); "
+                                           "default: send no class header")
+    pick.add_argument("--batch-above", type=int, default=None, metavar="N",
+                      help="send prompts of N or more tokens as 'batch', the others as "
+                           "'interactive'")
+
     prompts = parser.add_argument_group("prompt synthesis")
     prompts.add_argument("--tokenizer", type=Path, default=None, metavar="PATH",
                          help="tokenizer.json, or a folder holding one, used to make prompts of "
@@ -86,6 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", type=Path, default=None, metavar="OUT",
                      help="write the summary, the scaling and per-request records here")
     out.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    out.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                     help="write PNG figures here (TTFT/ITL over time, TTFT vs prompt length, "
+                          "tokens per step, KV blocks)")
+    out.add_argument("--plot-only", type=Path, default=None, metavar="RESULT",
+                     help="replay nothing: draw the --plot figures from a saved --json file")
+    out.add_argument("--long-prompt-tokens", type=int, default=None, metavar="N",
+                     help="mark arrivals of prompts of N or more tokens in the figures "
+                          "(default: the 90th percentile of the replayed prompt lengths)")
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -103,13 +132,15 @@ def _synthesize(requests: list[TraceRequest], synth: PromptSynthesizer, quiet: b
 
 
 async def _replay(args: argparse.Namespace, requests: list[TraceRequest],
-                  prompts: list[str]) -> tuple[str, ReplayResult]:
+                  prompts: list[str]) -> tuple[str, ReplayResult, ServerSampler]:
     model = args.model
     if model is None:
         async with aiohttp.ClientSession() as session:
             model = await fetch_model(session, args.base_url, args.api_key)
     config = ReplayConfig(base_url=args.base_url, model=model, endpoint=args.endpoint,
-                          timeout_s=args.request_timeout, api_key=args.api_key)
+                          timeout_s=args.request_timeout, api_key=args.api_key,
+                          classes=ClassRule(args.traffic_class, args.batch_above))
+    sampler = ServerSampler(args.base_url, headers=request_headers(args.api_key))
     failed = 0
     with tqdm(total=len(requests), desc="replaying", unit="req",
               disable=args.no_progress) as bar:
@@ -120,12 +151,12 @@ async def _replay(args: argparse.Namespace, requests: list[TraceRequest],
             bar.set_postfix_str(f"failed={failed}", refresh=False)
             bar.update(1)
 
-        result = await replay(requests, prompts, config, on_done)
-    return model, result
+        result = await replay(requests, prompts, config, on_done, sampler)
+    return model, result, sampler
 
 
-def _document(args: argparse.Namespace, model: str, scaled: ScaledTrace,
-              summary: dict[str, Any], result: ReplayResult, started: str) -> dict[str, Any]:
+def _document(args: argparse.Namespace, model: str, scaled: ScaledTrace, summary: dict[str, Any],
+              result: ReplayResult, sampler: ServerSampler, started: str) -> dict[str, Any]:
     return {
         "benchmark": "trace_replay",
         "started_at": started,
@@ -136,17 +167,55 @@ def _document(args: argparse.Namespace, model: str, scaled: ScaledTrace,
         "seed": args.seed,
         "scaling": scaled.scaling.as_dict(),
         "scaling_description": scaled.scaling.describe(),
+        "traffic_classes": {"class": args.traffic_class, "batch_above": args.batch_above},
         **summary,
+        "server_samples_url": sampler.url,
+        "server_samples_note": sampler.note,
+        "server_samples": sampler.samples,
         "requests": [r.as_dict() for r in result.records],
     }
+
+
+def _plot(document: dict[str, Any], out_dir: Path, long_prompt_tokens: int | None) -> int:
+    from cadenza.node.bench.plots import write_plots
+
+    try:
+        paths = write_plots(document, out_dir, long_prompt_tokens)
+    except ImportError as exc:
+        return _fail(f"--plot needs matplotlib ({exc}); pip install matplotlib")
+    for path in paths:
+        print(f"Wrote {path}")
+    return 0
+
+
+def _plot_only(args: argparse.Namespace) -> int:
+    if args.plot is None:
+        return _fail("--plot-only needs --plot DIR")
+    try:
+        document = json.loads(args.plot_only.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return _fail(f"cannot read {args.plot_only}: {exc}")
+    if not isinstance(document, dict) or not isinstance(document.get("requests"), list):
+        return _fail(f"{args.plot_only} is not a 'cadenza bench --json' result")
+    return _plot(document, args.plot, args.long_prompt_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; returns the process exit code.
 
     Exit codes: 0 when at least one request completed, 1 when none did or the model could not
-    be listed, 2 for bad options, an unreadable trace or a missing tokenizer.
+    be listed, 2 for bad options, an unreadable trace or a missing tokenizer. With
+    ``--plot-only``, 0 when the figures were written, else 2.
     """
+    if args.plot_only is not None:
+        return _plot_only(args)
+    missing = [o for o, v in (("--trace", args.trace), ("--base-url", args.base_url)) if v is None]
+    if missing:
+        return _fail(f"the following arguments are required: {', '.join(missing)}")
+    if args.batch_above is not None and args.batch_above < 1:
+        return _fail(f"--batch-above must be >= 1 token, got {args.batch_above}")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        return _fail("--plot needs matplotlib; pip install matplotlib")
     try:
         scaled = scale_trace(
             load_trace(args.trace),
@@ -172,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
                           args.no_progress)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
-        model, result = asyncio.run(_replay(args, scaled.requests, prompts))
+        model, result, sampler = asyncio.run(_replay(args, scaled.requests, prompts))
     except RuntimeError as exc:
         return _fail(str(exc), code=1)
 
@@ -180,11 +249,14 @@ def run(args: argparse.Namespace) -> int:
                         SLO(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms))
     print(format_summary(summary, title=f"Trace replay: {model} at {args.base_url}"))
     print(scaled.scaling.describe())
+    print(sampler.note or f"{len(sampler.samples)} server samples from {sampler.url}")
+    document = _document(args, model, scaled, summary, result, sampler, started)
     if args.json is not None:
-        document = _document(args, model, scaled, summary, result, started)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
         print(f"Wrote {args.json}")
+    if args.plot is not None and _plot(document, args.plot, args.long_prompt_tokens):
+        return 2
     return 0 if summary["completed"] else 1
 
 

@@ -10,6 +10,10 @@ between consecutive ones is an ITL sample. Token counts come from the final usag
 
 An HTTP error status, a connection error, a timeout, a malformed stream or an ``error`` object in
 the stream marks the request failed with a message; the replay itself never raises for them.
+
+Every request carries a fresh W3C ``traceparent`` and, when a :class:`ClassRule` says so, an
+``x-cadenza-class`` header (:mod:`cadenza.node.bench.headers`). A :class:`ServerSampler` given to
+:func:`replay` polls the server's counters alongside (:mod:`cadenza.node.bench.server_samples`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any, Literal
 
 import aiohttp
 
+from cadenza.node.bench.headers import ClassRule, new_traceparent, request_headers
+from cadenza.node.bench.server_samples import ServerSampler
 from cadenza.node.bench.trace import TraceRequest
 
 Endpoint = Literal["completions", "chat"]
@@ -40,6 +46,7 @@ class ReplayConfig:
             (``POST {base}/chat/completions``, one user message).
         timeout_s: per-request limit in seconds, from send to the end of the stream.
         api_key: sent as ``Authorization: Bearer ...`` when set.
+        classes: which ``x-cadenza-class`` each request carries (default: none).
     """
 
     base_url: str
@@ -47,6 +54,7 @@ class ReplayConfig:
     endpoint: Endpoint = "completions"
     timeout_s: float = 600.0
     api_key: str | None = None
+    classes: ClassRule = ClassRule()
 
 
 @dataclass(slots=True)
@@ -65,6 +73,8 @@ class RequestRecord:
         e2e_ms: send to the end of the stream (or to the failure).
         prompt_tokens: from the usage chunk, else None.
         completion_tokens: from the usage chunk, else the number of text-carrying chunks.
+        traffic_class: the ``x-cadenza-class`` sent (JSON key ``class``), or None when none was.
+        trace_id: the trace id of the ``traceparent`` sent (32 hex digits).
     """
 
     index: int
@@ -79,10 +89,14 @@ class RequestRecord:
     e2e_ms: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int = 0
+    traffic_class: str | None = None
+    trace_id: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain dict for JSON output (keys are the attribute names)."""
-        return asdict(self)
+        """Plain dict for JSON output (keys are the attribute names, ``class`` for the class)."""
+        out = asdict(self)
+        out["class"] = out.pop("traffic_class")
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +124,6 @@ def build_payload(config: ReplayConfig, prompt: str, max_tokens: int) -> dict[st
     return body
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
 async def fetch_model(session: aiohttp.ClientSession, base_url: str,
                       api_key: str | None = None, timeout_s: float = 30.0) -> str:
     """The first model id listed by ``GET {base_url}/models``.
@@ -123,7 +133,7 @@ async def fetch_model(session: aiohttp.ClientSession, base_url: str,
     """
     url = base_url.rstrip("/") + "/models"
     try:
-        async with session.get(url, headers=_headers(api_key),
+        async with session.get(url, headers=request_headers(api_key),
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status >= 400:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
@@ -166,12 +176,14 @@ async def send_request(session: aiohttp.ClientSession, config: ReplayConfig,
     """
     url = config.base_url.rstrip("/") + ENDPOINT_PATHS[config.endpoint]
     payload = build_payload(config, prompt, record.output_len)
+    traceparent, record.trace_id = new_traceparent()
+    headers = request_headers(config.api_key, record.traffic_class, traceparent)
     sent = time.perf_counter()
     record.start_s = sent - clock_zero
     last: float | None = None
     chunks = 0
     try:
-        async with session.post(url, json=payload, headers=_headers(config.api_key),
+        async with session.post(url, json=payload, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=config.timeout_s)) as resp:
             if resp.status >= 400:
                 record.error = await _error_message(resp)
@@ -221,6 +233,7 @@ async def replay(
     prompts: Sequence[str],
     config: ReplayConfig,
     on_done: Callable[[RequestRecord], None] | None = None,
+    sampler: ServerSampler | None = None,
 ) -> ReplayResult:
     """Send ``requests[i]`` with ``prompts[i]`` at its ``arrival_s`` after the start.
 
@@ -229,6 +242,8 @@ async def replay(
         prompts: one prompt per request.
         config: endpoint, model and limits.
         on_done: called with each record as its request finishes (e.g. a progress bar).
+        sampler: polls the server from the start until every request has finished, then once
+            more; its samples stay on it (times in seconds since the same start).
 
     Returns:
         Records in trace order and the wall time from the start to the last finished request.
@@ -238,7 +253,8 @@ async def replay(
     """
     if len(requests) != len(prompts):
         raise ValueError(f"{len(requests)} requests but {len(prompts)} prompts")
-    records = [RequestRecord(i, r.arrival_s, r.input_len, r.output_len)
+    records = [RequestRecord(i, r.arrival_s, r.input_len, r.output_len,
+                             traffic_class=config.classes.class_for(r.input_len))
                for i, r in enumerate(requests)]
 
     async def one(record: RequestRecord, prompt: str, session: aiohttp.ClientSession,
@@ -251,6 +267,8 @@ async def replay(
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         clock_zero = time.perf_counter()
+        if sampler is not None:
+            sampler.start(session, clock_zero)
         tasks = []
         for record, prompt in zip(records, prompts):
             delay = clock_zero + record.arrival_s - time.perf_counter()
@@ -259,4 +277,6 @@ async def replay(
             tasks.append(asyncio.create_task(one(record, prompt, session, clock_zero)))
         await asyncio.gather(*tasks)
         duration_s = time.perf_counter() - clock_zero
+        if sampler is not None:
+            await sampler.stop()
     return ReplayResult(records, duration_s)

@@ -12,6 +12,8 @@ Definitions (the names of DESIGN.md's terms):
   checks its TPOT.
 - SLO attainment: the fraction of **all** replayed requests (failed ones count as misses) that
   meet every SLO given.
+- Per class: the same TTFT/ITL/TPOT distributions, counts and attainment over the requests sent
+  with each ``x-cadenza-class``; requests sent without one are grouped under ``(no class)``.
 
 Percentiles use numpy's default (linear interpolation between closest ranks).
 """
@@ -26,8 +28,10 @@ from typing import Any
 import numpy as np
 
 from cadenza.node.bench.client import RequestRecord
+from cadenza.node.policy import CLASSES
 
 PERCENTILES = (50, 95, 99)
+NO_CLASS = "(no class)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +92,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
         ``total_prompt_tokens``, ``total_output_tokens``, ``prompt_tokens_per_s``,
         ``output_tokens_per_s``, ``ttft_ms``/``itl_ms``/``tpot_ms``/``e2e_ms`` (each
         ``mean``/``p50``/``p95``/``p99``), ``slo`` (``ttft_ms``, ``itl_p99_ms``), ``slo_met``,
-        ``slo_attainment`` (fraction), ``goodput`` (req/s) and ``errors`` (message → count).
-        Token totals count completed requests only; a prompt without a usage count is counted
-        at its requested length.
+        ``slo_attainment`` (fraction), ``goodput`` (req/s), ``errors`` (message → count) and
+        ``per_class`` (see :func:`per_class`). Token totals count completed requests only; a
+        prompt without a usage count is counted at its requested length.
     """
     done = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
@@ -117,7 +121,43 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
         "slo_attainment": met / len(records) if records else 0.0,
         "goodput": met * rate,
         "errors": dict(Counter(r.error or "unknown error" for r in failed).most_common()),
+        "per_class": per_class(records, slo),
     }
+
+
+def _class_order(name: str) -> tuple[int, str]:
+    return (CLASSES.index(name) if name in CLASSES else len(CLASSES), name)
+
+
+def per_class(records: Sequence[RequestRecord], slo: SLO) -> dict[str, dict[str, Any]]:
+    """The latency summary of each traffic class, in priority order; ``{}`` when no record has one.
+
+    Returns:
+        Class name (or :data:`NO_CLASS`) → ``requests``, ``completed``, ``failed``,
+        ``ttft_ms``/``itl_ms``/``tpot_ms`` (each ``mean``/``p50``/``p95``/``p99``, ms; ITL gaps
+        pooled over the class's completed requests), ``slo_met`` and ``slo_attainment``.
+    """
+    if all(r.traffic_class is None for r in records):
+        return {}
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        groups.setdefault(r.traffic_class or NO_CLASS, []).append(r)
+    out = {}
+    for name in sorted(groups, key=_class_order):
+        group = groups[name]
+        done = [r for r in group if r.ok]
+        met = sum(meets_slo(r, slo) for r in group)
+        out[name] = {
+            "requests": len(group),
+            "completed": len(done),
+            "failed": len(group) - len(done),
+            "ttft_ms": distribution([r.ttft_ms for r in done if r.ttft_ms is not None]),
+            "itl_ms": distribution([gap for r in done for gap in r.itl_ms]),
+            "tpot_ms": distribution([t for r in done if (t := tpot_ms(r)) is not None]),
+            "slo_met": met,
+            "slo_attainment": met / len(group),
+        }
+    return out
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -152,8 +192,26 @@ def format_summary(summary: dict[str, Any], title: str = "Trace replay") -> str:
         dist = summary[key]
         lines.append(f"{name:<10}" + "".join(f"{_fmt(dist[c]):>10}"
                                              for c in ("mean", "p50", "p95", "p99")))
+    lines += _format_per_class(summary.get("per_class") or {})
     if summary["errors"]:
         lines.append("")
         lines.append("Errors:")
         lines += [f"  {count} x {message}" for message, count in summary["errors"].items()]
     return "\n".join(lines)
+
+
+def _format_per_class(classes: dict[str, dict[str, Any]]) -> list[str]:
+    """Lines of the per-class table: one row per class and metric, p50/p95/p99 in ms."""
+    if not classes:
+        return []
+    width = max(12, *(len(name) + 2 for name in classes))
+    cols = ("p50", "p95", "p99")
+    lines = ["", f"{'Per class':<{width}}{'':<10}{'done/sent':>12}" + "".join(f"{c:>10}" for c in cols)]
+    for name, stats in classes.items():
+        for i, (metric, key) in enumerate((("TTFT (ms)", "ttft_ms"), ("ITL (ms)", "itl_ms"),
+                                           ("TPOT (ms)", "tpot_ms"))):
+            label = name if i == 0 else ""
+            done = f"{stats['completed']}/{stats['requests']}" if i == 0 else ""
+            lines.append(f"{label:<{width}}{metric:<10}{done:>12}"
+                         + "".join(f"{_fmt(stats[key][c]):>10}" for c in cols))
+    return lines

@@ -2,7 +2,8 @@
 
 ``/health`` is liveness (200 while the engine thread runs or loads, 503 once it has died);
 ``/ready`` is readiness (200 once the model is loaded, with the engine's counters);
-``/admin/config`` reads and changes scheduling knobs live (bearer token, :mod:`.admin`). The engine starts loading when the app
+``/admin/config`` reads and changes scheduling knobs live (bearer token, :mod:`.admin`);
+``/metrics`` is Prometheus text (:mod:`cadenza.node.telemetry`, which also exports OTLP). The engine starts loading when the app
 starts, so the server listens — and Kubernetes probes get answers — while weights load.
 """
 
@@ -14,12 +15,14 @@ import signal
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from cadenza.node.async_engine import AsyncEngine
 from cadenza.node.engine import Engine
 from cadenza.node.policy import check_class
 from cadenza.node.server import admin, openai_api
 from cadenza.node.server.errors import error_middleware, error_response
+from cadenza.node.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +39,11 @@ def create_app(engine_factory: Callable[[], Engine], model_name: str, default_cl
         default_class: traffic class of requests without an ``x-cadenza-class`` header.
     """
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
-    app[openai_api.ENGINE] = AsyncEngine(engine_factory)
+    engine = AsyncEngine(engine_factory)
+    telemetry = Telemetry(model_name, stats=engine.stats)
+    engine.telemetry = telemetry
+    app[openai_api.ENGINE] = engine
+    app[openai_api.TELEMETRY] = telemetry
     app[openai_api.MODEL_NAME] = model_name
     app[openai_api.DEFAULT_CLASS] = check_class(default_class)
     admin.add_routes(app)
@@ -46,6 +53,7 @@ def create_app(engine_factory: Callable[[], Engine], model_name: str, default_cl
     app.router.add_get("/v1/models", openai_api.models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
     return app
 
 
@@ -54,6 +62,13 @@ async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     engine.start()
     yield
     await engine.shutdown()
+    await asyncio.get_running_loop().run_in_executor(None, app[openai_api.TELEMETRY].shutdown)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text exposition of every metric (GenAI semantic conventions + ``cadenza.*``)."""
+    body = await asyncio.get_running_loop().run_in_executor(None, request.app[openai_api.TELEMETRY].prometheus_text)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def health(request: web.Request) -> web.Response:

@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 import uuid
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -25,9 +25,11 @@ from cadenza.node.policy import DEFAULT_TENANT, PolicyError, check_class, check_
 from cadenza.node.request import SamplingParams
 from cadenza.node.server.errors import APIError, error_body
 from cadenza.node.server.protocol import ChatCompletionRequest, CompletionRequest, parse
+from cadenza.node.telemetry import Telemetry
 from cadenza.node.tokenizer import ChatTemplateError
 
 ENGINE = web.AppKey("engine", AsyncEngine)
+TELEMETRY = web.AppKey("telemetry", Telemetry)
 MODEL_NAME = web.AppKey("model_name", str)
 DEFAULT_CLASS = web.AppKey("default_class", str)
 CLASS_HEADER = "x-cadenza-class"
@@ -46,6 +48,7 @@ class _Call:
     include_usage: bool
     traffic_class: str
     tenant: str
+    arrival: float  # time.monotonic() when the HTTP request arrived
 
 
 def _class_and_tenant(request: web.Request) -> tuple[str, str]:
@@ -60,41 +63,48 @@ def _class_and_tenant(request: web.Request) -> tuple[str, str]:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
     engine = _ready_engine(request)
     traffic_class, tenant = _class_and_tenant(request)
     body = parse(CompletionRequest, await _json(request))
     _check_model(request, body.model)
     body.check_supported()
-    if isinstance(body.prompt, str):
-        _refuse_oversized_text(engine, len(body.prompt), "prompt")
-        prompt_ids = await _off_loop(engine.tokenizer.encode, body.prompt)
-    else:
-        prompt_ids = list(body.prompt)
-        vocab = engine.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
-    sampling = _sampling(body, len(prompt_ids), body.max_tokens, engine.max_model_len, default_fill=False)
-    call = _Call("text_completion", f"cmpl-{uuid.uuid4().hex}", prompt_ids, sampling, body.stream, body.include_usage,
-                 traffic_class, tenant)
-    return await _respond(request, call)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    with _traced(request, request_id, "text_completion", body, body.max_tokens, traffic_class, tenant, arrival):
+        if isinstance(body.prompt, str):
+            _refuse_oversized_text(engine, len(body.prompt), "prompt")
+            prompt_ids = await _off_loop(engine.tokenizer.encode, body.prompt)
+        else:
+            prompt_ids = list(body.prompt)
+            vocab = engine.model_config.vocab_size
+            if any(not 0 <= t < vocab for t in prompt_ids):
+                raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+        sampling = _sampling(body, len(prompt_ids), body.max_tokens, engine.max_model_len, default_fill=False)
+        call = _Call("text_completion", request_id, prompt_ids, sampling, body.stream, body.include_usage,
+                     traffic_class, tenant, arrival)
+        return await _respond(request, call)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
     engine = _ready_engine(request)
     traffic_class, tenant = _class_and_tenant(request)
     body = parse(ChatCompletionRequest, await _json(request))
     _check_model(request, body.model)
     body.check_supported()
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
-    _refuse_oversized_text(engine, sum(len(m["content"]) for m in messages), "messages")
-    try:
-        prompt_ids = await _off_loop(engine.tokenizer.encode_chat, messages)
-    except ChatTemplateError as exc:
-        raise APIError(400, f"messages: {exc}", param="messages") from None
-    sampling = _sampling(body, len(prompt_ids), body.requested_max_tokens, engine.max_model_len, default_fill=True)
-    call = _Call("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, sampling, body.stream,
-                 body.include_usage, traffic_class, tenant)
-    return await _respond(request, call)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    with _traced(request, request_id, "chat", body, body.requested_max_tokens, traffic_class, tenant, arrival):
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
+        _refuse_oversized_text(engine, sum(len(m["content"]) for m in messages), "messages")
+        try:
+            prompt_ids = await _off_loop(engine.tokenizer.encode_chat, messages)
+        except ChatTemplateError as exc:
+            raise APIError(400, f"messages: {exc}", param="messages") from None
+        sampling = _sampling(body, len(prompt_ids), body.requested_max_tokens, engine.max_model_len, default_fill=True)
+        call = _Call("chat.completion", request_id, prompt_ids, sampling, body.stream, body.include_usage,
+                     traffic_class, tenant, arrival)
+        return await _respond(request, call)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -106,6 +116,27 @@ async def models(request: web.Request) -> web.Response:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _traced(request: web.Request, request_id: str, operation: str, body, max_tokens: int | None,
+            traffic_class: str, tenant: str, arrival: float):
+    """The request's span: opened here, ended with its last output — or here, on an error."""
+    telemetry = request.app[TELEMETRY]
+    telemetry.start_request(request_id, operation, request.headers, max_tokens=max_tokens,
+                            temperature=body.temperature, top_p=body.top_p, traffic_class=traffic_class,
+                            tenant=tenant, arrival=arrival)
+    try:
+        yield
+    except APIError as exc:
+        telemetry.fail_request(request_id, exc.code or str(exc.status), exc.message)
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        telemetry.fail_request(request_id, "cancelled", "the client went away")
+        raise
+    except Exception as exc:
+        telemetry.fail_request(request_id, type(exc).__name__, str(exc))
+        raise
 
 
 async def _off_loop(fn, *args):
@@ -177,7 +208,8 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
     async_engine = request.app[ENGINE]
     model = request.app[MODEL_NAME]
     created = int(time.time())
-    stream = async_engine.generate(call.request_id, call.prompt_ids, call.sampling, call.traffic_class, call.tenant)
+    stream = async_engine.generate(call.request_id, call.prompt_ids, call.sampling, call.traffic_class, call.tenant,
+                                   arrival_time=call.arrival)
     chat = call.kind == "chat.completion"
     if not call.stream:
         text: list[str] = []
@@ -226,6 +258,7 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
         except APIError as exc:
             if not response.prepared:
                 raise
+            request.app[TELEMETRY].fail_request(call.request_id, exc.code or str(exc.status), exc.message)
             await _send(response, error_body(exc.status, exc.message, exc.param, exc.code))  # mid-stream
             await response.write_eof()
             return response

@@ -7,6 +7,12 @@ then a usage chunk and ``data: [DONE]``. It fails on purpose where a test needs 
 - ``/busy/v1/...``: every completion gets HTTP 429 with ``Retry-After``;
 - ``/truncated/v1/...``: the stream stops after the tokens, without usage or ``[DONE]``.
 
+Every completion request's headers are kept (``RECEIVED_HEADERS``, lower-case names, in arrival
+order, next to the prompt). ``GET /ready`` answers like a cadenza server: counters that grow on
+every poll (``READY_POLLS`` counts them). ``make_app(ready=...)`` makes another kind of server:
+``"missing"`` (no route: 404), ``"html"`` (200 with a web page) or ``"partial"`` (JSON without
+the counters).
+
 Prompt tokens in its usage chunk are the prompt's UTF-8 bytes, which is exactly what the byte
 tokenizer fixture counts, so synthesized prompts can be checked end to end.
 """
@@ -14,9 +20,10 @@ tokenizer fixture counts, so synthesized prompts can be checked end to end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +37,10 @@ FIRST_TOKEN_DELAY_S = 0.02
 TOKEN_DELAY_S = 0.005
 
 RECEIVED = web.AppKey("received", list)
+RECEIVED_HEADERS = web.AppKey("received_headers", list)
+READY_POLLS = web.AppKey("ready_polls", list)
 STALL_S = web.AppKey("stall_s", float)
+KV_BLOCKS_TOTAL = 64
 
 
 def _sse(obj: Any) -> bytes:
@@ -45,6 +55,9 @@ async def _models(request: web.Request) -> web.Response:
 async def _stream(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     request.app[RECEIVED].append({"path": request.path, **body})
+    request.app[RECEIVED_HEADERS].append({
+        "path": request.path, "prompt": body.get("prompt") or body["messages"][0]["content"],
+        "headers": {k.lower(): v for k, v in request.headers.items()}})
     prefix = request.path.split("/v1/")[0]
     if prefix == "/busy":
         return web.json_response({"error": {"message": "server overloaded", "type": "overloaded"}},
@@ -74,11 +87,41 @@ async def _stream(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def make_fake_openai_app(stall_s: float = 0.0) -> web.Application:
-    """The fake server; ``stall_s`` adds seconds before the first token (for timeouts)."""
+async def _ready(request: web.Request) -> web.Response:
+    """Cadenza-like counters: poll n (1, 2, ...) has made 3n steps, 40n prefill and 5n decode."""
+    polls = request.app[READY_POLLS]
+    polls.append(request.path)
+    n = len(polls)
+    return web.json_response({
+        "status": "ready", "num_steps": 3 * n, "prefill_tokens_admitted": 40 * n,
+        "decode_tokens": 5 * n, "kv_blocks_used": n % 10, "kv_blocks_cached": n % 3,
+        "kv_blocks_total": KV_BLOCKS_TOTAL, "kv_blocks_free": KV_BLOCKS_TOTAL - n % 10,
+        "num_running": len(request.app[RECEIVED]), "num_waiting": 0, "classes": {}})
+
+
+async def _ready_html(request: web.Request) -> web.Response:
+    request.app[READY_POLLS].append(request.path)
+    return web.Response(text="<html><body>ok</body></html>", content_type="text/html")
+
+
+async def _ready_partial(request: web.Request) -> web.Response:
+    request.app[READY_POLLS].append(request.path)
+    return web.json_response({"status": "ready", "num_steps": 1})
+
+
+READY_HANDLERS = {"cadenza": _ready, "html": _ready_html, "partial": _ready_partial}
+
+
+def make_fake_openai_app(stall_s: float = 0.0, ready: str = "cadenza") -> web.Application:
+    """The fake server; ``stall_s`` adds seconds before the first token (for timeouts), ``ready``
+    picks the ``/ready`` answer (``cadenza``, ``missing``, ``html`` or ``partial``)."""
     app = web.Application()
     app[RECEIVED] = []
+    app[RECEIVED_HEADERS] = []
+    app[READY_POLLS] = []
     app[STALL_S] = stall_s
+    if ready != "missing":
+        app.router.add_get("/ready", READY_HANDLERS[ready])
     for prefix in ("", "/busy", "/truncated"):
         app.router.add_get(f"{prefix}/v1/models", _models)
         app.router.add_post(f"{prefix}/v1/completions", _stream)
@@ -93,6 +136,9 @@ class Fake:
     FAIL_MAX_TOKENS = FAIL_MAX_TOKENS
     FIRST_TOKEN_DELAY_S = FIRST_TOKEN_DELAY_S
     RECEIVED = RECEIVED
+    RECEIVED_HEADERS = RECEIVED_HEADERS
+    READY_POLLS = READY_POLLS
+    KV_BLOCKS_TOTAL = KV_BLOCKS_TOTAL
     make_app = staticmethod(make_fake_openai_app)
 
 
@@ -108,10 +154,10 @@ def fake_app() -> web.Application:
 
 @pytest.fixture
 def start_fake_server(aiohttp_server):
-    """``await start_fake_server(stall_s)`` -> base URL of a fresh fake server."""
+    """``await start_fake_server(stall_s, ready=...)`` -> base URL of a fresh fake server."""
 
-    async def start(stall_s: float = 0.0) -> str:
-        server = await aiohttp_server(make_fake_openai_app(stall_s))
+    async def start(stall_s: float = 0.0, ready: str = "cadenza") -> str:
+        server = await aiohttp_server(make_fake_openai_app(stall_s, ready))
         return str(server.make_url("")).rstrip("/")
 
     return start
@@ -127,8 +173,21 @@ async def fake_base_url(aiohttp_server, fake_app) -> str:
 @pytest.fixture
 def threaded_base_url(fake_app) -> Iterator[str]:
     """The fake server on its own thread and loop, for code that calls ``asyncio.run``."""
+    with _serve_in_thread(fake_app) as url:
+        yield url
+
+
+@pytest.fixture
+def threaded_server() -> Iterator[Callable[[web.Application], str]]:
+    """``threaded_server(app)`` -> base URL of ``app`` served on its own thread until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda app: stack.enter_context(_serve_in_thread(app))
+
+
+@contextlib.contextmanager
+def _serve_in_thread(app: web.Application) -> Iterator[str]:
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(fake_app)
+    runner = web.AppRunner(app)
     ready = threading.Event()
     address: list[str] = []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -101,5 +102,118 @@ def test_cli_help_says_how_time_scale_changes_the_rate():
     for option in ("--trace", "--base-url", "--time-scale", "--length-scale", "--max-input-len",
                    "--max-output-len", "--num-requests", "--duration", "--slo-ttft-ms",
                    "--slo-itl-ms", "--json", "--endpoint", "--model", "--tokenizer", "--seed",
-                   "--request-timeout"):
+                   "--request-timeout", "--class", "--batch-above", "--plot", "--plot-only",
+                   "--long-prompt-tokens"):
         assert option in text
+
+
+TRACEPARENT = r"00-[0-9a-f]{32}-[0-9a-f]{16}-01"
+
+
+def test_cli_batch_above_classes_requests_by_prompt_length_and_reports_per_class(
+        trace_path, threaded_base_url, fake_app, fake, byte_tokenizer_path, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = cli.main(_argv(trace_path, threaded_base_url, byte_tokenizer_path, "--duration", "1",
+                          "--batch-above", "30", "--json", str(out)))
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["traffic_classes"] == {"class": None, "batch_above": 30}
+    # Prompts of 12, 40, 25 and 30 tokens; the last one fails (HTTP 500).
+    assert [r["class"] for r in doc["requests"]] == ["interactive", "batch", "interactive", "batch"]
+    sent = {len(h["prompt"]): h["headers"]["x-cadenza-class"] for h in fake_app[fake.RECEIVED_HEADERS]}
+    assert sent == {12: "interactive", 40: "batch", 25: "interactive", 30: "batch"}
+    per = doc["per_class"]
+    assert list(per) == ["interactive", "batch"]
+    assert (per["interactive"]["completed"], per["batch"]["completed"], per["batch"]["failed"]) == (2, 1, 1)
+    for stats in per.values():
+        assert stats["ttft_ms"]["p50"] > 0 and set(stats["itl_ms"]) >= {"p50", "p95", "p99"}
+    assert "Per class" in capsys.readouterr().out
+
+
+def test_cli_records_the_trace_id_each_request_was_sent_with(
+        trace_path, threaded_base_url, fake_app, fake, byte_tokenizer_path, tmp_path):
+    out = tmp_path / "bench.json"
+    assert cli.main(_argv(trace_path, threaded_base_url, byte_tokenizer_path, "--duration", "1",
+                          "--class", "background", "--json", str(out))) == 0
+    doc = json.loads(out.read_text())
+    received = fake_app[fake.RECEIVED_HEADERS]
+    assert {h["headers"]["x-cadenza-class"] for h in received} == {"background"}
+    assert all(re.fullmatch(TRACEPARENT, h["headers"]["traceparent"]) for h in received)
+    sent_ids = {h["headers"]["traceparent"].split("-")[1] for h in received}
+    assert {r["trace_id"] for r in doc["requests"]} == sent_ids and len(sent_ids) == 4
+    assert {r["class"] for r in doc["requests"]} == {"background"}
+
+
+def test_cli_keeps_server_samples_from_a_cadenza_ready_endpoint(
+        trace_path, threaded_base_url, byte_tokenizer_path, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli.main(_argv(trace_path, threaded_base_url, byte_tokenizer_path, "--duration", "1",
+                          "--json", str(out))) == 0
+    doc = json.loads(out.read_text())
+    assert doc["server_samples_url"] == f"{threaded_base_url}/ready"
+    assert doc["server_samples_note"] is None
+    samples = doc["server_samples"]
+    assert len(samples) >= 2  # one at the start, one after the last request
+    assert set(samples[0]) == {"t", "num_steps", "prefill_tokens_admitted", "decode_tokens",
+                               "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total",
+                               "num_running", "num_waiting"}
+    assert samples[0]["t"] < samples[-1]["t"]
+    assert f"server samples from {threaded_base_url}/ready" in capsys.readouterr().out
+    assert all(r["class"] is None for r in doc["requests"]) and doc["per_class"] == {}
+
+
+def test_cli_against_a_server_without_ready_reports_no_samples_and_skips_those_plots(
+        trace_path, threaded_server, fake, byte_tokenizer_path, tmp_path, capsys):
+    base = threaded_server(fake.make_app(ready="missing"))
+    out, figs = tmp_path / "bench.json", tmp_path / "figs"
+    code = cli.main(_argv(trace_path, base, byte_tokenizer_path, "--duration", "1",
+                          "--json", str(out), "--plot", str(figs)))
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["server_samples"] == [] and "HTTP 404" in doc["server_samples_note"]
+    assert sorted(p.name for p in figs.iterdir()) == ["ttft_itl_over_time.png",
+                                                      "ttft_vs_prompt_length.png"]
+    stdout = capsys.readouterr().out
+    assert stdout.count("not a cadenza server") == 1
+    assert "skipped tokens_per_step.png and kv_blocks.png" in stdout
+
+
+def test_cli_plot_writes_four_figures_and_plot_only_redraws_them_from_the_json(
+        trace_path, threaded_base_url, byte_tokenizer_path, tmp_path, capsys):
+    from matplotlib.image import imread
+
+    out, figs, again = tmp_path / "bench.json", tmp_path / "figs", tmp_path / "again"
+    assert cli.main(_argv(trace_path, threaded_base_url, byte_tokenizer_path, "--duration", "1",
+                          "--batch-above", "30", "--json", str(out), "--plot", str(figs),
+                          "--long-prompt-tokens", "40")) == 0
+    names = ["ttft_itl_over_time.png", "ttft_vs_prompt_length.png", "tokens_per_step.png",
+             "kv_blocks.png"]
+    assert sorted(p.name for p in figs.iterdir()) == sorted(names)
+    stdout = capsys.readouterr().out
+    for name in names:
+        assert (figs / name).stat().st_size > 0 and imread(figs / name).ndim == 3
+        assert f"Wrote {figs / name}" in stdout
+
+    assert cli.main(["--plot-only", str(out), "--plot", str(again)]) == 0
+    assert sorted(p.name for p in again.iterdir()) == sorted(names)
+
+
+def test_cli_plot_only_needs_a_plot_folder_and_a_bench_result(tmp_path, capsys):
+    not_a_result = tmp_path / "x.json"
+    not_a_result.write_text("[]")
+    assert cli.main(["--plot-only", str(not_a_result)]) == 2
+    assert "--plot-only needs --plot DIR" in capsys.readouterr().err
+    assert cli.main(["--plot-only", str(not_a_result), "--plot", str(tmp_path)]) == 2
+    assert "is not a 'cadenza bench --json' result" in capsys.readouterr().err
+
+
+def test_cli_without_plot_only_still_needs_a_trace_and_a_base_url(capsys):
+    assert cli.main([]) == 2
+    assert "required: --trace, --base-url" in capsys.readouterr().err
+
+
+def test_cli_class_and_batch_above_cannot_be_combined(trace_path):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--trace", str(trace_path), "--base-url", "http://h/v1", "--class", "batch",
+                  "--batch-above", "10"])
+    assert exc.value.code == 2

@@ -83,3 +83,51 @@ def test_report_prints_percentiles_throughput_goodput_and_errors():
                  "p99 ITL <= 40 ms", "SLO attainment", "50.0%", "TTFT (ms)", "ITL (ms)",
                  "TPOT (ms)", "p95", "p99", "1 x HTTP 429: server overloaded"):
         assert fact in text
+
+
+def _classed(record: RequestRecord, name: str | None) -> RequestRecord:
+    record.traffic_class = name
+    return record
+
+
+def test_per_class_summaries_split_latencies_counts_and_attainment_by_class():
+    records = [_classed(_ok(100.0, [10.0, 30.0]), "interactive"),
+               _classed(_ok(300.0, [20.0]), "interactive"),
+               _classed(_ok(900.0, [50.0, 70.0, 90.0]), "batch"),
+               _classed(_failed(), "batch")]
+    per = summarize(records, duration_s=1.0, slo=SLO(ttft_ms=500.0))["per_class"]
+    assert list(per) == ["interactive", "batch"]  # priority order, not arrival order
+    inter, batch = per["interactive"], per["batch"]
+    assert (inter["requests"], inter["completed"], inter["failed"]) == (2, 2, 0)
+    assert (batch["requests"], batch["completed"], batch["failed"]) == (2, 1, 1)
+    assert inter["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert inter["ttft_ms"]["p99"] == pytest.approx(298.0)
+    assert inter["itl_ms"]["p50"] == pytest.approx(20.0)  # gaps 10, 30, 20 pooled
+    assert inter["tpot_ms"]["p50"] == pytest.approx(20.0)  # 20 and 20
+    assert batch["ttft_ms"] == {"mean": 900.0, "p50": 900.0, "p95": 900.0, "p99": 900.0}
+    assert batch["itl_ms"]["p95"] == pytest.approx(88.0)
+    assert batch["tpot_ms"]["p50"] == pytest.approx(70.0)
+    assert (inter["slo_attainment"], batch["slo_attainment"]) == (1.0, 0.0)
+
+
+def test_without_classes_there_is_no_per_class_breakdown():
+    summary = summarize([_ok(100.0, [10.0]), _failed()], duration_s=1.0, slo=SLO())
+    assert summary["per_class"] == {}
+    assert "Per class" not in format_summary(summary)
+
+
+def test_requests_sent_without_a_class_are_grouped_apart_when_others_have_one():
+    records = [_classed(_ok(100.0, [10.0]), "background"), _ok(50.0, [5.0])]
+    assert list(summarize(records, 1.0, SLO())["per_class"]) == ["background", "(no class)"]
+
+
+def test_report_prints_a_per_class_table_of_percentiles():
+    records = [_classed(_ok(100.0, [10.0, 30.0]), "interactive"),
+               _classed(_ok(900.0, [50.0]), "batch"), _classed(_failed(), "batch")]
+    lines = format_summary(summarize(records, 1.0, SLO())).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Per class"))
+    table = lines[start:start + 7]
+    assert table[0].split() == ["Per", "class", "done/sent", "p50", "p95", "p99"]
+    assert table[1].split()[:4] == ["interactive", "TTFT", "(ms)", "1/1"]
+    assert table[4].split()[:5] == ["batch", "TTFT", "(ms)", "1/2", "900.0"]
+    assert [line.split()[0] for line in table[5:7]] == ["ITL", "TPOT"]

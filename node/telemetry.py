@@ -1,0 +1,304 @@
+"""OpenTelemetry traces and metrics for every request and every engine step.
+
+Follows the OpenTelemetry GenAI semantic conventions (spans, attributes, and the
+``gen_ai.server.*`` / ``gen_ai.client.token.usage`` histograms with the spec's bucket boundaries);
+cadenza's own engine signals live under ``cadenza.*``. Uses the OpenTelemetry SDK and its
+exporters only:
+
+- **OTLP/HTTP** for traces and metrics, configured by the standard ``OTEL_EXPORTER_OTLP_*``
+  variables, ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``. Exporting starts when an OTLP
+  endpoint is configured (or ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` say ``otlp``);
+  failures are logged by the SDK's background exporters, never raised, and never block serving.
+- **Prometheus** text at ``GET /metrics`` (the SDK's Prometheus reader, on a private registry).
+
+Where the work happens: a request's span is opened by the HTTP handler (parented from the
+incoming W3C ``traceparent``); the engine thread adds its prefill-chunk and preemption events and
+records per-step metrics (:meth:`Telemetry.on_step`); per-token metrics (TTFT, ITL, TPOT) are
+recorded on the event loop as outputs are dispatched (:meth:`Telemetry.on_output`). Gauges and
+counters of the scheduler are read at collection time from the snapshot the engine thread
+publishes, so nothing walks scheduler structures from another thread.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CollectorRegistry, generate_latest
+
+from cadenza.node.engine import RequestOutput
+from cadenza.node.scheduler import SchedulerOutput
+
+PROVIDER = "cadenza"
+# Bucket boundaries from the GenAI semantic conventions (metrics spec), seconds or tokens.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
+TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864]
+STEP_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+_propagator = TraceContextTextMapPropagator()
+
+
+def _otlp_enabled(signal: str) -> bool:
+    choice = os.environ.get(f"OTEL_{signal.upper()}_EXPORTER", "").strip().lower()
+    if choice:
+        return "otlp" in choice.split(",")
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
+
+
+def make_resource() -> Resource:
+    """``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` (read by the SDK), ``service.name``
+    defaulting to ``cadenza``, and the pool and replica names when ``CADENZA_POOL`` /
+    ``CADENZA_REPLICA`` are set (the operator sets them)."""
+    attrs: dict[str, str] = {}
+    if not os.environ.get("OTEL_SERVICE_NAME") and "service.name=" not in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+        attrs["service.name"] = "cadenza"
+    for env, key in (("CADENZA_POOL", "cadenza.pool.name"), ("CADENZA_REPLICA", "cadenza.replica.name")):
+        if value := os.environ.get(env):
+            attrs[key] = value
+    return Resource.create(attrs)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """One request in flight: its span and the times per-request metrics need."""
+
+    span: Span | None
+    wall_start_ns: int
+    mono_start: float
+    attrs: dict
+    traffic_class: str
+    first: float | None = None
+    last: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def ns(self, mono: float) -> int:
+        return self.wall_start_ns + int((mono - self.mono_start) * 1e9)
+
+
+class Telemetry:
+    """Traces and metrics of one server (or one in-process engine).
+
+    Args:
+        model_name: ``gen_ai.request.model`` / ``gen_ai.response.model``.
+        stats: returns the engine's latest published counters (gauges read them at collection).
+        otlp: export over OTLP/HTTP; None decides from the ``OTEL_*`` environment.
+    """
+
+    def __init__(self, model_name: str, stats: Callable[[], Mapping] = dict, otlp: bool | None = None) -> None:
+        self.model_name = model_name
+        self._stats = stats
+        resource = make_resource()
+        self.tracer_provider = TracerProvider(resource=resource)
+        if otlp if otlp is not None else _otlp_enabled("traces"):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            self.tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        self.tracer = self.tracer_provider.get_tracer("cadenza.node")
+        self.registry = CollectorRegistry()
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+        readers = [PrometheusMetricReader(registry=self.registry)]
+        if otlp if otlp is not None else _otlp_enabled("metrics"):
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+        self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+        self._instruments(self.meter_provider.get_meter("cadenza.node"))
+        self._tracked: dict[str, _Tracked] = {}
+
+    # -- instruments ----------------------------------------------------------------------------
+
+    def _instruments(self, m) -> None:
+        h = m.create_histogram
+        self.ttft = h("gen_ai.server.time_to_first_token", "s", "Time to generate the first token",
+                      explicit_bucket_boundaries_advisory=TTFT_BUCKETS)
+        self.tpot = h("gen_ai.server.time_per_output_token", "s", "Time per output token after the first",
+                      explicit_bucket_boundaries_advisory=TPOT_BUCKETS)
+        self.duration = h("gen_ai.server.request.duration", "s", "Generative AI server request duration",
+                          explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
+        self.token_usage = h("gen_ai.client.token.usage", "{token}", "Input and output tokens used",
+                             explicit_bucket_boundaries_advisory=TOKEN_BUCKETS)
+        self.itl = h("cadenza.request.inter_token_latency", "s", "Every gap between consecutive output tokens",
+                     explicit_bucket_boundaries_advisory=TPOT_BUCKETS)
+        self.queue_delay = h("cadenza.request.queue_delay", "s", "Time waiting to be scheduled, by phase",
+                             explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
+        self.step_duration = h("cadenza.step.duration", "s", "Model time of one engine step",
+                               explicit_bucket_boundaries_advisory=TTFT_BUCKETS)
+        self.step_tokens = h("cadenza.step.tokens", "{token}", "Tokens computed in one step, by kind",
+                             explicit_bucket_boundaries_advisory=STEP_TOKEN_BUCKETS)
+        counters = {
+            "cadenza.scheduler.prefill_tokens": ("{token}", "Prefill tokens admitted to steps or deferred",
+                                                 lambda s: [({"cadenza.outcome": "admitted"}, "prefill_tokens_admitted"),
+                                                            ({"cadenza.outcome": "deferred"}, "prefill_tokens_deferred")]),
+            "cadenza.scheduler.decode_steps_delayed": ("{step}", "Decodes that could not run in a step", None),
+            "cadenza.scheduler.preemptions": ("{preemption}", "Requests preempted by recompute", "num_preemptions"),
+            "cadenza.scheduler.recomputed_tokens": ("{token}", "Computed tokens dropped by preemption",
+                                                    "num_recomputed_tokens"),
+            "cadenza.scheduler.allocation_failures": ("{failure}", "KV block allocations that failed", None),
+            "cadenza.requests.cancelled_before_first_token": ("{request}", "Requests cancelled before a token",
+                                                              "num_cancelled_before_first_token"),
+            "cadenza.prefix_cache.hit_tokens": ("{token}", "Prompt tokens served from the prefix cache",
+                                                "prefix_cache_hit_tokens"),
+            "cadenza.prefix_cache.queried_tokens": ("{token}", "Prompt tokens looked up in the prefix cache",
+                                                    "prefix_cache_queried_tokens"),
+        }
+        for name, (unit, description, source) in counters.items():
+            key = source or name.rsplit(".", 1)[-1]
+            m.create_observable_counter(name, [self._reader(key)], unit, description)
+        m.create_observable_gauge("cadenza.kv.blocks", [self._kv_blocks], "{block}", "KV blocks by state")
+        m.create_observable_gauge("cadenza.requests", [self._requests], "{request}", "Requests by class and state")
+        m.create_observable_gauge("cadenza.cost_model.error", [self._cost_model_error], "1",
+                                  "Mean relative error of the step-time cost model")
+
+    def _reader(self, key) -> Callable[[CallbackOptions], list[Observation]]:
+        def read(_options: CallbackOptions) -> list[Observation]:
+            stats = self._stats()
+            if callable(key):
+                return [Observation(stats[k], attrs) for attrs, k in key(stats) if k in stats]
+            return [Observation(stats[key])] if key in stats else []
+
+        return read
+
+    def _kv_blocks(self, _options: CallbackOptions) -> list[Observation]:
+        stats = self._stats()
+        return [Observation(stats[f"kv_blocks_{state}"], {"cadenza.kv.state": state})
+                for state in ("used", "reserved", "cached", "free") if f"kv_blocks_{state}" in stats]
+
+    def _requests(self, _options: CallbackOptions) -> list[Observation]:
+        out = []
+        for cls, info in self._stats().get("classes", {}).items():
+            for state in ("running", "waiting"):
+                out.append(Observation(info[state], {"cadenza.request.class": cls, "cadenza.request.state": state}))
+        return out
+
+    def _cost_model_error(self, _options: CallbackOptions) -> list[Observation]:
+        error = self._stats().get("cost_model_error")
+        return [] if error is None else [Observation(error)]
+
+    # -- requests (event loop thread) -------------------------------------------------------------
+
+    def start_request(
+        self, request_id: str, operation: str, headers: Mapping[str, str], *, max_tokens: int | None,
+        temperature: float | None, top_p: float | None, traffic_class: str, tenant: str, arrival: float,
+    ) -> None:
+        """Open the request's SERVER span, parented from ``traceparent`` when the client sent one."""
+        attrs = {"gen_ai.operation.name": operation, "gen_ai.provider.name": PROVIDER,
+                 "gen_ai.request.model": self.model_name, "cadenza.request.class": traffic_class}
+        span_attrs = {**attrs, "cadenza.tenant": tenant, "gen_ai.response.id": request_id}
+        for key, value in (("gen_ai.request.max_tokens", max_tokens), ("gen_ai.request.temperature", temperature),
+                           ("gen_ai.request.top_p", top_p)):
+            if value is not None:
+                span_attrs[key] = value
+        wall = time.time_ns() - int((time.monotonic() - arrival) * 1e9)
+        span = self.tracer.start_span(f"{operation} {self.model_name}", context=_propagator.extract(headers),
+                                      kind=SpanKind.SERVER, attributes=span_attrs, start_time=wall)
+        span.add_event("queued", timestamp=wall)
+        self._tracked[request_id] = _Tracked(span, wall, arrival, attrs, traffic_class)
+
+    def on_output(self, out: RequestOutput) -> None:
+        """Record TTFT, ITL, TPOT, duration and usage as a request's outputs arrive."""
+        t = self._tracked.get(out.request_id)
+        if t is None:
+            return
+        if t.first is None:
+            t.first = out.time
+            self.ttft.record(out.time - t.mono_start, t.attrs)
+            if t.span is not None:
+                t.span.add_event("first_token", timestamp=t.ns(out.time))
+        else:
+            self.itl.record(out.time - t.last, {"cadenza.request.class": t.traffic_class})
+        t.last = out.time
+        if out.finished:
+            self._finish(out.request_id, t, out)
+
+    def _finish(self, request_id: str, t: _Tracked, out: RequestOutput) -> None:
+        del self._tracked[request_id]
+        attrs = {**t.attrs, "gen_ai.response.model": self.model_name}
+        self.duration.record(out.time - t.mono_start, attrs)
+        if out.num_output_tokens > 1 and t.first is not None:
+            self.tpot.record((out.time - t.first) / (out.num_output_tokens - 1), attrs)
+        self.token_usage.record(out.num_prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
+        self.token_usage.record(out.num_output_tokens, {**attrs, "gen_ai.token.type": "output"})
+        if t.span is not None:
+            span = t.span
+            span.set_attributes({
+                "gen_ai.response.model": self.model_name,
+                "gen_ai.response.finish_reasons": [out.finish_reason],
+                "gen_ai.usage.input_tokens": out.num_prompt_tokens,
+                "gen_ai.usage.output_tokens": out.num_output_tokens,
+                "gen_ai.usage.cache_read.input_tokens": out.num_cached_tokens,
+                "cadenza.time_to_first_token": (t.first or out.time) - t.mono_start,
+                **t.extra,
+            })
+            span.add_event("finish", {"gen_ai.response.finish_reasons": [out.finish_reason]}, timestamp=t.ns(out.time))
+            span.end(end_time=t.ns(out.time))
+
+    def fail_request(self, request_id: str, error_type: str, message: str) -> None:
+        """End a request that failed (status ERROR, ``error.type``) or was cancelled by its client."""
+        t = self._tracked.pop(request_id, None)
+        if t is None:
+            return
+        now = time.monotonic()
+        self.duration.record(now - t.mono_start, {**t.attrs, "error.type": error_type})
+        if t.span is not None:
+            if error_type == "cancelled":
+                t.span.set_attribute("gen_ai.response.finish_reasons", ["abort"])
+                t.span.add_event("cancelled", timestamp=t.ns(now))
+            else:
+                t.span.set_attribute("error.type", error_type)
+                t.span.set_status(Status(StatusCode.ERROR, message))
+            t.span.set_attributes(t.extra)
+            t.span.end(end_time=t.ns(now))
+
+    # -- steps (engine thread) --------------------------------------------------------------------
+
+    def on_step(self, out: SchedulerOutput, seconds: float, now: float) -> None:
+        """Per-step metrics, and the span events only the engine thread sees."""
+        self.step_duration.record(seconds)
+        if out.num_prefill_tokens:
+            self.step_tokens.record(out.num_prefill_tokens, {"cadenza.token.kind": "prefill"})
+        if out.num_decode_tokens:
+            self.step_tokens.record(out.num_decode_tokens, {"cadenza.token.kind": "decode"})
+        tracked = self._tracked
+        for req, phase, waited in out.admitted:
+            self.queue_delay.record(waited, {"cadenza.request.class": req.traffic_class, "cadenza.queue.phase": phase})
+            t = tracked.get(req.request_id)
+            if t is not None and phase == "admission":
+                t.extra["cadenza.queue_time"] = waited
+        for row in out.prefill_rows:
+            t = tracked.get(row.request.request_id)
+            if t is not None and t.span is not None:
+                t.span.add_event("prefill_chunk", {"cadenza.chunk.tokens": row.num_tokens,
+                                                   "cadenza.chunk.position": row.start}, timestamp=t.ns(now))
+        for req in out.preempted:
+            t = tracked.get(req.request_id)
+            if t is not None and t.span is not None:
+                t.span.add_event("preempted", {"cadenza.preemptions": req.num_preemptions}, timestamp=t.ns(now))
+
+    # -- export ---------------------------------------------------------------------------------
+
+    def prometheus_text(self) -> bytes:
+        """The current metrics in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+    def force_flush(self) -> None:
+        self.tracer_provider.force_flush()
+        self.meter_provider.force_flush()
+
+    def shutdown(self) -> None:
+        """Flush and stop the exporters (requests still open are ended as cancelled)."""
+        for request_id in list(self._tracked):
+            self.fail_request(request_id, "cancelled", "server shutting down")
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()

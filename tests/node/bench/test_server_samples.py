@@ -1,0 +1,134 @@
+"""Polling a cadenza server's ``/ready`` counters during a replay, and tolerating other servers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from cadenza.node.bench.client import ReplayConfig, replay
+from cadenza.node.bench.server_samples import SAMPLE_KEYS, ServerSampler, parse_sample, ready_url
+from cadenza.node.bench.trace import TraceRequest
+
+
+def test_the_ready_url_is_the_origin_of_the_base_url():
+    assert ready_url("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/ready"
+    assert ready_url("https://gw.example/tenant/a/v1/") == "https://gw.example/ready"
+
+
+def test_a_sample_keeps_the_time_and_the_counters_only():
+    body = '{"status": "ready", "classes": {}, ' + ", ".join(f'"{k}": 1' for k in SAMPLE_KEYS) + "}"
+    assert parse_sample(body, 1.5) == {"t": 1.5, **{k: 1 for k in SAMPLE_KEYS}}
+
+
+@pytest.mark.parametrize("body, reason", [("<html></html>", "not JSON"), ("[1]", "not a JSON object"),
+                                          ('{"num_steps": 1}', "lacks"),
+                                          ('{' + ", ".join(f'"{k}": "x"' for k in SAMPLE_KEYS) + "}",
+                                           "non-numeric")])
+def test_a_body_that_is_not_cadenzas_is_rejected_with_a_reason(body, reason):
+    with pytest.raises(ValueError, match=reason):
+        parse_sample(body, 0.0)
+
+
+async def test_the_sampler_keeps_growing_counters_at_increasing_times(fake_base_url, fake_app, fake):
+    sampler = ServerSampler(f"{fake_base_url}/v1", interval_s=0.02)
+    async with aiohttp.ClientSession() as session:
+        zero = time.perf_counter()
+        for _ in range(3):
+            assert await sampler.poll(session, zero)
+    assert len(fake_app[fake.READY_POLLS]) == 3
+    assert [s["num_steps"] for s in sampler.samples] == [3, 6, 9]
+    assert [s["t"] for s in sampler.samples] == sorted(s["t"] for s in sampler.samples)
+    assert all(set(s) == {"t", *SAMPLE_KEYS} for s in sampler.samples)
+    assert sampler.note is None
+
+
+async def test_a_replay_is_sampled_from_its_start_until_after_its_last_request(
+        fake_base_url, fake_app, fake):
+    sampler = ServerSampler(f"{fake_base_url}/v1", interval_s=0.03)
+    trace = [TraceRequest(t, 4, 4) for t in (0.0, 0.05, 0.1)]
+    result = await replay(trace, ["abcd"] * 3, ReplayConfig(f"{fake_base_url}/v1", "fake-model"),
+                          sampler=sampler)
+    samples = sampler.samples
+    assert len(samples) >= 3  # every 0.03 s over a replay of more than 0.1 s, then one more
+    assert samples[0]["t"] < result.records[1].start_s  # the first one is taken at the start
+    assert samples[-1]["t"] >= result.duration_s  # the last one is taken after every request ended
+    assert samples[-1]["num_running"] == 3  # the fake server reports requests received
+    steps = [s["num_steps"] for s in samples]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+
+
+@pytest.mark.parametrize("ready, reason", [("missing", "HTTP 404"), ("html", "not JSON"),
+                                           ("partial", "lacks")])
+async def test_a_server_without_cadenzas_counters_gives_no_samples_and_one_note(
+        start_fake_server, ready, reason):
+    base = await start_fake_server(ready=ready)
+    sampler = ServerSampler(f"{base}/v1", interval_s=0.01)
+    trace = [TraceRequest(t, 4, 3) for t in (0.0, 0.05)]
+    result = await replay(trace, ["abcd"] * 2, ReplayConfig(f"{base}/v1", "fake-model"),
+                          sampler=sampler)
+    assert all(r.ok for r in result.records)  # the replay itself is unaffected
+    assert sampler.samples == []
+    assert reason in sampler.note and "not a cadenza server" in sampler.note
+
+
+async def test_an_unreachable_ready_endpoint_is_noted_and_retried_not_raised():
+    from server_process import free_port
+
+    sampler = ServerSampler(f"http://127.0.0.1:{free_port()}/v1", timeout_s=0.5)
+    async with aiohttp.ClientSession() as session:
+        assert not await sampler.poll(session, time.perf_counter())
+        assert not await sampler.poll(session, time.perf_counter())
+    assert sampler.samples == []
+    assert "Connect" in sampler.note and "2 of 2 polls failed" in sampler.note
+
+
+async def test_a_busy_server_loses_only_the_samples_it_did_not_answer(aiohttp_server):
+    from aiohttp import web
+
+    answers = iter([web.json_response({k: 1 for k in SAMPLE_KEYS}),
+                    web.json_response({"error": "loading"}, status=503),
+                    web.json_response({k: 2 for k in SAMPLE_KEYS})])
+
+    async def ready(request: web.Request) -> web.Response:
+        return next(answers)
+
+    app = web.Application()
+    app.router.add_get("/ready", ready)
+    server = await aiohttp_server(app)
+    sampler = ServerSampler(str(server.make_url("/v1")))
+    async with aiohttp.ClientSession() as session:
+        assert [await sampler.poll(session, time.perf_counter()) for _ in range(3)] == [
+            True, False, True]
+    assert [s["num_steps"] for s in sampler.samples] == [1, 2]
+    assert "1 of 3 polls" in sampler.note and "HTTP 503" in sampler.note
+
+
+def test_the_sampling_interval_must_be_positive():
+    with pytest.raises(ValueError):
+        ServerSampler("http://h/v1", interval_s=0)
+
+
+async def test_a_slow_answer_skips_the_ticks_it_missed_instead_of_catching_up(aiohttp_server):
+    from aiohttp import web
+
+    polled: list[float] = []
+
+    async def ready(request: web.Request) -> web.Response:
+        polled.append(time.perf_counter())
+        if len(polled) == 1:
+            await asyncio.sleep(0.25)  # five ticks of 0.05 s
+        return web.json_response({k: len(polled) for k in SAMPLE_KEYS})
+
+    app = web.Application()
+    app.router.add_get("/ready", ready)
+    server = await aiohttp_server(app)
+    sampler = ServerSampler(str(server.make_url("/v1")), interval_s=0.05)
+    async with aiohttp.ClientSession() as session:
+        sampler.start(session, time.perf_counter())
+        await asyncio.sleep(0.4)
+        await sampler.stop()
+    # The slow poll, ticks 6 and 7 (0.30 s, 0.35 s), stop()'s; catching up would add ticks 1-5.
+    assert 3 <= len(polled) <= 6
