@@ -16,10 +16,12 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cadenza.node.admission import AdmissionError
 from cadenza.node.engine import Engine, RequestOutput
 from cadenza.node.request import Request, SamplingParams
 
@@ -77,6 +79,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._stats: dict = {}
         self._stats_time = 0.0
+        self._rejected: Counter = Counter()  # refused at once on the caller's thread, by reason
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -141,7 +144,11 @@ class AsyncEngine:
         if not self.is_ready:
             raise EngineDeadError("engine is not ready")
         probe = Request(request_id, prompt_token_ids, sampling, traffic_class=traffic_class, tenant=tenant)
-        self.engine.scheduler.check_admission(probe)  # type: ignore[union-attr]
+        try:
+            self.engine.scheduler.check_admission(probe)  # type: ignore[union-attr]
+        except AdmissionError as exc:
+            self._rejected[exc.reason] += 1
+            raise
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -188,7 +195,11 @@ class AsyncEngine:
         finishes and whenever it goes idle, so readers on other threads never walk scheduler
         structures that are changing under them.
         """
-        return self._stats
+        if not self._rejected:
+            return self._stats
+        rejected = Counter(self._stats.get("rejected", {}))
+        rejected.update(self._rejected)
+        return {**self._stats, "rejected": dict(rejected)}
 
     # -- engine thread --------------------------------------------------------------------------
 

@@ -108,7 +108,8 @@ class CacheConfig:
         if self.kv_cache_bytes is not None:
             _positive_int(self.kv_cache_bytes, "kv_cache_bytes")
         _check(
-            isinstance(self.kv_cache_fraction, (int, float)) and 0 < self.kv_cache_fraction <= 1,
+            isinstance(self.kv_cache_fraction, (int, float)) and not isinstance(self.kv_cache_fraction, bool)
+            and 0 < self.kv_cache_fraction <= 1,
             "kv_cache_fraction",
             f"must be in (0, 1], got {self.kv_cache_fraction!r}",
         )

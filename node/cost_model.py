@@ -95,8 +95,10 @@ class StepCostModel:
 
         Solves ``c_p n + c_pa n (context + n/2) <= seconds_left`` for ``n``.
         """
-        if not self.ready or seconds_left <= 0:
+        if not self.ready or not seconds_left > 0:
             return 0
+        if not math.isfinite(seconds_left):
+            return 1 << 30
         c_p, c_pa = float(self.coef[1]), float(self.coef[4])
         if c_pa <= 0:
             return int(seconds_left / c_p)

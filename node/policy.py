@@ -7,6 +7,7 @@ tenants within a class share prefill tokens by weighted fair queuing. No torch h
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -22,28 +23,39 @@ class PolicyError(ValueError):
     """An invalid policy value; the message starts with the setting's path."""
 
 
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def check_class(name: object) -> str:
-    """A valid class name, or :class:`PolicyError`."""
-    if name not in CLASS_RANK:
-        raise PolicyError(f"class: must be one of {', '.join(CLASSES)}, got {name!r}")
-    return name  # type: ignore[return-value]
+    """A valid class name (case-insensitive, returned lower-case), or :class:`PolicyError`."""
+    if isinstance(name, str) and name.strip().lower() in CLASS_RANK:
+        return name.strip().lower()
+    raise PolicyError(f"class: must be one of {', '.join(CLASSES)}, got {_shown(name)}")
 
 
 def check_tenant(name: object) -> str:
     """A valid tenant name (1-64 of ``A-Za-z0-9._:-``, starting alphanumeric), or :class:`PolicyError`."""
     if not isinstance(name, str) or not _TENANT.match(name):
-        raise PolicyError(f"tenant: must be 1-64 characters of A-Za-z0-9._:- starting with a letter or digit, got {name!r}")
+        raise PolicyError(f"tenant: must be 1-64 characters of A-Za-z0-9._:- starting with a letter or digit, "
+                          f"got {_shown(name)}")
     return name
 
 
-def _optional_positive(value: object, path: str, kind: type = int) -> None:
-    if value is None:
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive(value: object, path: str, kind: type = int, optional: bool = True) -> None:
+    if value is None and optional:
         return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-    if kind is int:
-        ok = ok and isinstance(value, int)
+    ok = _is_number(value) and value > 0 and (kind is not int or isinstance(value, int))
     if not ok:
-        raise PolicyError(f"{path}: must be a positive {kind.__name__} or null, got {value!r}")
+        suffix = " or null" if optional else ""
+        raise PolicyError(f"{path}: must be a finite positive {kind.__name__}{suffix}, got {_shown(value)}")
+
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +77,11 @@ class ClassPolicy:
     max_queue_depth: int | None = None
 
     def validate(self, path: str) -> None:
-        _optional_positive(self.max_prefill_tokens, f"{path}.max_prefill_tokens")
-        if not isinstance(self.min_share, (int, float)) or isinstance(self.min_share, bool) or not 0 <= self.min_share <= 1:
-            raise PolicyError(f"{path}.min_share: must be between 0 and 1, got {self.min_share!r}")
-        _optional_positive(self.max_queue_age_s, f"{path}.max_queue_age_s", float)
-        _optional_positive(self.max_queue_depth, f"{path}.max_queue_depth")
+        _positive(self.max_prefill_tokens, f"{path}.max_prefill_tokens")
+        if not _is_number(self.min_share) or not 0 <= self.min_share <= 1:
+            raise PolicyError(f"{path}.min_share: must be between 0 and 1, got {_shown(self.min_share)}")
+        _positive(self.max_queue_age_s, f"{path}.max_queue_age_s", float)
+        _positive(self.max_queue_depth, f"{path}.max_queue_depth")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +99,11 @@ class TenantPolicy:
     max_queued_prompt_tokens: int | None = None
 
     def validate(self, path: str) -> None:
-        _optional_positive(self.weight, f"{path}.weight", float)
-        _optional_positive(self.max_concurrent, f"{path}.max_concurrent")
-        _optional_positive(self.max_queued_prompt_tokens, f"{path}.max_queued_prompt_tokens")
+        _positive(self.weight, f"{path}.weight", float, optional=False)
+        if self.weight < 1e-6 or self.weight > 1e6:
+            raise PolicyError(f"{path}.weight: must be between 1e-6 and 1e6, got {_shown(self.weight)}")
+        _positive(self.max_concurrent, f"{path}.max_concurrent")
+        _positive(self.max_queued_prompt_tokens, f"{path}.max_queued_prompt_tokens")
 
 
 def default_class_policies() -> dict[str, ClassPolicy]:
@@ -134,11 +148,11 @@ class Policy:
             check_tenant(name)
             tenant.validate(f"tenants.{name}")
         self.default_tenant.validate("default_tenant")
-        _optional_positive(self.step_time_target_ms, "step_time_target_ms", float)
+        _positive(self.step_time_target_ms, "step_time_target_ms", float)
         if not isinstance(self.max_preemptions, int) or isinstance(self.max_preemptions, bool) or self.max_preemptions < 0:
-            raise PolicyError(f"max_preemptions: must be an integer >= 0, got {self.max_preemptions!r}")
-        if not isinstance(self.watermark, (int, float)) or not 0 <= self.watermark < 0.5:
-            raise PolicyError(f"watermark: must be in [0, 0.5), got {self.watermark!r}")
+            raise PolicyError(f"max_preemptions: must be an integer >= 0, got {_shown(self.max_preemptions)}")
+        if not _is_number(self.watermark) or not 0 <= self.watermark < 0.5:
+            raise PolicyError(f"watermark: must be a number in [0, 0.5), got {_shown(self.watermark)}")
 
     def tenant(self, name: str) -> TenantPolicy:
         return self.tenants.get(name, self.default_tenant)

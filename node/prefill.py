@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from cadenza.node.scheduler import Scheduler, Step
 
 PREFILL_FLOOR = 16  # tokens a step always offers prefill work, whatever the step-time target
+MAX_TENANT_STATS = 1024  # tenants counted one by one in stats; the rest are summed under OTHER_TENANTS
+OTHER_TENANTS = "_other"
 
 
 class PrefillAdder:
@@ -203,7 +205,9 @@ class PrefillAdder:
         stats = self.sched.stats
         stats.prefill_tokens_admitted += n
         stats.prefill_tokens_by_class[req.traffic_class] += n
-        stats.prefill_tokens_by_tenant[req.tenant] += n
+        by_tenant = stats.prefill_tokens_by_tenant
+        key = req.tenant if req.tenant in by_tenant or len(by_tenant) < MAX_TENANT_STATS else OTHER_TENANTS
+        by_tenant[key] += n
 
     def _preempt(self, victim: Request) -> None:
         """Preempt ``victim``; a prefill chunk it already had in this step is refunded."""

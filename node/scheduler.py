@@ -225,7 +225,7 @@ class Scheduler:
             AdmissionError: as :meth:`add_request`.
         """
         try:
-            check_class(request.traffic_class)
+            request.traffic_class = check_class(request.traffic_class)  # canonical: lower-case
             check_tenant(request.tenant)
         except PolicyError as exc:
             raise AdmissionError(400, str(exc), "bad_class_or_tenant") from None
@@ -429,7 +429,12 @@ class Scheduler:
         del self.requests[req.request_id]
         self.tenant_live[req.tenant] -= 1
         if not self.tenant_live[req.tenant]:
+            # Nothing of this tenant is live: forget its fair-queuing service, so a returning
+            # tenant starts level with those waiting (neither credit nor debt) and state stays
+            # bounded by the tenants that are active.
             del self.tenant_live[req.tenant]
+            for queue in self.queues.values():
+                queue.service.pop(req.tenant, None)
 
     # -- reporting ----------------------------------------------------------------------------
 

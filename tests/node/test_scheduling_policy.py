@@ -338,3 +338,57 @@ def test_policy_updates_merge_and_validate():
                       ({"turbo": 1}, "turbo"), ({"classes": {"batch": {"speed": 1}}}, "classes.batch.speed")]:
         with pytest.raises(ValueError, match=path):
             Policy().updated(bad)
+
+
+def test_a_returning_tenant_starts_level_with_those_waiting_neither_credit_nor_debt():
+    """A used 10,000 tokens alone, B 200 alone; when both flood, they alternate."""
+    sched = make_scheduler(token_budget=512, chunk_size=512, max_num_seqs=1, max_model_len=4096, num_blocks=4096)
+    engine = FakeEngine(sched)
+    engine.add(make_request(4000, max_tokens=1, tenant="a"))
+    engine.add(make_request(4000, max_tokens=1, tenant="a"))
+    engine.add(make_request(2000, max_tokens=1, tenant="a"))
+    engine.run()
+    engine.add(make_request(200, max_tokens=1, tenant="b"))
+    engine.run()
+    for _ in range(10):
+        engine.add(make_request(100, max_tokens=1, tenant="b"))
+        engine.add(make_request(100, max_tokens=1, tenant="a"))
+    order = []
+    while sched.has_unfinished_requests():
+        for row in engine.step().rows:
+            if row.start == 0:
+                order.append(row.request.tenant)
+    assert order[:6] in (["b", "a"] * 3, ["a", "b"] * 3)
+    assert all(not q.service for q in sched.queues.values())  # idle tenants leave no state behind
+
+
+def test_per_tenant_state_stays_bounded_with_many_distinct_tenants():
+    sched = make_scheduler(token_budget=512, chunk_size=512, max_num_seqs=64, max_model_len=512, num_blocks=4096)
+    engine = FakeEngine(sched)
+    for i in range(3000):
+        engine.add(make_request(8, max_tokens=1, tenant=f"t{i}"))
+        if i % 50 == 49:
+            engine.run()
+    engine.run()
+    assert not sched.tenant_live and all(not q.service and not q.tenants for q in sched.queues.values())
+    assert len(sched.stats.prefill_tokens_by_tenant) <= 1025
+
+
+@pytest.mark.parametrize("change", [
+    {"tenants": {"t": {"weight": None}}}, {"default_tenant": {"weight": None}}, {"step_time_target_ms": float("inf")},
+    {"tenants": {"t": {"weight": float("inf")}}}, {"tenants": {"t": {"weight": 1e-320}}}, {"watermark": False},
+    {"classes": {"batch": {"max_queue_age_s": float("inf")}}}, {"classes": {"batch": {"min_share": float("nan")}}},
+])
+def test_non_finite_null_or_boolean_numbers_are_refused(change):
+    with pytest.raises(ValueError):
+        Policy().updated(change)
+
+
+def test_class_names_are_case_insensitive():
+    sched = make_scheduler()
+    req = make_request(4, traffic_class=" Batch")
+    from cadenza.node.policy import check_class
+
+    assert check_class(" Batch") == "batch" and check_class("INTERACTIVE") == "interactive"
+    sched.add_request(req)
+    assert req.traffic_class == "batch" and len(sched.queues["batch"]) == 1

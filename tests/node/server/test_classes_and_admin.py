@@ -96,6 +96,7 @@ async def test_a_full_queue_is_refused_at_once_with_429_and_retry_after(client, 
     assert int(resp.headers["Retry-After"]) >= 1
     error = (await resp.json())["error"]
     assert error["type"] == "rate_limit_error" and error["code"] == "queue_full"
+    assert client.app[ENGINE].stats()["rejected"]["queue_full"] == 1  # refused on the HTTP thread, counted
     for task in (*busy, queued):
         task.cancel()
     await wait_until(lambda: sched.num_running == 0 and sched.num_waiting == 0)
@@ -157,6 +158,8 @@ async def test_put_changes_knobs_live_from_the_next_step(client):
 @pytest.mark.parametrize("change", [
     {"token_budget": 0}, {"chunk_size": -4}, {"classes": {"batch": {"min_share": 1.5}}},
     {"tenants": {"gold": {"weight": -1}}}, {"turbo": True}, {"max_model_len": 64}, [], {},
+    {"tenants": {"gold": {"weight": None}}}, {"default_tenant": {"weight": None}},
+    {"step_time_target_ms": float("inf")}, {"watermark": False},
 ])
 async def test_invalid_changes_are_a_400_and_nothing_changes(client, change):
     before = await (await client.get("/admin/config", headers=AUTH)).json()
