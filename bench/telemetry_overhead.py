@@ -53,7 +53,9 @@ def main() -> None:
     trace, scaling = scale_trace(conv_trace(), length_scale=1 / 8, num_requests=NUM_REQUESTS)
     prompts = prompt_ids(model, [r.input_len for r in trace])
     outputs = [min(32, max(4, r.output_len * 2)) for r in trace]
-    engine = Engine.from_model(model, token_budget=512, chunk_size=256, kv_cache_bytes=512 * 2**20)
+    # Prefix caching off: every round recomputes the same prompts, so rounds stay comparable.
+    engine = Engine.from_model(model, token_budget=512, chunk_size=256, kv_cache_bytes=512 * 2**20,
+                               prefix_caching=False)
     telemetry = Telemetry(engine.config.model_name, stats=engine.stats, otlp=False)
     run(engine, prompts[:4], outputs[:4], None, "warm")
     times: dict[str, list[float]] = {"off": [], "on": []}
