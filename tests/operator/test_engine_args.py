@@ -37,3 +37,27 @@ def test_invalid_values_are_refused_naming_the_crd_key():
 def test_unknown_knobs_are_refused():
     with pytest.raises(ConfigError, match=r"^spec\.engine\.turbo:"):
         engine_config("/m", {"turbo": True})
+
+
+def test_policy_knobs_become_a_policy_document_the_engine_accepts():
+    engine = {"tokenBudget": 512, "prefixCaching": False, "stepTimeTargetMs": 150,
+              "classes": {"batch": {"maxPrefillTokens": 64, "minShare": 0.2}},
+              "tenants": {"gold": {"weight": 3, "maxConcurrent": 8}}}
+    config = engine_config("/m", engine)
+    policy = config.scheduler.policy
+    assert policy.step_time_target_ms == 150 and policy.classes["batch"].max_prefill_tokens == 64
+    assert policy.tenant("gold").weight == 3 and policy.tenant("gold").max_concurrent == 8
+    assert not config.scheduler.prefix_caching
+    assert serve_args(engine) == ["--token-budget", "512", "--no-prefix-caching"]
+    from cadenza.operator.engine_args import policy_document
+
+    assert policy_document(engine) == {"step_time_target_ms": 150,
+                                       "classes": {"batch": {"max_prefill_tokens": 64, "min_share": 0.2}},
+                                       "tenants": {"gold": {"weight": 3, "max_concurrent": 8}}}
+
+
+def test_invalid_policy_values_are_refused_naming_the_setting():
+    with pytest.raises(ConfigError, match=r"classes\.batch\.min_share"):
+        engine_config("/m", {"classes": {"batch": {"minShare": 2}}})
+    with pytest.raises(ConfigError, match=r"spec\.engine\.classes\.batch\.speed"):
+        engine_config("/m", {"classes": {"batch": {"speed": 2}}})

@@ -1,0 +1,135 @@
+"""The gateway application: its own probes and debug view, the proxied ``/v1`` routes, lifecycle.
+
+Routes:
+
+- ``GET /health``: liveness, always 200 while the process serves.
+- ``GET /ready``: 200 once every role has at least one replica known, else 503 (OpenAI format).
+- ``GET /gateway/upstreams``: per role, every replica with its requests in flight and whether it
+  is full (for debugging).
+- ``GET /v1/models``: proxied to any replica.
+- any other ``/v1/...``: proxied by traffic class (:mod:`.proxy`).
+- anything else: 404 in OpenAI format.
+
+The app owns one :class:`aiohttp.ClientSession` (no total timeout, so streams last as long as
+their generation; a connect timeout, so a dead replica is noticed) and, when given one, an
+upstream source that keeps the table current, both opened and closed in ``cleanup_ctx``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import aiohttp
+from aiohttp import web
+
+from cadenza.node.gateway import proxy
+from cadenza.node.gateway.state import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_MAX_OUTSTANDING,
+    SESSION,
+    SETTINGS,
+    UPSTREAMS,
+    GatewaySettings,
+)
+from cadenza.node.gateway.upstreams import ROLES, Upstreams
+from cadenza.node.server.errors import error_middleware, error_response
+
+logger = logging.getLogger(__name__)
+
+# Same bound as a replica (node/server/app.py): long prompts sent as token ids fit.
+MAX_BODY_BYTES = 32 * 2**20
+
+
+class UpstreamSource(Protocol):
+    """Something that keeps an :class:`Upstreams` table current (config file, Kubernetes)."""
+
+    async def watch(self, upstreams: Upstreams) -> None:
+        """Update ``upstreams`` until cancelled; never raise for a failed refresh."""
+
+
+def create_gateway_app(
+    upstreams: Upstreams,
+    default_class: str = "interactive",
+    max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
+    *,
+    source: UpstreamSource | None = None,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+) -> web.Application:
+    """Build a gateway in front of the replicas in ``upstreams``.
+
+    Args:
+        upstreams: the replicas by role; the caller (or ``source``) may change it while serving.
+        default_class: class of requests without ``x-cadenza-class``.
+        max_outstanding: requests in flight through this gateway that make a replica full.
+        source: keeps ``upstreams`` current while the app runs (started and cancelled with it).
+        connect_timeout_s: seconds to connect to a replica before it counts as unreachable.
+
+    Serve it with ``web.AppRunner(app, handler_cancellation=True)`` (as :mod:`.cli` does), so a
+    client that disconnects while its replica is still silent cancels the upstream request at once;
+    without it the disconnect is noticed at the next chunk written.
+
+    Raises:
+        ValueError: an invalid class or limit.
+    """
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[SETTINGS] = GatewaySettings(default_class, max_outstanding, connect_timeout_s)
+    app[UPSTREAMS] = upstreams
+    app.cleanup_ctx.append(_client_session)
+    if source is not None:
+        app.cleanup_ctx.append(_run_source(source))
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/gateway/upstreams", upstreams_view)
+    app.router.add_get("/v1/models", proxy.proxy_to_any)
+    app.router.add_route("*", "/v1/{tail:.*}", proxy.proxy_by_class)
+    return app
+
+
+async def _client_session(app: web.Application) -> AsyncIterator[None]:
+    timeout = aiohttp.ClientTimeout(total=None, connect=app[SETTINGS].connect_timeout_s,
+                                    sock_connect=app[SETTINGS].connect_timeout_s)
+    # No pool cap: the gateway's own limit is max_outstanding per replica. Bodies pass unchanged
+    # (no decompression), and no cookies are kept between clients.
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                     cookie_jar=aiohttp.DummyCookieJar()) as session:
+        app[SESSION] = session
+        yield
+
+
+def _run_source(source: UpstreamSource):
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(source.watch(app[UPSTREAMS]), name="gateway-upstream-source")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return lifecycle
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """200 with the replica count per role once every role has one; 503 before."""
+    counts = {role: len(urls) for role, urls in request.app[UPSTREAMS].urls().items()}
+    missing = [role for role in ROLES if not counts.get(role)]
+    if missing:
+        return error_response(503, f"no replica known for role(s): {', '.join(missing)}", code="no_upstream",
+                              headers={"Retry-After": "1"})
+    return web.json_response({"status": "ready", "replicas": counts})
+
+
+async def upstreams_view(request: web.Request) -> web.Response:
+    settings = request.app[SETTINGS]
+    return web.json_response({
+        "default_class": settings.default_class,
+        "max_outstanding": settings.max_outstanding,
+        "roles": request.app[UPSTREAMS].snapshot(settings.max_outstanding),
+    })

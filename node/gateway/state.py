@@ -1,0 +1,47 @@
+"""What a gateway app holds: its settings, its upstream table, its HTTP client (typed app keys)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from cadenza.node.gateway.upstreams import Upstreams
+from cadenza.node.policy import check_class
+
+DEFAULT_MAX_OUTSTANDING = 64
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    """How the gateway routes; fixed for the life of the app.
+
+    Args:
+        default_class: traffic class of requests without an ``x-cadenza-class`` header.
+        max_outstanding: requests in flight through this gateway that make an upstream full.
+        connect_timeout_s: seconds to open a connection to an upstream before it counts as down.
+            Responses have no timeout: a stream lasts as long as the generation.
+
+    Raises:
+        ValueError: a class that is not ``interactive``/``batch``/``background`` (case-insensitive),
+            or a non-positive limit.
+    """
+
+    default_class: str = "interactive"
+    max_outstanding: int = DEFAULT_MAX_OUTSTANDING
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "default_class", check_class(self.default_class))
+        if isinstance(self.max_outstanding, bool) or not isinstance(self.max_outstanding, int) \
+                or self.max_outstanding < 1:
+            raise ValueError(f"max_outstanding: must be a positive integer, got {self.max_outstanding!r}")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s: must be positive, got {self.connect_timeout_s!r}")
+
+
+SETTINGS = web.AppKey("gateway_settings", GatewaySettings)
+UPSTREAMS = web.AppKey("gateway_upstreams", Upstreams)
+SESSION = web.AppKey("gateway_session", aiohttp.ClientSession)

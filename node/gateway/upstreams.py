@@ -1,0 +1,141 @@
+"""The gateway's table of upstreams: replicas by role, their load, and least-outstanding picking.
+
+A pool's replicas serve in one of two **roles**, ``interactive`` and ``batch``. In colocated mode
+both roles list the same replicas; in dedicated mode they are disjoint. A replica that appears in
+both roles is one :class:`Upstream` (one outstanding count), however many roles list it.
+
+An upstream is **full** when it has ``max_outstanding`` requests in flight through this gateway,
+or when it answered 429 and the ``Retry-After`` it gave has not passed yet. Picking follows the
+least-outstanding-requests rule (ties broken round robin), as Envoy's and NGINX's
+``least_request``/``least_conn`` balancers do. Only this gateway's own requests are counted; the
+replicas' queues are theirs to report (``/ready``).
+
+The table is changed in place (:meth:`Upstreams.replace`) by an upstream source — the config file
+watcher or the Kubernetes EndpointSlice poller — while requests run. It is used from one event
+loop only and takes no locks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+ROLES = ("interactive", "batch")
+# Traffic class (x-cadenza-class) -> the role whose replicas serve it.
+ROLE_OF_CLASS = {"interactive": "interactive", "batch": "batch", "background": "batch"}
+
+
+@dataclass(slots=True, eq=False)
+class Upstream:
+    """One replica, as the gateway sees it.
+
+    Attributes:
+        url: base URL, e.g. ``http://10.0.0.7:8000`` (no trailing slash).
+        outstanding: requests in flight through this gateway (sent, response not yet finished).
+        blocked_until: monotonic time (seconds) before which the replica asked not to be sent more
+            (its last 429's ``Retry-After``); 0 when it has not.
+    """
+
+    url: str
+    outstanding: int = 0
+    blocked_until: float = 0.0
+
+    def is_full(self, max_outstanding: int, now: float) -> bool:
+        return self.outstanding >= max_outstanding or now < self.blocked_until
+
+    def wait_s(self, max_outstanding: int, now: float) -> float:
+        """Seconds until this upstream may be tried again: its 429 back-off, or 1 s when only busy."""
+        if now < self.blocked_until:
+            return self.blocked_until - now
+        return 1.0 if self.outstanding >= max_outstanding else 0.0
+
+
+class Upstreams:
+    """The replicas of each role, shared by every request of one gateway.
+
+    Args:
+        roles: role name -> upstream base URLs. Unknown roles are refused; a missing role has none.
+        clock: monotonic clock in seconds (tests pass a fake one).
+
+    Raises:
+        ValueError: for a role that is not ``interactive`` or ``batch``.
+    """
+
+    def __init__(self, roles: Mapping[str, Iterable[str]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._by_url: dict[str, Upstream] = {}
+        self._roles: dict[str, list[Upstream]] = {role: [] for role in ROLES}
+        self._turn = itertools.count()
+        self.replace(roles or {})
+
+    def replace(self, roles: Mapping[str, Iterable[str]]) -> bool:
+        """Set the replicas of every role; replicas kept keep their counts and back-off.
+
+        Requests in flight to a dropped replica finish normally (they hold their :class:`Upstream`).
+        Returns whether anything changed.
+
+        Raises:
+            ValueError: for an unknown role (nothing is changed then).
+        """
+        unknown = set(roles) - set(ROLES)
+        if unknown:
+            raise ValueError(f"roles: unknown role(s) {sorted(unknown)}; roles are {', '.join(ROLES)}")
+        new_urls = {role: list(dict.fromkeys(u.rstrip("/") for u in roles.get(role, ()))) for role in ROLES}
+        if new_urls == self.urls():
+            return False
+        by_url = {url: self._by_url.get(url) or Upstream(url) for urls in new_urls.values() for url in urls}
+        self._by_url = by_url
+        self._roles = {role: [by_url[u] for u in urls] for role, urls in new_urls.items()}
+        return True
+
+    def urls(self) -> dict[str, list[str]]:
+        """Role -> base URLs, in configuration order."""
+        return {role: [u.url for u in ups] for role, ups in self._roles.items()}
+
+    def of_role(self, role: str) -> list[Upstream]:
+        return list(self._roles.get(role, ()))
+
+    def all(self) -> list[Upstream]:
+        """Every known upstream once, whatever its roles."""
+        return list(self._by_url.values())
+
+    def pick(self, candidates: list[Upstream], max_outstanding: int,
+             exclude: Iterable[Upstream] = ()) -> Upstream | None:
+        """The candidate with the fewest requests in flight that is not full nor excluded.
+
+        Ties go round robin. Returns None when every candidate is full or excluded.
+        """
+        now = self.clock()
+        skip = set(map(id, exclude))
+        free = [u for u in candidates if id(u) not in skip and not u.is_full(max_outstanding, now)]
+        if not free:
+            return None
+        least = min(u.outstanding for u in free)
+        tied = [u for u in free if u.outstanding == least]
+        return tied[next(self._turn) % len(tied)]
+
+    def retry_after_s(self, candidates: list[Upstream], max_outstanding: int) -> int:
+        """Whole seconds (at least 1) until the first of ``candidates`` frees up, for ``Retry-After``."""
+        now = self.clock()
+        waits = [u.wait_s(max_outstanding, now) for u in candidates]
+        return max(1, math.ceil(min(waits, default=1.0)))
+
+    def back_off(self, upstream: Upstream, seconds: float) -> None:
+        """Send ``upstream`` nothing for ``seconds`` (it answered 429 with this ``Retry-After``)."""
+        upstream.blocked_until = max(upstream.blocked_until, self.clock() + seconds)
+
+    def snapshot(self, max_outstanding: int) -> dict[str, list[dict]]:
+        """Role -> ``[{url, outstanding, full, retry_after_s}]`` for ``GET /gateway/upstreams``."""
+        now = self.clock()
+        return {
+            role: [
+                {"url": u.url, "outstanding": u.outstanding, "full": u.is_full(max_outstanding, now),
+                 "retry_after_s": round(max(0.0, u.blocked_until - now), 3)}
+                for u in ups
+            ]
+            for role, ups in self._roles.items()
+        }

@@ -1,0 +1,181 @@
+"""kopf handlers for ServingPool: thin, each one calling the pure renderers and :mod:`.kube`.
+
+- create / update / resume: validate (as the API server would, plus what only the engine knows),
+  render, apply every object idempotently, delete the Deployments of roles the mode no longer runs,
+  and report status (``observedGeneration``, ``mode``, replicas per role, ``Ready`` /
+  ``Progressing`` / ``Degraded`` conditions) with an Event for each change;
+- a timer refreshes status as rollouts progress;
+- delete removes every child by name (owner references let a real cluster collect them too).
+
+An invalid spec is a ``Degraded`` condition and a Warning event, then ``kopf.PermanentError``: no
+crash loop, no retries until the spec changes. A transient API failure is a
+``kopf.TemporaryError`` (kopf retries it with the delay given).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any
+
+import kopf
+import kubernetes
+
+from cadenza.operator import kube, render
+from cadenza.operator.pool import Pool, PoolSpecError
+from cadenza.operator.validate import PoolValidationError, validate_pool
+
+GROUP, VERSION, PLURAL = render.GROUP, render.VERSION, "servingpools"
+RETRY_DELAY_S = 10
+_SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+@kopf.on.login()
+def login(**kwargs: Any):
+    """In a pod: the service account; elsewhere: ``$KUBECONFIG`` read now (the ``kubernetes``
+    package reads it at import time, which may be before it was set)."""
+    if os.path.exists(_SA_TOKEN):
+        return kopf.login_with_service_account(**kwargs)
+    return kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    if os.path.exists(_SA_TOKEN):
+        kubernetes.config.load_incluster_config()
+    else:
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    settings.watching.reconnect_backoff = 1.0
+    settings.posting.level = logging.INFO
+    settings.posting.enabled = os.environ.get("CADENZA_OPERATOR_EVENTS", "true").lower() != "false"
+
+
+def _pool(body: kopf.Body) -> Pool:
+    """Validate the pool as the API server would (defaults included) and read it.
+
+    Raises:
+        PoolValidationError, PoolSpecError: the spec cannot run.
+    """
+    obj = validate_pool({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+                         "metadata": {"name": body.metadata.name, "namespace": body.metadata.namespace},
+                         "spec": dict(body.spec)})
+    pool = Pool(body.metadata.name, body.metadata.namespace, obj["spec"])
+    pool.roles()  # engine-level checks
+    return pool
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    """Converge the cluster on the pool's spec (idempotent: a second run changes nothing)."""
+    try:
+        pool = _pool(body)
+        roles = pool.roles()
+        objects = render.render_all(pool, owner={"name": meta["name"], "uid": meta["uid"]})
+    except (PoolValidationError, PoolSpecError) as exc:
+        message = str(exc)
+        patch.status.update(_status_invalid(body, message))
+        kopf.warn(body, reason="InvalidSpec", message=message[:1000])
+        raise kopf.PermanentError(f"invalid ServingPool: {message}") from None
+    try:
+        for obj in objects:
+            outcome = kube.apply(obj)
+            if outcome != "unchanged":
+                logger.info("%s %s %s", outcome, obj["kind"], obj["metadata"]["name"])
+                kopf.info(body, reason=outcome.capitalize(), message=f"{obj['kind']} {obj['metadata']['name']}")
+        for name in render.stale_deployments(pool, roles):
+            if kube.delete("Deployment", name, pool.namespace):
+                logger.info("deleted Deployment %s (mode %s)", name, pool.mode)
+                kopf.info(body, reason="Deleted", message=f"Deployment {name}: role not run in mode {pool.mode}")
+        patch.status.update(_status(body, pool, roles))
+    except kube.Transient as exc:
+        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=30.0, initial_delay=15.0, idle=5.0)
+def refresh_status(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    """Follow rollouts: recompute replicas and conditions from the Deployments."""
+    try:
+        pool = _pool(body)
+        patch.status.update(_status(body, pool, pool.roles()))
+    except (PoolValidationError, PoolSpecError):
+        return  # reported by reconcile; nothing to follow
+    except kube.Transient as exc:
+        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+def cleanup(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """Delete every object the pool may own (garbage collection would, but not every server has it)."""
+    pool = Pool(body.metadata.name, body.metadata.namespace, dict(body.spec))
+    try:
+        for _api_version, kind, name in render.every_child(pool):
+            if kube.delete(kind, name, pool.namespace):
+                logger.info("deleted %s %s", kind, name)
+    except kube.Transient as exc:
+        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+
+
+# -- status -------------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _condition(body: kopf.Body, kind: str, status: bool, reason: str, message: str) -> dict:
+    """A condition, keeping ``lastTransitionTime`` unless its status flips."""
+    value = "True" if status else "False"
+    previous = next((c for c in body.get("status", {}).get("conditions", []) if c.get("type") == kind), {})
+    changed = previous.get("status") != value
+    cond = {"type": kind, "status": value, "reason": reason, "message": message,
+            "lastTransitionTime": _now() if changed else previous.get("lastTransitionTime", _now())}
+    if body.metadata.get("generation") is not None:
+        cond["observedGeneration"] = body.metadata["generation"]
+    return cond
+
+
+def _status(body: kopf.Body, pool: Pool, roles) -> dict:
+    per_role, desired, ready, updated = {}, 0, 0, 0
+    for role in roles:
+        state = kube.deployment_status(f"{pool.name}-{role.name}", pool.namespace) or {}
+        per_role[role.name] = {"replicas": role.replicas, "readyReplicas": state.get("readyReplicas", 0)}
+        desired += role.replicas
+        ready += min(state.get("readyReplicas", 0), role.replicas)
+        updated += min(state.get("updatedReplicas", 0), role.replicas)
+    is_ready = ready == desired
+    rolling = updated < desired or not is_ready
+    status = {
+        "mode": pool.mode,
+        "replicas": desired,
+        "readyReplicas": ready,
+        "ready": f"{ready}/{desired}",
+        "selector": render.selector_string(pool),
+        "roles": per_role,
+        "conditions": [
+            _condition(body, "Ready", is_ready, "AllReplicasReady" if is_ready else "ReplicasNotReady",
+                       f"{ready}/{desired} engine replicas ready"),
+            _condition(body, "Progressing", rolling, "RolloutInProgress" if rolling else "RolloutComplete",
+                       f"{updated}/{desired} replicas updated, {ready}/{desired} ready"),
+            _condition(body, "Degraded", False, "AsExpected", "the spec is valid and applied"),
+        ],
+    }
+    if body.metadata.get("generation") is not None:
+        status["observedGeneration"] = body.metadata["generation"]
+    return status
+
+
+def _status_invalid(body: kopf.Body, message: str) -> dict:
+    status = {"conditions": [
+        _condition(body, "Ready", False, "InvalidSpec", "the spec cannot run"),
+        _condition(body, "Progressing", False, "InvalidSpec", "nothing is rolled out until the spec is fixed"),
+        _condition(body, "Degraded", True, "InvalidSpec", message[:1000]),
+    ]}
+    if body.metadata.get("generation") is not None:
+        status["observedGeneration"] = body.metadata["generation"]
+    return status

@@ -1,0 +1,212 @@
+"""``cadenza up``: a ServingPool on one machine — replicas as local processes behind the gateway.
+
+The same YAML as in a cluster, validated against the same CRD schema, read through the same
+:class:`~cadenza.operator.pool.Pool` view: each role's replicas run ``cadenza serve`` with the
+role's flags and policy document on free ports of 127.0.0.1, and ``cadenza gateway`` routes each
+class to its role on the chosen address. The supervisor waits until every replica is ready,
+restarts one that dies (on the same port, with backoff), and on Ctrl-C or SIGTERM stops the
+gateway, then the replicas (SIGTERM, then SIGKILL after a grace period). Logs and the generated
+configuration go to a run folder it prints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cadenza.operator.pool import Pool, PoolSpecError
+
+logger = logging.getLogger("cadenza.up")
+GRACE_S = 30.0
+MAX_BACKOFF_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Process:
+    """One supervised process (a replica or the gateway), restarted on the same port."""
+
+    name: str
+    cmd: list[str]
+    port: int
+    log: Path
+    host: str = "127.0.0.1"
+    role: str | None = None
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    restart_at: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+    def start(self) -> None:
+        with open(self.log, "a") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.started = time.monotonic()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/ready", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def plan(pool_obj: dict, run_dir: Path, host: str, port: int) -> tuple[list[Process], Process]:
+    """The replicas and the gateway a pool needs, with their configuration files written.
+
+    Raises:
+        PoolSpecError: a spec that cannot run here (a PVC source needs a cluster).
+    """
+    pool = Pool(pool_obj["metadata"]["name"], pool_obj["metadata"].get("namespace", "default"), pool_obj["spec"])
+    source = pool.spec["model"].get("source", {"embedded": True})
+    if "pvc" in source:
+        raise PoolSpecError("spec.model.source.pvc needs a cluster; use source.path for cadenza up")
+    model_args = pool.model_args()
+    serve = [sys.executable, "-m", "cadenza.node.cli", "serve", "--host", "127.0.0.1"]
+    replicas: list[Process] = []
+    for role in pool.roles():
+        policy = run_dir / f"{role.name}.policy.json"
+        policy.write_text(json.dumps(role.policy(), indent=2) + "\n")
+        for i in range(role.replicas):
+            port_i = free_port()
+            cmd = [*serve, "--port", str(port_i), *role.serve_args(model_args), "--policy", str(policy)]
+            replicas.append(Process(f"{role.name}-{i}", cmd, port_i, run_dir / f"{role.name}-{i}.log", role=role.name))
+    urls = {role: [r.url for r in replicas if r.role == role] for role in ("interactive", "batch")}
+    if pool.mode == "colocated":
+        urls = {"interactive": [r.url for r in replicas], "batch": [r.url for r in replicas]}
+    config = run_dir / "gateway.json"
+    config.write_text(json.dumps({"roles": urls, "default_class": "interactive"}, indent=2) + "\n")
+    gateway = Process("gateway", [sys.executable, "-m", "cadenza.node.cli", "gateway", "--config", str(config),
+                                  "--host", host, "--port", str(port)], port, run_dir / "gateway.log", host=host)
+    return replicas, gateway
+
+
+def _write_state(path: Path | None, replicas: list[Process], gateway: Process) -> None:
+    if path is None:
+        return
+    state = {
+        "gateway": {"url": gateway.url, "pid": gateway.proc.pid if gateway.proc else None},
+        "replicas": [{"name": r.name, "role": r.role, "url": r.url, "pid": r.proc.pid if r.proc else None,
+                      "restarts": r.restarts, "log": str(r.log)} for r in replicas],
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _wait_ready(procs: list[Process], timeout: float, stop: dict) -> Process | None:
+    """Wait for every process to answer /ready; the first that died instead (or None)."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending and not stop["now"]:
+        for p in list(pending):
+            if p.proc is not None and p.proc.poll() is not None:
+                return p
+            if p.ready():
+                pending.remove(p)
+        if time.monotonic() > deadline:
+            return pending[0]
+        time.sleep(0.25)
+    return None
+
+
+def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_file: Path | None = None,
+              ready_timeout: float = 600.0) -> int:
+    """Run a validated ServingPool until interrupted; the process exit code."""
+    name = pool_obj["metadata"]["name"]
+    run_dir = Path(tempfile.mkdtemp(prefix=f"cadenza-up-{name}-"))
+    try:
+        replicas, gateway = plan(pool_obj, run_dir, host, port)
+    except PoolSpecError as exc:
+        print(f"cadenza up: {exc}", file=sys.stderr)
+        return 2
+    stop = {"now": False}
+
+    def on_signal(_signum, _frame) -> None:
+        stop["now"] = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    everyone = [*replicas, gateway]
+    try:
+        logger.info("pool %s: starting %d replicas (logs in %s)", name, len(replicas), run_dir)
+        for r in replicas:
+            r.start()
+        failed = _wait_ready(replicas, ready_timeout, stop)
+        if failed is not None:
+            print(f"cadenza up: replica {failed.name} did not become ready:\n{failed.tail()}", file=sys.stderr)
+            return 1
+        gateway.start()
+        failed = _wait_ready([gateway], 60.0, stop)
+        if failed is not None:
+            print(f"cadenza up: the gateway did not start:\n{gateway.tail()}", file=sys.stderr)
+            return 1
+        _write_state(state_file, replicas, gateway)
+        if not stop["now"]:
+            logger.info("pool %s: serving on %s/v1 (%d replicas ready)", name, gateway.url, len(replicas))
+        while not stop["now"]:
+            _supervise(everyone, replicas, gateway, state_file)
+            time.sleep(0.5)
+        return 0
+    finally:
+        _shutdown(everyone)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _supervise(everyone: list[Process], replicas: list[Process], gateway: Process, state_file: Path | None) -> None:
+    now = time.monotonic()
+    for p in everyone:
+        if p.proc is None or p.proc.poll() is None:
+            continue
+        if not p.restart_at:
+            backoff = min(MAX_BACKOFF_S, 2.0 ** min(p.restarts, 5)) if now - p.started < 60 else 1.0
+            p.restart_at = now + backoff
+            logger.warning("%s exited with %s; restarting in %.0f s (log: %s)", p.name, p.proc.returncode, backoff, p.log)
+        elif now >= p.restart_at:
+            p.restarts += 1
+            p.restart_at = 0.0
+            p.start()
+            _write_state(state_file, replicas, gateway)
+
+
+def _shutdown(everyone: list[Process]) -> None:
+    """The gateway first (no new work), then the replicas; SIGKILL after the grace period."""
+    for p in reversed(everyone):
+        p.stop()
+    deadline = time.monotonic() + GRACE_S
+    for p in everyone:
+        if p.proc is None:
+            continue
+        try:
+            p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.stop(signal.SIGKILL)
+            p.proc.wait()

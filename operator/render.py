@@ -1,0 +1,237 @@
+"""Pure functions from a :class:`~cadenza.operator.pool.Pool` to the Kubernetes objects it needs.
+
+Every function returns plain dicts (testable without a cluster). For a pool named ``p``:
+
+- ConfigMap ``p-engine``: each role's policy document (mounted at ``/etc/cadenza``);
+- a Deployment per role: ``p-colocated``, or ``p-interactive`` and ``p-batch``; the pod template
+  carries a hash of the role's configuration, so a changed knob rolls only that role;
+- Services: ``p`` (every engine pod), ``p-interactive`` and ``p-batch`` (what the gateway routes
+  each class to — in colocated mode both select every engine pod, so a mode shift changes
+  selectors, never the gateway), and ``p-gateway`` (the pool's entry point);
+- a PodDisruptionBudget ``p-engine`` (one engine pod down at a time);
+- the gateway: ServiceAccount, Role and RoleBinding ``p-gateway`` (read EndpointSlices) and a
+  Deployment ``p-gateway`` running ``cadenza gateway --kubernetes``.
+
+All carry an owner reference to the pool.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from cadenza.operator.pool import MODEL_MOUNT, Pool, Role
+
+GROUP, VERSION, KIND = "serving.cadenza.dev", "v1alpha1", "ServingPool"
+POOL_LABEL, ROLE_LABEL = "serving.cadenza.dev/pool", "serving.cadenza.dev/role"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+CONFIG_HASH = "serving.cadenza.dev/config-hash"
+HTTP_PORT = 8000
+ALL_ROLES = ("colocated", "interactive", "batch")
+_SECURE_CONTAINER = {
+    "runAsNonRoot": True, "runAsUser": 65532, "readOnlyRootFilesystem": True,
+    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def labels(pool: Pool, component: str, role: str | None = None) -> dict[str, str]:
+    out = {
+        "app.kubernetes.io/name": "cadenza", "app.kubernetes.io/instance": pool.name,
+        "app.kubernetes.io/managed-by": "cadenza-operator", COMPONENT_LABEL: component, POOL_LABEL: pool.name,
+    }
+    if role:
+        out[ROLE_LABEL] = role
+    return out
+
+
+def engine_selector(pool: Pool, role: str | None = None) -> dict[str, str]:
+    sel = {POOL_LABEL: pool.name, COMPONENT_LABEL: "engine"}
+    if role:
+        sel[ROLE_LABEL] = role
+    return sel
+
+
+def selector_string(pool: Pool) -> str:
+    """The label selector of every engine pod (``status.selector``, for the scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in engine_selector(pool).items())
+
+
+def _meta(pool: Pool, name: str, component: str, owner: Mapping[str, str] | None, role: str | None = None) -> dict:
+    meta: dict[str, Any] = {"name": name, "namespace": pool.namespace, "labels": labels(pool, component, role)}
+    if owner:
+        meta["ownerReferences"] = [{
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner["name"], "uid": owner["uid"],
+            "controller": True, "blockOwnerDeletion": True,
+        }]
+    return meta
+
+
+def render_configmap(pool: Pool, roles: list[Role], owner=None) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(pool, f"{pool.name}-engine", "engine", owner),
+        "data": {f"{role.name}.policy.json": json.dumps(role.policy(), indent=2, sort_keys=True) + "\n"
+                 for role in roles},
+    }
+
+
+def _probe(path: str, **timing: int) -> dict:
+    return {"httpGet": {"path": path, "port": "http"}, **timing}
+
+
+def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
+    model_args = pool.model_args()
+    args = ["serve", "--host", "0.0.0.0", "--port", str(HTTP_PORT), *role.serve_args(model_args),
+            "--policy", f"/etc/cadenza/{role.name}.policy.json"]
+    if pool.gpus:
+        args += ["--device", "cuda"]
+    volumes = [{"name": "config", "configMap": {"name": f"{pool.name}-engine"}},
+               {"name": "cache", "emptyDir": {}}]
+    mounts = [{"name": "config", "mountPath": "/etc/cadenza", "readOnly": True},
+              {"name": "cache", "mountPath": "/cache"}]
+    source = pool.spec["model"].get("source", {})
+    if "pvc" in source:
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": source["pvc"]["claimName"],
+                                                                     "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if pool.gpus:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    container = {
+        "name": "engine", "image": pool.spec["image"], "args": args,
+        "ports": [{"name": "http", "containerPort": HTTP_PORT}],
+        "env": [
+            {"name": "CADENZA_POOL", "value": pool.name},
+            {"name": "CADENZA_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "OTEL_SERVICE_NAME", "value": "cadenza"},
+            {"name": "HOME", "value": "/cache"},
+            {"name": "XDG_CACHE_HOME", "value": "/cache"},
+            {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"},
+        ],
+        "resources": pool.spec.get("resources", {}),
+        "volumeMounts": mounts,
+        "startupProbe": _probe("/health", periodSeconds=5, failureThreshold=120),
+        "livenessProbe": _probe("/health", periodSeconds=10, failureThreshold=6),
+        "readinessProbe": _probe("/ready", periodSeconds=5, failureThreshold=2),
+        "securityContext": _SECURE_CONTAINER,
+    }
+    pod_labels = labels(pool, "engine", role.name)
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(pool, f"{pool.name}-{role.name}", "engine", owner, role.name),
+        "spec": {
+            "replicas": role.replicas,
+            "selector": {"matchLabels": engine_selector(pool, role.name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": {CONFIG_HASH: role.config_hash(model_args)}},
+                "spec": {
+                    "containers": [container], "volumes": volumes,
+                    "terminationGracePeriodSeconds": 60,  # streams in flight finish on SIGTERM
+                    "securityContext": {"runAsNonRoot": True, "fsGroup": 65532},
+                },
+            },
+        },
+    }
+
+
+def _service(pool: Pool, name: str, component: str, selector: dict, owner=None) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, name, component, owner),
+        "spec": {"selector": selector, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
+    }
+
+
+def render_services(pool: Pool, owner=None) -> list[dict]:
+    """The engine-wide, per-class and gateway Services (selectors follow the mode)."""
+    dedicated = pool.mode == "dedicated"
+    return [
+        _service(pool, pool.name, "engine", engine_selector(pool), owner),
+        _service(pool, f"{pool.name}-interactive", "engine",
+                 engine_selector(pool, "interactive" if dedicated else None), owner),
+        _service(pool, f"{pool.name}-batch", "engine", engine_selector(pool, "batch" if dedicated else None), owner),
+        _service(pool, f"{pool.name}-gateway", "gateway", {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}, owner),
+    ]
+
+
+def render_pdb(pool: Pool, owner=None) -> dict:
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": _meta(pool, f"{pool.name}-engine", "engine", owner),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": engine_selector(pool)}},
+    }
+
+
+def render_gateway(pool: Pool, owner=None) -> list[dict]:
+    """ServiceAccount, Role, RoleBinding and Deployment of the pool's gateway."""
+    name = f"{pool.name}-gateway"
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(pool, name, "gateway", owner)}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(pool, name, "gateway", owner),
+        "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(pool, name, "gateway", owner),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}],
+    }
+    container = {
+        "name": "gateway", "image": pool.spec["image"],
+        "args": ["gateway", "--kubernetes", "--namespace", pool.namespace, "--pool", pool.name,
+                 "--host", "0.0.0.0", "--port", str(HTTP_PORT)],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT}],
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}},
+        "livenessProbe": _probe("/health", periodSeconds=10),
+        "readinessProbe": _probe("/ready", periodSeconds=5),
+        "securityContext": _SECURE_CONTAINER,
+    }
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(pool, name, "gateway", owner),
+        "spec": {
+            "replicas": 2 if int(pool.spec.get("replicas", 1)) > 1 else 1,
+            "selector": {"matchLabels": {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}},
+            "template": {
+                "metadata": {"labels": labels(pool, "gateway")},
+                "spec": {"serviceAccountName": name, "containers": [container],
+                         "securityContext": {"runAsNonRoot": True}},
+            },
+        },
+    }
+    return [sa, role, binding, deployment]
+
+
+def render_all(pool: Pool, owner: Mapping[str, str] | None = None) -> list[dict]:
+    """Every object the pool needs, in creation order.
+
+    Raises:
+        PoolSpecError: a spec that cannot run (see :meth:`Pool.roles`).
+    """
+    roles = pool.roles()
+    return [
+        render_configmap(pool, roles, owner),
+        *[render_engine_deployment(pool, role, owner) for role in roles],
+        *render_services(pool, owner),
+        render_pdb(pool, owner),
+        *render_gateway(pool, owner),
+    ]
+
+
+def stale_deployments(pool: Pool, roles: list[Role]) -> list[str]:
+    """Engine Deployments of roles the current mode does not run (to delete after a shift)."""
+    running = {role.name for role in roles}
+    return [f"{pool.name}-{role}" for role in ALL_ROLES if role not in running]
+
+
+def every_child(pool: Pool) -> list[tuple[str, str, str]]:
+    """``(apiVersion, kind, name)`` of every object a pool may own, whatever its mode (for cleanup;
+    some test API servers have no garbage collector)."""
+    n = pool.name
+    return [
+        ("apps/v1", "Deployment", f"{n}-gateway"), *[("apps/v1", "Deployment", f"{n}-{r}") for r in ALL_ROLES],
+        ("v1", "Service", n), ("v1", "Service", f"{n}-interactive"), ("v1", "Service", f"{n}-batch"),
+        ("v1", "Service", f"{n}-gateway"), ("v1", "ConfigMap", f"{n}-engine"),
+        ("policy/v1", "PodDisruptionBudget", f"{n}-engine"),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding", f"{n}-gateway"),
+        ("rbac.authorization.k8s.io/v1", "Role", f"{n}-gateway"), ("v1", "ServiceAccount", f"{n}-gateway"),
+    ]

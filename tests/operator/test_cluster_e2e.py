@@ -1,0 +1,102 @@
+"""Against a real cluster (kind, k3d, or any): skipped unless ``$KUBECONFIG`` names one.
+
+Installs the CRD, runs the operator in-process against the cluster, applies the quickstart pool
+in a throw-away namespace, checks the objects and status, then deletes everything. With
+``CADENZA_E2E_IMAGE`` set to a cadenza image the cluster can pull, it also waits for the replicas
+and the gateway to become ready and sends a chat completion through the gateway Service (via the
+API server's service proxy).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP, VERSION, PLURAL = "serving.cadenza.dev", "v1alpha1", "servingpools"
+
+
+def _real_cluster() -> str | None:
+    path = os.environ.get("KUBECONFIG")
+    if not path or not Path(path).is_file():
+        return "KUBECONFIG does not name a kubeconfig file"
+    try:
+        import kubernetes
+
+        kubernetes.config.load_kube_config(config_file=path)
+        kubernetes.client.VersionApi().get_code(_request_timeout=5)
+    except Exception as exc:  # unreachable, no credentials, not a cluster
+        return f"no reachable cluster behind KUBECONFIG ({type(exc).__name__})"
+    return None
+
+
+reason = _real_cluster()
+pytestmark = pytest.mark.skipif(reason is not None, reason=f"cluster e2e: {reason}")
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def namespace():
+    import kubernetes
+
+    core = kubernetes.client.CoreV1Api()
+    ext = kubernetes.client.ApiextensionsV1Api()
+    crd = yaml.safe_load((ROOT / "manifests/crd/servingpools.yaml").read_text())
+    try:
+        ext.create_custom_resource_definition(crd)
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:
+            raise
+    name = f"cadenza-e2e-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": name}})
+    yield name
+    core.delete_namespace(name)
+
+
+def test_quickstart_pool_in_a_real_cluster(namespace):
+    import kubernetes
+    from kopf.testing import KopfRunner
+
+    pool = yaml.safe_load((ROOT / "manifests/examples/quickstart-cpu.yaml").read_text())
+    pool["metadata"]["namespace"] = namespace
+    image = os.environ.get("CADENZA_E2E_IMAGE")
+    if image:
+        pool["spec"]["image"] = image
+    custom = kubernetes.client.CustomObjectsApi()
+    apps = kubernetes.client.AppsV1Api()
+    name = pool["metadata"]["name"]
+    with KopfRunner(["run", "--standalone", "--namespace", namespace, "-m", "cadenza.operator.handlers"],
+                    timeout=900) as runner:
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, pool)
+        wait_for(lambda: {d.metadata.name for d in apps.list_namespaced_deployment(namespace).items}
+                 == {f"{name}-colocated", f"{name}-gateway"}, 60, "deployments")
+        status = wait_for(lambda: custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+                          .get("status", {}).get("mode"), 60, "status")
+        assert status == "colocated"
+        if image:
+            wait_for(lambda: custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+                     ["status"].get("ready") == f"{pool['spec']['replicas']}/{pool['spec']['replicas']}",
+                     600, "replicas ready")
+            core = kubernetes.client.CoreV1Api()
+            body = core.connect_post_namespaced_service_proxy_with_path(
+                f"{name}-gateway:http", namespace, "v1/chat/completions",
+                body={"model": pool["spec"]["model"]["name"], "max_tokens": 8,
+                      "messages": [{"role": "user", "content": "Say hi"}]})
+            assert "choices" in str(body)
+        custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        wait_for(lambda: not apps.list_namespaced_deployment(namespace).items, 120, "cleanup")
+    assert runner.exit_code == 0, runner.output

@@ -1,0 +1,106 @@
+"""The kopf handlers without a cluster: events for each change, status conditions, error kinds."""
+
+from __future__ import annotations
+
+import logging
+
+import kopf
+import pytest
+
+from cadenza.operator import handlers, kube
+
+BODY = {
+    "apiVersion": "serving.cadenza.dev/v1alpha1", "kind": "ServingPool",
+    "metadata": {"name": "chat", "namespace": "prod", "uid": "uid-1", "generation": 7},
+    "spec": {"model": {"name": "tiny", "source": {"path": "/m"}}, "replicas": 2,
+             "engine": {"tokenBudget": 256, "chunkSize": 64}},
+}
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    """A fake cluster: records applies/deletes and the events the handlers post."""
+    state = {"applied": [], "existing": set(), "events": [], "ready": 0}
+
+    def apply(obj):
+        key = (obj["kind"], obj["metadata"]["name"])
+        state["applied"].append(key)
+        if key in state["existing"]:
+            return "unchanged"
+        state["existing"].add(key)
+        return "created"
+
+    monkeypatch.setattr(kube, "apply", apply)
+    monkeypatch.setattr(kube, "delete", lambda kind, name, ns: (kind, name) in state["existing"]
+                        and not state["existing"].discard((kind, name)))
+    monkeypatch.setattr(kube, "deployment_status", lambda name, ns: {
+        "replicas": 2, "readyReplicas": state["ready"], "updatedReplicas": 2})
+    monkeypatch.setattr(handlers.kopf, "info", lambda body, reason, message: state["events"].append(("Normal", reason, message)))
+    monkeypatch.setattr(handlers.kopf, "warn", lambda body, reason, message: state["events"].append(("Warning", reason, message)))
+    return state
+
+
+def run(body: dict) -> kopf.Patch:
+    patch = kopf.Patch()
+    b = kopf.Body(body)
+    handlers.reconcile(body=b, meta=b.metadata, patch=patch, logger=logging.getLogger("test"))
+    return patch
+
+
+def test_each_created_object_gets_an_event_and_a_second_reconcile_none(cluster):
+    run(BODY)
+    created = [e for e in cluster["events"] if e[1] == "Created"]
+    assert ("Normal", "Created", "Deployment chat-colocated") in created and len(created) == 11
+    cluster["events"].clear()
+    run(BODY)
+    assert cluster["events"] == []  # nothing changed, nothing announced
+
+
+def test_status_reports_mode_replicas_and_conditions(cluster):
+    status = run(BODY)["status"]
+    assert status["mode"] == "colocated" and status["ready"] == "0/2" and status["observedGeneration"] == 7
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Ready"]["status"] == "False" and conditions["Progressing"]["status"] == "True"
+    assert conditions["Degraded"]["status"] == "False"
+    cluster["ready"] = 2
+    status = run(BODY)["status"]
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert status["ready"] == "2/2" and conditions["Ready"]["status"] == "True"
+    assert conditions["Progressing"]["reason"] == "RolloutComplete"
+
+
+def test_a_mode_shift_deletes_the_old_role_with_an_event(cluster):
+    run(BODY)
+    dedicated = {**BODY, "spec": {**BODY["spec"], "mode": "dedicated"}}
+    run(dedicated)
+    assert ("Normal", "Deleted", "Deployment chat-colocated: role not run in mode dedicated") in cluster["events"]
+
+
+def test_an_invalid_spec_is_a_degraded_condition_a_warning_and_a_permanent_error(cluster):
+    bad = {**BODY, "spec": {**BODY["spec"], "mode": "dedicated",
+                            "dedicated": {"interactiveReplicas": 1, "engine": {"chunkSize": 512}}}}
+    patch = kopf.Patch()
+    b = kopf.Body(bad)
+    with pytest.raises(kopf.PermanentError, match="chunkSize"):
+        handlers.reconcile(body=b, meta=b.metadata, patch=patch, logger=logging.getLogger("test"))
+    degraded = next(c for c in patch["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+    assert cluster["events"][-1][:2] == ("Warning", "InvalidSpec") and cluster["applied"] == []
+
+
+def test_a_schema_violation_the_api_server_would_refuse_is_caught_too(cluster):
+    bad = {**BODY, "spec": {**BODY["spec"], "engine": {"tokenBudget": 128, "chunkSize": 256}}}
+    b = kopf.Body(bad)
+    with pytest.raises(kopf.PermanentError, match="chunkSize"):
+        handlers.reconcile(body=b, meta=b.metadata, patch=kopf.Patch(), logger=logging.getLogger("test"))
+
+
+def test_transient_api_failures_are_retried_later(cluster, monkeypatch):
+    def busy(obj):
+        raise kube.Transient("503 from the API server")
+
+    monkeypatch.setattr(kube, "apply", busy)
+    b = kopf.Body(BODY)
+    with pytest.raises(kopf.TemporaryError) as err:
+        handlers.reconcile(body=b, meta=b.metadata, patch=kopf.Patch(), logger=logging.getLogger("test"))
+    assert err.value.delay == handlers.RETRY_DELAY_S

@@ -1,0 +1,181 @@
+"""The operator end to end: kopf (in a thread) against kmock's Kubernetes emulator over real HTTP."""
+
+from __future__ import annotations
+
+import time
+
+import kmock
+import kubernetes
+import pytest
+from kopf.testing import KopfRunner
+
+from cadenza.operator.render import CONFIG_HASH
+from kube_emulator import KubeEmulator
+
+GROUP, VERSION, PLURAL = "serving.cadenza.dev", "v1alpha1", "servingpools"
+POOLS = f"{GROUP}/{VERSION}/{PLURAL}"
+OPERATOR = ["run", "--standalone", "--all-namespaces", "-m", "cadenza.operator.handlers"]
+
+
+@pytest.fixture
+def api(tmp_path, monkeypatch):
+    info = kmock.ResourceInfo(kind="ServingPool", singular="servingpool", namespaced=True, shortnames={"sp"},
+                              verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"})
+    with KubeEmulator({POOLS: info}) as emulator:
+        config = str(emulator.write_kubeconfig(tmp_path / "kubeconfig"))
+        monkeypatch.setenv("KUBECONFIG", config)
+        # kmock has no generateName, so every Event kopf posts collides (409): events are checked
+        # by the handler tests instead.
+        monkeypatch.setenv("CADENZA_OPERATOR_EVENTS", "false")
+        kubernetes.config.load_kube_config(config_file=config)
+        yield emulator
+
+
+def wait_for(predicate, timeout=20.0, what=""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def pool_body(name="chat", **spec):
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ServingPool",
+        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "resourceVersion": "1"},
+        "spec": {"model": {"name": "tiny", "source": {"path": "/models/tiny"}}, "replicas": 2,
+                 "engine": {"tokenBudget": 256, "chunkSize": 64}, **spec},
+    }
+
+
+def custom():
+    return kubernetes.client.CustomObjectsApi()
+
+
+def patch_pool(spec: dict, name="chat"):
+    custom().patch_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, name, {"spec": spec})
+
+
+def get_pool(name="chat"):
+    return custom().get_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, name)
+
+
+def names(api, resource):
+    return {name for (_ns, name) in api.objects(resource)}
+
+
+def deployment(api, name):
+    return api.objects("apps/v1/deployments").get(("default", name))
+
+
+def args_of(dep):
+    return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def condition(pool, kind):
+    return next((c for c in pool.get("status", {}).get("conditions", []) if c["type"] == kind), None)
+
+
+EXPECTED_COLOCATED = {"chat-colocated", "chat-gateway"}
+
+
+def test_a_pool_becomes_its_objects_and_follows_every_change(api):
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        time.sleep(1.0)  # the watch streams open
+        custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, pool_body())
+
+        # Created: Deployments, Services, ConfigMap, PDB and the gateway's RBAC, all owned by the pool.
+        wait_for(lambda: names(api, "apps/v1/deployments") == EXPECTED_COLOCATED, what="deployments")
+        assert names(api, "v1/services") == {"chat", "chat-interactive", "chat-batch", "chat-gateway"}
+        assert names(api, "v1/configmaps") == {"chat-engine"}
+        assert names(api, "policy/v1/poddisruptionbudgets") == {"chat-engine"}
+        assert names(api, "rbac.authorization.k8s.io/v1/roles") == {"chat-gateway"}
+        for resource in ("apps/v1/deployments", "v1/services", "v1/configmaps"):
+            for obj in api.objects(resource).values():
+                assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-chat"
+        engine = deployment(api, "chat-colocated")
+        assert engine["spec"]["replicas"] == 2
+        assert args_of(engine)[args_of(engine).index("--chunk-size") + 1] == "64"
+        status = wait_for(lambda: get_pool().get("status", {}).get("mode") and get_pool()["status"], what="status")
+        assert status["mode"] == "colocated" and status["replicas"] == 2 and status["ready"] == "0/2"
+        assert condition(get_pool(), "Progressing")["status"] == "True"
+        assert condition(get_pool(), "Degraded")["status"] == "False"
+
+        # Replicas change: the Deployment is patched, its pods' template is not.
+        template = engine["spec"]["template"]
+        gateway = deployment(api, "chat-gateway")
+        patch_pool({"replicas": 4})
+        wait_for(lambda: deployment(api, "chat-colocated")["spec"]["replicas"] == 4, what="replicas patched")
+        assert deployment(api, "chat-colocated")["spec"]["template"] == template
+
+        # A knob: only the engine role rolls; the gateway is untouched.
+        patch_pool({"engine": {"tokenBudget": 256, "chunkSize": 32}})
+        wait_for(lambda: args_of(deployment(api, "chat-colocated"))[
+            args_of(deployment(api, "chat-colocated")).index("--chunk-size") + 1] == "32", what="knob patched")
+        assert deployment(api, "chat-colocated")["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH] != \
+            template["metadata"]["annotations"][CONFIG_HASH]
+        assert deployment(api, "chat-gateway") == gateway
+
+        # Dedicated mode: the roles split, the class services select them, the colocated role goes.
+        patch_pool({"mode": "dedicated", "dedicated": {"interactiveReplicas": 1}})
+        wait_for(lambda: names(api, "apps/v1/deployments") == {"chat-interactive", "chat-batch", "chat-gateway"},
+                 what="roles split")
+        assert deployment(api, "chat-interactive")["spec"]["replicas"] == 1
+        assert deployment(api, "chat-batch")["spec"]["replicas"] == 3
+        services = api.objects("v1/services")
+        assert services[("default", "chat-interactive")]["spec"]["selector"]["serving.cadenza.dev/role"] == "interactive"
+        wait_for(lambda: get_pool()["status"]["mode"] == "dedicated", what="status mode")
+
+        # Delete: everything the pool owned goes, then the pool (finalizer released).
+        custom().delete_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "chat")
+        wait_for(lambda: not api.objects(POOLS), what="pool gone")
+        wait_for(lambda: not api.objects("apps/v1/deployments") and not api.objects("v1/services")
+                 and not api.objects("v1/configmaps"), what="children gone")
+    assert runner.exit_code == 0, runner.output
+    assert "Traceback" not in runner.output
+
+
+def test_a_second_reconcile_changes_nothing_and_a_restart_converges_without_duplicates(api):
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        time.sleep(1.0)
+        custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, pool_body())
+        wait_for(lambda: names(api, "apps/v1/deployments") == EXPECTED_COLOCATED, what="deployments")
+        wait_for(lambda: get_pool().get("status", {}).get("mode"), what="status")
+    assert runner.exit_code == 0, runner.output
+    first = {r: api.objects(r) for r in ("apps/v1/deployments", "v1/services", "v1/configmaps")}
+
+    # While the operator is down, the pool changes; a new operator resumes and converges.
+    patch_pool({"replicas": 3, "mode": "dedicated", "dedicated": {"interactiveReplicas": 1}})
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        wait_for(lambda: names(api, "apps/v1/deployments") == {"chat-interactive", "chat-batch", "chat-gateway"},
+                 what="converged after restart")
+        assert deployment(api, "chat-batch")["spec"]["replicas"] == 2
+        time.sleep(1.0)
+    assert runner.exit_code == 0, runner.output
+    # Idempotent: the objects the change did not touch are exactly as before (no re-create, no patch).
+    after = api.objects("v1/configmaps"), api.objects("v1/services")
+    assert api.objects("apps/v1/deployments")[("default", "chat-gateway")] == \
+        first["apps/v1/deployments"][("default", "chat-gateway")]
+    assert after[1][("default", "chat-gateway")] == first["v1/services"][("default", "chat-gateway")]
+    assert len(api.objects("apps/v1/deployments")) == 3
+
+
+def test_a_spec_only_the_engine_can_refuse_is_reported_not_retried(api):
+    bad = pool_body("bad", mode="dedicated", replicas=2,
+                    dedicated={"interactiveReplicas": 1, "engine": {"chunkSize": 512}})  # > tokenBudget 256
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        time.sleep(1.0)
+        custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, bad)
+        pool = wait_for(lambda: condition(get_pool("bad"), "Degraded"), what="degraded condition")
+        assert pool["status"] == "True" and pool["reason"] == "InvalidSpec" and "chunkSize" in pool["message"]
+        time.sleep(2.0)
+        assert not api.objects("apps/v1/deployments")  # nothing rolled out
+        # Fixing the spec heals it.
+        patch_pool({"dedicated": {"interactiveReplicas": 1, "engine": {"chunkSize": 128}}}, name="bad")
+        wait_for(lambda: names(api, "apps/v1/deployments") == {"bad-interactive", "bad-batch", "bad-gateway"},
+                 what="healed")
+        wait_for(lambda: condition(get_pool("bad"), "Degraded")["status"] == "False", what="not degraded")
+    assert runner.exit_code == 0, runner.output
+    assert runner.output.count("invalid ServingPool") == 1  # a permanent error: reported once, not retried

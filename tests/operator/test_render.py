@@ -1,0 +1,161 @@
+"""The pure renderers: what a ServingPool becomes in each mode, and what each knob changes."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from cadenza.operator.pool import Pool, PoolSpecError
+from cadenza.operator.render import CONFIG_HASH, render_all, selector_string, stale_deployments
+
+OWNER = {"name": "chat", "uid": "uid-123"}
+BASE = {
+    "model": {"name": "llama", "source": {"path": "/models/llama"}},
+    "image": "cadenza:test",
+    "replicas": 3,
+    "engine": {"tokenBudget": 512, "chunkSize": 256, "stepTimeTargetMs": 120,
+               "classes": {"batch": {"maxPrefillTokens": 128}}, "tenants": {"gold": {"weight": 3}}},
+    "mode": "colocated",
+    "dedicated": {"interactiveReplicas": 1, "engine": {"chunkSize": 64}},
+}
+
+
+def pool(**changes) -> Pool:
+    spec = copy.deepcopy(BASE)
+    spec.update(changes)
+    return Pool("chat", "prod", spec)
+
+
+def by_name(objects: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def engine(objs: dict, role: str) -> dict:
+    return objs[("Deployment", f"chat-{role}")]["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_colocated_pool_runs_one_engine_deployment_behind_class_services_and_a_gateway():
+    objs = by_name(render_all(pool(), OWNER))
+    assert set(objs) == {
+        ("ConfigMap", "chat-engine"), ("Deployment", "chat-colocated"), ("Service", "chat"),
+        ("Service", "chat-interactive"), ("Service", "chat-batch"), ("Service", "chat-gateway"),
+        ("PodDisruptionBudget", "chat-engine"), ("ServiceAccount", "chat-gateway"), ("Role", "chat-gateway"),
+        ("RoleBinding", "chat-gateway"), ("Deployment", "chat-gateway"),
+    }
+    assert objs[("Deployment", "chat-colocated")]["spec"]["replicas"] == 3
+    # In colocated mode both class services select every engine pod.
+    for svc in ("chat-interactive", "chat-batch", "chat"):
+        assert "serving.cadenza.dev/role" not in objs[("Service", svc)]["spec"]["selector"]
+
+
+def test_every_object_is_owned_by_the_pool_and_namespaced():
+    for obj in render_all(pool(), OWNER):
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref["uid"] == "uid-123" and ref["kind"] == "ServingPool" and ref["controller"] is True
+        assert obj["metadata"]["namespace"] == "prod"
+        assert obj["metadata"]["labels"]["serving.cadenza.dev/pool"] == "chat"
+
+
+def test_engine_knobs_become_serve_flags_and_a_policy_file():
+    objs = by_name(render_all(pool(), OWNER))
+    args = engine(objs, "colocated")["args"]
+    assert args[:5] == ["serve", "--host", "0.0.0.0", "--port", "8000"]
+    assert args[args.index("--model") + 1] == "/models/llama" and "--served-model-name" in args
+    assert args[args.index("--token-budget") + 1] == "512" and args[args.index("--chunk-size") + 1] == "256"
+    assert args[args.index("--policy") + 1] == "/etc/cadenza/colocated.policy.json"
+    policy = json.loads(objs[("ConfigMap", "chat-engine")]["data"]["colocated.policy.json"])
+    assert policy == {"step_time_target_ms": 120, "classes": {"batch": {"max_prefill_tokens": 128}},
+                      "tenants": {"gold": {"weight": 3}}}
+
+
+def test_dedicated_mode_splits_roles_with_interactive_overrides():
+    p = pool(mode="dedicated")
+    objs = by_name(render_all(p, OWNER))
+    assert objs[("Deployment", "chat-interactive")]["spec"]["replicas"] == 1
+    assert objs[("Deployment", "chat-batch")]["spec"]["replicas"] == 2
+    assert ("Deployment", "chat-colocated") not in objs
+    inter, batch = engine(objs, "interactive")["args"], engine(objs, "batch")["args"]
+    assert inter[inter.index("--chunk-size") + 1] == "64" and batch[batch.index("--chunk-size") + 1] == "256"
+    assert inter[inter.index("--default-class") + 1] == "interactive"
+    assert batch[batch.index("--default-class") + 1] == "batch"
+    assert objs[("Service", "chat-interactive")]["spec"]["selector"]["serving.cadenza.dev/role"] == "interactive"
+    assert objs[("Service", "chat-batch")]["spec"]["selector"]["serving.cadenza.dev/role"] == "batch"
+    assert set(objs[("ConfigMap", "chat-engine")]["data"]) == {"interactive.policy.json", "batch.policy.json"}
+    assert stale_deployments(p, p.roles()) == ["chat-colocated"]
+
+
+def test_auto_mode_runs_colocated_until_the_slo_controller_exists():
+    objs = by_name(render_all(pool(mode="auto"), OWNER))
+    assert ("Deployment", "chat-colocated") in objs and ("Deployment", "chat-interactive") not in objs
+
+
+def test_changing_a_knob_rolls_only_the_roles_it_affects():
+    before = by_name(render_all(pool(mode="dedicated"), OWNER))
+    changed = copy.deepcopy(BASE["dedicated"])
+    changed["engine"]["chunkSize"] = 32
+    after = by_name(render_all(pool(mode="dedicated", dedicated=changed), OWNER))
+
+    def hash_of(objs, role):
+        return objs[("Deployment", f"chat-{role}")]["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH]
+
+    assert hash_of(before, "interactive") != hash_of(after, "interactive")
+    assert hash_of(before, "batch") == hash_of(after, "batch")
+    assert before[("Deployment", "chat-gateway")] == after[("Deployment", "chat-gateway")]
+
+
+def test_changing_replicas_changes_no_pod_template():
+    before = by_name(render_all(pool(), OWNER))
+    after = by_name(render_all(pool(replicas=5), OWNER))
+    dep_b, dep_a = before[("Deployment", "chat-colocated")], after[("Deployment", "chat-colocated")]
+    assert dep_a["spec"]["replicas"] == 5 and dep_a["spec"]["template"] == dep_b["spec"]["template"]
+
+
+def test_a_pvc_model_is_mounted_read_only_and_gpus_select_cuda():
+    p = pool(model={"name": "llama", "source": {"pvc": {"claimName": "weights", "subPath": "llama-8b"}}},
+             resources={"limits": {"nvidia.com/gpu": 1, "memory": "40Gi"}})
+    objs = by_name(render_all(p, OWNER))
+    container = engine(objs, "colocated")
+    pod = objs[("Deployment", "chat-colocated")]["spec"]["template"]["spec"]
+    assert container["args"][container["args"].index("--model") + 1] == "/models/llama-8b"
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    assert "--device" in container["args"] and container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert any(v["name"] == "dshm" for v in pod["volumes"])
+
+
+def test_the_embedded_model_needs_no_model_flag():
+    args = engine(by_name(render_all(pool(model={"name": "SmolLM2-135M-Instruct", "source": {"embedded": True}}),
+                                     OWNER)), "colocated")["args"]
+    assert "--model" not in args and args[args.index("--served-model-name") + 1] == "SmolLM2-135M-Instruct"
+
+
+def test_containers_run_hardened():
+    for obj in render_all(pool(), OWNER):
+        if obj["kind"] == "Deployment":
+            for c in obj["spec"]["template"]["spec"]["containers"]:
+                ctx = c["securityContext"]
+                assert ctx["runAsNonRoot"] and ctx["readOnlyRootFilesystem"] and ctx["capabilities"]["drop"] == ["ALL"]
+                assert not ctx["allowPrivilegeEscalation"]
+
+
+def test_gateway_reads_endpoints_with_its_own_least_privilege_role():
+    objs = by_name(render_all(pool(), OWNER))
+    (rule,) = objs[("Role", "chat-gateway")]["rules"]
+    assert rule == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+    gw = objs[("Deployment", "chat-gateway")]["spec"]["template"]["spec"]
+    assert gw["serviceAccountName"] == "chat-gateway"
+    assert gw["containers"][0]["args"][:6] == ["gateway", "--kubernetes", "--namespace", "prod", "--pool", "chat"]
+
+
+def test_specs_the_schema_cannot_catch_are_refused():
+    with pytest.raises(PoolSpecError, match="chunkSize"):
+        render_all(pool(mode="dedicated", dedicated={"interactiveReplicas": 1, "engine": {"chunkSize": 1024}}))
+    with pytest.raises(PoolSpecError, match="interactiveReplicas"):
+        render_all(pool(mode="dedicated", replicas=1))
+    with pytest.raises(PoolSpecError, match="minShare|min_share"):
+        render_all(pool(engine={"classes": {"batch": {"minShare": 0.8}, "interactive": {"minShare": 0.5}}}))
+
+
+def test_status_selector_matches_every_engine_pod():
+    assert selector_string(pool()) == "serving.cadenza.dev/pool=chat,app.kubernetes.io/component=engine"

@@ -1,0 +1,364 @@
+"""A ServingPool is accepted, defaulted and refused as the Kubernetes API server would do it."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from cadenza.operator.validate import (
+    PoolValidationError,
+    apply_defaults,
+    load_crd_schema,
+    load_pools,
+    validate_pool,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "examples"
+MINIMAL = {
+    "apiVersion": "serving.cadenza.dev/v1alpha1",
+    "kind": "ServingPool",
+    "metadata": {"name": "chat", "namespace": "default"},
+    "spec": {"model": {"name": "SmolLM2-135M-Instruct"}},
+}
+
+
+def pool(**spec) -> dict:
+    """The minimal pool with ``spec`` keys replaced."""
+    obj = copy.deepcopy(MINIMAL)
+    obj["spec"].update(spec)
+    return obj
+
+
+def problems_of(obj: dict, schema: dict | None = None) -> list[str]:
+    with pytest.raises(PoolValidationError) as info:
+        validate_pool(obj, schema)
+    assert str(info.value) == "\n".join(info.value.problems)
+    return info.value.problems
+
+
+# --- accepted pools and defaults ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("example", ["quickstart-cpu.yaml", "chat-gpu.yaml"])
+def test_example_pools_validate(example):
+    [pool_] = load_pools(EXAMPLES / example)
+    assert pool_["kind"] == "ServingPool"
+
+
+def test_examples_have_the_documented_shape():
+    [cpu] = load_pools(EXAMPLES / "quickstart-cpu.yaml")
+    [gpu] = load_pools(EXAMPLES / "chat-gpu.yaml")
+    assert cpu["metadata"]["name"] == "quickstart" and cpu["spec"]["replicas"] == 2
+    assert cpu["spec"]["model"] == {"name": "SmolLM2-135M-Instruct", "source": {"embedded": True}}
+    assert "nvidia.com/gpu" not in cpu["spec"]["resources"]["limits"]
+    assert gpu["spec"]["mode"] == "auto" and gpu["spec"]["replicas"] == 4
+    assert gpu["spec"]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert gpu["spec"]["dedicated"]["engine"]["chunkSize"] < gpu["spec"]["engine"]["chunkSize"]
+
+
+def test_defaults_land_where_the_crd_puts_them():
+    spec = validate_pool(MINIMAL)["spec"]
+    assert spec["mode"] == "colocated"
+    assert spec["replicas"] == 1
+    assert spec["image"] == "ghcr.io/cadenza-serving/cadenza:0.1.0"
+    assert spec["model"]["source"] == {"embedded": True}
+    assert spec["engine"] == {}
+    assert spec["dedicated"] == {"interactiveReplicas": 1, "engine": {}}  # defaulted, then defaulted inside
+    assert spec["controller"] == {"windowSeconds": 300, "hysteresis": 0.1, "cooldownSeconds": 600, "advisory": False}
+    assert "slo" not in spec and "resources" not in spec  # no default, so absent
+
+
+def test_given_values_are_kept_and_defaults_fill_only_the_gaps():
+    spec = validate_pool(pool(replicas=3, dedicated={"interactiveReplicas": 2}, controller={"advisory": True}))["spec"]
+    assert spec["replicas"] == 3 and spec["dedicated"]["interactiveReplicas"] == 2
+    assert spec["controller"]["advisory"] is True and spec["controller"]["windowSeconds"] == 300
+
+
+def test_validation_returns_a_copy_and_leaves_the_input_alone():
+    obj = pool()
+    assert validate_pool(obj) is not obj
+    assert obj == pool()
+
+
+def test_null_values_are_pruned_then_defaulted():
+    spec = validate_pool(pool(replicas=None, slo=None))["spec"]
+    assert spec["replicas"] == 1 and "slo" not in spec
+
+
+def test_defaults_follow_additional_properties_and_items():
+    schema = {
+        "type": "object",
+        "properties": {
+            "m": {"type": "object", "additionalProperties": {"type": "object", "properties": {"w": {"type": "integer", "default": 1}}}},
+            "l": {"type": "array", "items": {"type": "object", "properties": {"w": {"type": "integer", "default": 2}}}},
+        },
+    }
+    out = apply_defaults({"m": {"a": {}, "b": {"w": 5}}, "l": [{}, {"w": 7}]}, schema)
+    assert out == {"m": {"a": {"w": 1}, "b": {"w": 5}}, "l": [{"w": 2}, {"w": 7}]}
+
+
+def test_int_or_string_quantities_accept_both():
+    spec = validate_pool(pool(resources={"requests": {"cpu": 2, "memory": "3Gi"}, "limits": {"nvidia.com/gpu": "1"}}))["spec"]
+    assert spec["resources"]["requests"]["cpu"] == 2
+
+
+def test_a_number_field_written_as_an_integer_is_a_number():
+    assert validate_pool(pool(engine={"kvCacheFraction": 1}, controller={"hysteresis": 0}))["spec"]["engine"]["kvCacheFraction"] == 1
+
+
+def test_dedicated_mode_with_a_batch_replica_left_is_accepted():
+    assert validate_pool(pool(mode="dedicated", replicas=2))["spec"]["dedicated"]["interactiveReplicas"] == 1
+
+
+def test_the_crd_schema_is_a_fresh_copy():
+    schema = load_crd_schema()
+    schema["properties"].clear()
+    assert "spec" in load_crd_schema()["properties"]
+
+
+# --- refused pools ----------------------------------------------------------------------------------
+
+
+def test_chunk_size_above_token_budget_is_refused():
+    [problem] = problems_of(pool(engine={"chunkSize": 1024, "tokenBudget": 512}))
+    assert problem == "spec.engine: engine.chunkSize must not exceed engine.tokenBudget"
+
+
+def test_the_interactive_role_engine_is_checked_too():
+    [problem] = problems_of(pool(dedicated={"engine": {"chunkSize": 1024, "tokenBudget": 512}}))
+    assert problem.startswith("spec.dedicated.engine: engine.chunkSize must not exceed")
+
+
+def test_negative_replicas_are_refused():
+    [problem] = problems_of(pool(replicas=-1))
+    assert problem == "spec.replicas: Invalid value: -1: should be greater than or equal to 0"
+
+
+def test_replicas_above_the_maximum_are_refused():
+    [problem] = problems_of(pool(replicas=1001))
+    assert problem == "spec.replicas: Invalid value: 1001: should be less than or equal to 1000"
+
+
+def test_unknown_mode_is_refused_naming_the_supported_values():
+    problems = problems_of(pool(mode="hybrid"))
+    assert problems[0] == 'spec.mode: Unsupported value: "hybrid": supported values: "colocated", "dedicated", "auto"'
+
+
+def test_block_size_outside_the_enum_is_refused():
+    assert "spec.engine.blockSize: Unsupported value: 12" in problems_of(pool(engine={"blockSize": 12}))[0]
+
+
+@pytest.mark.parametrize("mode", ["dedicated", "auto"])
+@pytest.mark.parametrize("interactive, replicas", [(1, 1), (2, 2), (3, 2)])
+def test_dedicated_needs_a_batch_replica(mode, interactive, replicas):
+    problems = problems_of(pool(mode=mode, replicas=replicas, dedicated={"interactiveReplicas": interactive}))
+    assert problems == ["spec: dedicated.interactiveReplicas must be less than replicas (the batch role needs at least one)"]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        {"embedded": True, "path": "/models/m"},
+        {"path": "/models/m", "pvc": {"claimName": "m"}},
+        {"embedded": False},
+        {},
+    ],
+)
+def test_model_source_needs_exactly_one_source(source):
+    problems = problems_of(pool(model={"name": "m", "source": source}))
+    assert problems == ["spec.model.source: model.source needs exactly one of path, pvc or embedded: true"]
+
+
+def test_missing_model_name_is_refused():
+    problems = problems_of(pool(model={"source": {"path": "/models/m"}}))
+    assert problems[0] == "spec.model.name: Required value"
+
+
+def test_missing_spec_is_refused():
+    obj = copy.deepcopy(MINIMAL)
+    del obj["spec"]
+    assert problems_of(obj)[0] == "spec: Required value"
+
+
+def test_a_resource_quantity_that_is_a_list_is_refused():
+    problems = problems_of(pool(resources={"limits": {"nvidia.com/gpu": [1]}}))
+    assert problems[0] == "spec.resources.limits[nvidia.com/gpu]: Invalid value: [1]: must be of type integer or string"
+
+
+def test_a_wrong_type_is_refused():
+    assert problems_of(pool(replicas="two"))[0] == 'spec.replicas: Invalid value: "two": must be of type integer'
+
+
+def test_a_boolean_is_not_an_integer():
+    assert problems_of(pool(replicas=True))[0].startswith("spec.replicas: Invalid value: true: must be of type integer")
+
+
+def test_undeclared_fields_are_refused_like_strict_field_validation():
+    problems = problems_of(pool(replica=3, engine={"chunk_size": 64}))
+    assert sorted(problems) == ["spec.engine.chunk_size: field not declared in schema", "spec.replica: field not declared in schema"]
+
+
+def test_status_and_metadata_may_hold_fields_the_schema_does_not_list():
+    obj = pool()
+    obj["metadata"]["annotations"] = {"kopf.zalando.org/last-handled-configuration": "{}"}
+    obj["status"] = {"mode": "colocated", "kopf": {"progress": {}}}
+    assert validate_pool(obj)["status"]["kopf"] == {"progress": {}}
+
+
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("kind", "Deployment", 'kind: Unsupported value: "Deployment": must be ServingPool'),
+        ("apiVersion", "serving.cadenza.dev/v1", 'apiVersion: Unsupported value: "serving.cadenza.dev/v1": must be serving.cadenza.dev/v1alpha1'),
+        ("apiVersion", None, "apiVersion: Unsupported value: null: must be serving.cadenza.dev/v1alpha1"),
+    ],
+)
+def test_wrong_kind_or_api_version_is_refused(field, value, expected):
+    obj = pool()
+    obj[field] = value
+    assert problems_of(obj) == [expected]
+
+
+@pytest.mark.parametrize("name", ["Chat", "1chat", "chat-", "chat_pool", "chat.pool", "a" * 46, ""])
+def test_invalid_or_too_long_names_are_refused(name):
+    obj = pool()
+    obj["metadata"]["name"] = name
+    [problem] = problems_of(obj)
+    assert problem.startswith("metadata.name: ")
+
+
+@pytest.mark.parametrize("name", ["a", "chat", "llama-3-8b", "a" * 45])
+def test_dns_1035_names_up_to_45_characters_are_accepted(name):
+    obj = pool()
+    obj["metadata"]["name"] = name
+    assert validate_pool(obj)["metadata"]["name"] == name
+
+
+def test_missing_metadata_name_is_refused():
+    obj = pool()
+    del obj["metadata"]
+    assert problems_of(obj) == ["metadata.name: Required value"]
+
+
+def test_an_invalid_namespace_is_refused():
+    obj = pool()
+    obj["metadata"]["namespace"] = "Team_A"
+    assert problems_of(obj)[0].startswith('metadata.namespace: Invalid value: "Team_A"')
+
+
+def test_a_document_that_is_not_an_object_is_refused():
+    assert problems_of(["not", "a", "pool"]) == ["<root>: Invalid value: must be an object, got list"]
+
+
+def test_several_problems_are_reported_at_once():
+    obj = pool(replicas=-1, engine={"chunkSize": 1024, "tokenBudget": 512, "kvCacheFraction": 2})
+    obj["kind"] = "Pool"
+    obj["metadata"]["name"] = "Bad_Name"
+    problems = problems_of(obj)
+    assert len(problems) == 5
+    assert {p.split(":")[0] for p in problems} == {"kind", "metadata.name", "spec.replicas", "spec.engine.kvCacheFraction", "spec.engine"}
+
+
+def test_rules_are_not_evaluated_once_the_object_has_the_wrong_shape():
+    # As the API server: an enum/type/required violation skips the CEL rules, and says so.
+    problems = problems_of(pool(mode="hybrid", engine={"chunkSize": 1024, "tokenBudget": 512}))
+    assert problems[0].startswith("spec.mode: Unsupported value")
+    assert problems[1].startswith("<root>: some validation rules were not checked")
+    assert len(problems) == 2
+
+
+# --- CEL rules that cannot be evaluated ---------------------------------------------------------------
+
+
+def schema_with_rule(rule: str) -> dict:
+    schema = load_crd_schema()
+    schema["properties"]["spec"]["x-kubernetes-validations"].append({"rule": rule, "message": "never shown"})
+    return schema
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        "self.replicas < 'many'",  # no such overload
+        "self.noSuchField == 1",  # no such key
+        "self.replicas <",  # does not parse
+        "self.replicas",  # not a boolean
+    ],
+)
+def test_a_rule_that_cannot_be_evaluated_is_reported(rule):
+    [problem] = problems_of(pool(), schema_with_rule(rule))
+    assert problem.startswith(f"spec: rule {rule!r} could not be evaluated")
+
+
+def test_rules_on_nodes_absent_from_the_data_are_skipped():
+    schema = load_crd_schema()
+    schema["properties"]["spec"]["properties"]["slo"]["x-kubernetes-validations"] = [{"rule": "false", "message": "m"}]
+    validate_pool(pool(), schema)
+    assert problems_of(pool(slo={}), schema) == ["spec.slo: m"]
+
+
+def test_a_rule_without_a_message_names_itself():
+    schema = load_crd_schema()
+    schema["properties"]["spec"]["x-kubernetes-validations"].append({"rule": "self.replicas > 1"})
+    assert problems_of(pool(), schema) == ["spec: failed rule: self.replicas > 1"]
+
+
+def test_a_number_is_a_cel_double_even_when_written_as_an_integer():
+    schema = load_crd_schema()
+    schema["properties"]["spec"]["properties"]["controller"]["x-kubernetes-validations"] = [
+        {"rule": "self.hysteresis < 0.5", "message": "too much hysteresis"}
+    ]
+    validate_pool(pool(controller={"hysteresis": 0}), schema)
+    assert problems_of(pool(controller={"hysteresis": 1}), schema) == ["spec.controller: too much hysteresis"]
+
+
+# --- files ------------------------------------------------------------------------------------------
+
+
+def test_multi_document_files_yield_only_the_serving_pools(tmp_path):
+    path = tmp_path / "pools.yaml"
+    path.write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: extra}\ndata: {a: b}\n"
+        "---\n"
+        "apiVersion: serving.cadenza.dev/v1alpha1\nkind: ServingPool\nmetadata: {name: one}\n"
+        "spec: {model: {name: m}}\n"
+        "---\n"
+        "---\n"
+        "apiVersion: serving.cadenza.dev/v1alpha1\nkind: ServingPool\nmetadata: {name: two}\n"
+        "spec: {model: {name: m}, replicas: 2}\n"
+    )
+    pools = load_pools(path)
+    assert [p["metadata"]["name"] for p in pools] == ["one", "two"]
+    assert pools[0]["spec"]["mode"] == "colocated" and pools[1]["spec"]["replicas"] == 2
+
+
+def test_an_invalid_document_is_named_in_the_error(tmp_path):
+    path = tmp_path / "pools.yaml"
+    path.write_text(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: s}\n"
+        "---\n"
+        "apiVersion: serving.cadenza.dev/v1alpha1\nkind: ServingPool\nmetadata: {name: bad}\n"
+        "spec: {model: {name: m}, replicas: -3}\n"
+    )
+    with pytest.raises(PoolValidationError) as info:
+        load_pools(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert "document 2 (ServingPool bad): spec.replicas: Invalid value: -3" in message
+
+
+def test_two_pools_with_one_name_in_one_namespace_are_refused(tmp_path):
+    path = tmp_path / "pools.yaml"
+    doc = "apiVersion: serving.cadenza.dev/v1alpha1\nkind: ServingPool\nmetadata: {name: same}\nspec: {model: {name: m}}\n"
+    path.write_text(doc + "---\n" + doc)
+    with pytest.raises(PoolValidationError, match="document 2 .*Duplicate value"):
+        load_pools(path)
+
+
+def test_a_file_that_is_not_yaml_is_refused(tmp_path):
+    path = tmp_path / "pools.yaml"
+    path.write_text("spec: [unclosed\n")
+    with pytest.raises(PoolValidationError, match="not valid YAML"):
+        load_pools(path)

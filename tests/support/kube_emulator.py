@@ -1,0 +1,74 @@
+"""kmock's Kubernetes emulator over real HTTP on 127.0.0.1, in a thread, with a kubeconfig for it.
+
+What the emulator does not do, and how the tests live with it: it sets no ``uid``,
+``resourceVersion`` or ``generation`` (create custom objects with the first two), ignores label
+selectors, has no PUT and no garbage collection, never updates Deployment status, and fails a
+namespaced list of namespaces — so the operator runs cluster-wide here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import kmock
+import yaml
+
+
+class KubeEmulator:
+    """Context manager: ``with KubeEmulator({"group/version/plural": ResourceInfo}) as api: ...``."""
+
+    def __init__(self, custom_resources: dict[str, kmock.ResourceInfo]) -> None:
+        self.custom_resources = custom_resources
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kube-emulator", daemon=True)
+        self.url = ""
+
+    def _run(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start(self) -> None:
+        self.emulator = kmock.KubernetesEmulator()
+        await self.emulator.__aenter__()
+        self.emulator.resources.load_bundled()
+        for key, info in self.custom_resources.items():
+            self.emulator.resources[key] = info
+        self.server = kmock.Server(self.emulator)
+        await self.server.__aenter__()
+        self.url = str(self.server.url).rstrip("/")
+
+    async def _stop(self) -> None:
+        await self.server.__aexit__(None, None, None)
+        await self.emulator.__aexit__(None, None, None)
+
+    def __enter__(self) -> "KubeEmulator":
+        self._thread.start()
+        self._run(self._start())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._run(self._stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def objects(self, resource: str) -> dict[tuple[str, str], dict]:
+        """Live objects of ``resource`` (e.g. ``apps/v1/deployments``) as ``{(namespace, name): raw}``."""
+        wanted = kmock.resource(resource)
+
+        async def snapshot():
+            return {(ns, name): dict(obj.raw) for (res, ns, name), obj in self.emulator.objects.items()
+                    if res == wanted and not obj.deleted}
+
+        return self._run(snapshot(), 5.0)
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        config = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+            "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+            "users": [{"name": "emulator", "user": {"token": "test"}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "emulator",
+                                                          "namespace": "default"}}],
+        }
+        path.write_text(yaml.safe_dump(config))
+        return path
