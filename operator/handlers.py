@@ -9,7 +9,9 @@
 
 An invalid spec is a ``Degraded`` condition and a Warning event, then ``kopf.PermanentError``: no
 crash loop, no retries until the spec changes. A transient API failure is a
-``kopf.TemporaryError`` (kopf retries it with the delay given).
+``kopf.TemporaryError`` (kopf retries it with the delay given). An object the API refuses (RBAC,
+an admission policy, a quota) is a ``Degraded`` condition and a Warning event too, retried slowly:
+the fix usually lies outside the pool.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from cadenza.operator.validate import PoolValidationError, validate_pool
 
 GROUP, VERSION, PLURAL = render.GROUP, render.VERSION, "servingpools"
 RETRY_DELAY_S = 10
+REFUSED_RETRY_DELAY_S = 60
 _SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 
@@ -38,6 +41,22 @@ def login(**kwargs: Any):
     if os.path.exists(_SA_TOKEN):
         return kopf.login_with_service_account(**kwargs)
     return kopf.login_with_kubeconfig(**kwargs)
+
+
+def credentials_problem() -> str | None:
+    """Why the operator could not reach a cluster (no service account, no usable kubeconfig), or None.
+
+    Checked before kopf starts, which would otherwise retry its login forever.
+    """
+    if os.path.exists(_SA_TOKEN):
+        return None
+    try:
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    except (kubernetes.config.ConfigException, OSError, TypeError, ValueError) as exc:
+        where = os.environ.get("KUBECONFIG") or "~/.kube/config"
+        return (f"no cluster credentials: not in a pod with a service account, and the kubeconfig "
+                f"({where}) cannot be used: {exc}")
+    return None
 
 
 @kopf.on.startup()
@@ -95,6 +114,11 @@ def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: loggi
         patch.status.update(_status(body, pool, roles))
     except kube.Transient as exc:
         raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+    except kube.Refused as exc:
+        message = str(exc)
+        patch.status.update(_status_invalid(body, message, reason="ApplyRefused"))
+        kopf.warn(body, reason="ApplyRefused", message=message[:1000])
+        raise kopf.TemporaryError(message, delay=REFUSED_RETRY_DELAY_S) from None
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=30.0, initial_delay=15.0, idle=5.0)
@@ -105,6 +129,8 @@ def refresh_status(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         patch.status.update(_status(body, pool, pool.roles()))
     except (PoolValidationError, PoolSpecError):
         return  # reported by reconcile; nothing to follow
+    except kube.Refused:
+        return  # reported by reconcile, which retries
     except kube.Transient as exc:
         raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
 
@@ -119,6 +145,8 @@ def cleanup(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
                 logger.info("deleted %s %s", kind, name)
     except kube.Transient as exc:
         raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+    except kube.Refused as exc:
+        raise kopf.TemporaryError(str(exc), delay=REFUSED_RETRY_DELAY_S) from None
 
 
 # -- status -------------------------------------------------------------------------------------
@@ -170,11 +198,13 @@ def _status(body: kopf.Body, pool: Pool, roles) -> dict:
     return status
 
 
-def _status_invalid(body: kopf.Body, message: str) -> dict:
+def _status_invalid(body: kopf.Body, message: str, reason: str = "InvalidSpec") -> dict:
+    """Conditions for a pool that cannot be rolled out (``InvalidSpec`` or ``ApplyRefused``)."""
+    cause = "the spec cannot run" if reason == "InvalidSpec" else "the API refused an object"
     status = {"conditions": [
-        _condition(body, "Ready", False, "InvalidSpec", "the spec cannot run"),
-        _condition(body, "Progressing", False, "InvalidSpec", "nothing is rolled out until the spec is fixed"),
-        _condition(body, "Degraded", True, "InvalidSpec", message[:1000]),
+        _condition(body, "Ready", False, reason, cause),
+        _condition(body, "Progressing", False, reason, f"nothing more is rolled out until it is fixed: {cause}"),
+        _condition(body, "Degraded", True, reason, message[:1000]),
     ]}
     if body.metadata.get("generation") is not None:
         status["observedGeneration"] = body.metadata["generation"]

@@ -1,25 +1,37 @@
 """Idempotent apply and delete of the objects a pool renders, with the ``kubernetes`` client.
 
-``apply`` stores a hash of the rendered object in an annotation; an object whose stored hash
-matches is left alone, so a second reconcile changes nothing (no patch, no event, no rollout).
-A different hash is patched in; a missing object is created. Transient API failures (429, 5xx,
-409 conflicts, connection errors) become :class:`Transient` so the caller retries with backoff.
+``apply`` is a three-way merge like ``kubectl apply``'s: the rendered object is stored, as JSON,
+in an annotation on the object it creates. When the rendering is the stored one, nothing is sent
+(no patch, no event, no rollout). Otherwise a JSON merge patch (RFC 7386) carries the whole new
+rendering, with ``null`` for every field the last rendering set and this one drops — a selector
+key, a resource limit, an annotation — so removed fields are removed, while fields other
+controllers and the API server own (status, defaults, ``clusterIP``) are left alone. Lists are
+replaced whole, as JSON merge patch does. A missing object is created.
+
+Transient API failures (429, 5xx, 409 conflicts, connection errors) become :class:`Transient` so
+the caller retries with backoff; anything else the API refuses is :class:`Refused`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
 import kubernetes
+import urllib3
 from kubernetes.client.rest import ApiException
 
-APPLIED_HASH = "serving.cadenza.dev/applied-hash"
+LAST_APPLIED = "serving.cadenza.dev/last-applied"
+MERGE_PATCH = "application/merge-patch+json"
 
 
 class Transient(Exception):
     """A failure worth retrying later (the API server was busy, unreachable, or raced us)."""
+
+
+class Refused(Exception):
+    """The API (or the client, checking the body) refused an object: retrying the same will not help
+    until something changes (the spec, RBAC, an admission policy)."""
 
 
 def _apis(kind: str):
@@ -40,14 +52,51 @@ def _apis(kind: str):
             getattr(api, f"patch_{suffix}"), getattr(api, f"delete_{suffix}"))
 
 
-def object_hash(obj: dict) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
+def canonical(obj: dict) -> str:
+    """The form stored in :data:`LAST_APPLIED` (key order does not matter)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def merge_patch(last: Any, desired: Any) -> Any:
+    """The JSON merge patch (RFC 7386) that applies ``desired`` over an object ``last`` was applied to.
+
+    It is ``desired`` whole (so fields someone edited by hand are set back), plus ``None`` — delete —
+    for every map key ``last`` set that ``desired`` no longer has, at any depth. Lists are not
+    merged: ``desired``'s replace them.
+    """
+    if not isinstance(last, dict) or not isinstance(desired, dict):
+        return desired
+    patch = {key: None for key in last if key not in desired}
+    for key, value in desired.items():
+        patch[key] = merge_patch(last[key], value) if key in last else value
+    return patch
 
 
 def _transient(exc: Exception) -> bool:
     if isinstance(exc, ApiException):
         return exc.status in (409, 429) or exc.status >= 500 or exc.status == 0
-    return isinstance(exc, (ConnectionError, TimeoutError, OSError))
+    # urllib3's errors (MaxRetryError, ProtocolError, ...) wrap a lost or refused connection.
+    return isinstance(exc, (ConnectionError, TimeoutError, OSError, urllib3.exceptions.HTTPError))
+
+
+def _failure(kind: str, name: str, exc: Exception) -> Exception:
+    if _transient(exc):
+        return Transient(f"{kind} {name}: {exc}")
+    if isinstance(exc, ApiException):
+        return Refused(f"{kind} {name}: the API refused it ({exc.status} {exc.reason}): {_api_message(exc)}")
+    return Refused(f"{kind} {name}: {exc}")
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return json.loads(exc.body).get("message", "")
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.body or "")[:500]
+
+
+def _with_last_applied(obj: dict) -> dict:
+    meta = obj["metadata"]
+    return {**obj, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), LAST_APPLIED: canonical(obj)}}}
 
 
 def apply(obj: dict) -> str:
@@ -55,12 +104,11 @@ def apply(obj: dict) -> str:
 
     Raises:
         Transient: the API failed in a way worth retrying.
-        ApiException: a permanent refusal (e.g. 403, 422).
+        Refused: a permanent refusal (e.g. 403, 422, or a body the client's model rejects).
     """
     kind, meta = obj["kind"], obj["metadata"]
     read, create, patch, _delete = _apis(kind)
-    digest = object_hash(obj)
-    desired = {**obj, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), APPLIED_HASH: digest}}}
+    desired = _with_last_applied(obj)
     try:
         try:
             current = read(meta["name"], meta["namespace"])
@@ -69,22 +117,25 @@ def apply(obj: dict) -> str:
                 raise
             create(meta["namespace"], desired)
             return "created"
-        annotations = (current.metadata.annotations or {}) if hasattr(current, "metadata") else {}
-        if annotations.get(APPLIED_HASH) == digest:
+        stored = ((current.metadata.annotations or {}) if current.metadata else {}).get(LAST_APPLIED)
+        if stored == canonical(obj):
             return "unchanged"
-        patch(meta["name"], meta["namespace"], desired)
+        try:
+            last = json.loads(stored) if stored else {}
+        except ValueError:
+            last = {}  # edited by hand: patch everything we render, delete nothing
+        body = merge_patch(_with_last_applied(last) if last else {}, desired)
+        patch(meta["name"], meta["namespace"], body, _content_type=MERGE_PATCH)
         return "updated"
     except Exception as exc:
-        if _transient(exc):
-            raise Transient(f"{kind} {meta['name']}: {exc}") from exc
-        raise
+        raise _failure(kind, meta["name"], exc) from exc
 
 
 def delete(kind: str, name: str, namespace: str) -> bool:
     """Delete an object if it exists; True if something was deleted.
 
     Raises:
-        Transient: as :func:`apply`.
+        Transient, Refused: as :func:`apply`.
     """
     _read, _create, _patch, remove = _apis(kind)
     try:
@@ -93,11 +144,9 @@ def delete(kind: str, name: str, namespace: str) -> bool:
     except ApiException as exc:
         if exc.status == 404:
             return False
-        if _transient(exc):
-            raise Transient(f"{kind} {name}: {exc}") from exc
-        raise
-    except (ConnectionError, TimeoutError, OSError) as exc:
-        raise Transient(f"{kind} {name}: {exc}") from exc
+        raise _failure(kind, name, exc) from exc
+    except Exception as exc:
+        raise _failure(kind, name, exc) from exc
 
 
 def deployment_status(name: str, namespace: str) -> dict[str, Any] | None:
@@ -108,9 +157,9 @@ def deployment_status(name: str, namespace: str) -> dict[str, Any] | None:
     except ApiException as exc:
         if exc.status == 404:
             return None
-        if _transient(exc):
-            raise Transient(f"Deployment {name}: {exc}") from exc
-        raise
+        raise _failure("Deployment", name, exc) from exc
+    except Exception as exc:
+        raise _failure("Deployment", name, exc) from exc
     status = dep.status
     return {
         "replicas": (status.replicas if status else None) or 0,

@@ -104,3 +104,18 @@ def test_transient_api_failures_are_retried_later(cluster, monkeypatch):
     with pytest.raises(kopf.TemporaryError) as err:
         handlers.reconcile(body=b, meta=b.metadata, patch=kopf.Patch(), logger=logging.getLogger("test"))
     assert err.value.delay == handlers.RETRY_DELAY_S
+
+
+def test_an_object_the_api_refuses_is_a_degraded_condition_and_a_slow_retry(cluster, monkeypatch):
+    def forbidden(obj):
+        raise kube.Refused("Deployment chat-colocated: the API refused it (403 Forbidden): quota exceeded")
+
+    monkeypatch.setattr(kube, "apply", forbidden)
+    patch, b = kopf.Patch(), kopf.Body(BODY)
+    with pytest.raises(kopf.TemporaryError) as err:
+        handlers.reconcile(body=b, meta=b.metadata, patch=patch, logger=logging.getLogger("test"))
+    assert err.value.delay == handlers.REFUSED_RETRY_DELAY_S
+    degraded = next(c for c in patch["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "ApplyRefused"
+    assert "quota exceeded" in degraded["message"]
+    assert cluster["events"][-1][:2] == ("Warning", "ApplyRefused")

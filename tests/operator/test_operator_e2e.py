@@ -70,6 +70,11 @@ def deployment(api, name):
     return api.objects("apps/v1/deployments").get(("default", name))
 
 
+def engine_resources(api, name):
+    dep = deployment(api, name)
+    return dep and dep["spec"]["template"]["spec"]["containers"][0].get("resources")
+
+
 def args_of(dep):
     return dep["spec"]["template"]["spec"]["containers"][0]["args"]
 
@@ -135,6 +140,29 @@ def test_a_pool_becomes_its_objects_and_follows_every_change(api):
                  and not api.objects("v1/configmaps"), what="children gone")
     assert runner.exit_code == 0, runner.output
     assert "Traceback" not in runner.output
+
+
+def test_fields_a_new_rendering_drops_are_removed_not_merged(api):
+    """Back from dedicated to colocated, without a CPU limit: the class services must select the
+    colocated pods again (a merge would keep the role key and route to no pod), the limit and the
+    thread count it set must go."""
+    body = pool_body(mode="dedicated", dedicated={"interactiveReplicas": 1},
+                     resources={"limits": {"cpu": "2", "memory": "4Gi"}})
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        time.sleep(1.0)
+        custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, body)
+        wait_for(lambda: engine_resources(api, "chat-batch") == {"limits": {"cpu": "2", "memory": "4Gi"}},
+                 what="dedicated with limits")
+        patch_pool({"mode": "colocated", "resources": {"limits": {"cpu": None, "memory": "4Gi"}}})
+        wait_for(lambda: names(api, "apps/v1/deployments") == EXPECTED_COLOCATED, what="roles merged")
+        wait_for(lambda: engine_resources(api, "chat-colocated") == {"limits": {"memory": "4Gi"}}, what="limit gone")
+        services = api.objects("v1/services")
+        for svc in ("chat-interactive", "chat-batch"):
+            assert services[("default", svc)]["spec"]["selector"] == {
+                "serving.cadenza.dev/pool": "chat", "app.kubernetes.io/component": "engine"}, svc
+        env = deployment(api, "chat-colocated")["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert "OMP_NUM_THREADS" not in {e["name"] for e in env}
+    assert runner.exit_code == 0, runner.output
 
 
 def test_a_second_reconcile_changes_nothing_and_a_restart_converges_without_duplicates(api):

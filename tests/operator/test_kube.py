@@ -1,0 +1,135 @@
+"""Apply's merge patch and error kinds, against the real ``kubernetes`` client with fake transports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import kubernetes
+import pytest
+import urllib3
+from kubernetes.client.rest import ApiException
+
+from cadenza.operator import kube, render
+from cadenza.operator.pool import Pool
+from cadenza.operator.validate import load_pools
+
+EXAMPLES = Path(__file__).parents[2] / "manifests" / "examples"
+
+
+def test_a_key_the_new_rendering_drops_is_deleted_at_any_depth():
+    last = {"spec": {"selector": {"pool": "p", "role": "interactive"}, "replicas": 2}, "kind": "Service"}
+    desired = {"spec": {"selector": {"pool": "p"}, "replicas": 2}, "kind": "Service"}
+    assert kube.merge_patch(last, desired) == {"spec": {"selector": {"pool": "p", "role": None}, "replicas": 2},
+                                               "kind": "Service"}
+
+
+def test_lists_and_scalars_are_replaced_whole_and_nothing_is_deleted_without_a_last_rendering():
+    last = {"env": [{"name": "A"}, {"name": "B"}], "x": {"y": 1}}
+    desired = {"env": [{"name": "A"}], "x": 3}
+    assert kube.merge_patch(last, desired) == {"env": [{"name": "A"}], "x": 3}
+    assert kube.merge_patch({}, desired) == desired
+
+
+class FakeApi:
+    """Stands in for one kind's read/create/patch/delete."""
+
+    def __init__(self, current=None, error=None):
+        self.current, self.error, self.calls = current, error, []
+
+    def read(self, name, namespace):
+        self.calls.append("read")
+        if self.error:
+            raise self.error
+        if self.current is None:
+            raise ApiException(status=404, reason="Not Found")
+        return self.current
+
+    def create(self, namespace, body):
+        self.calls.append(("create", body))
+
+    def patch(self, name, namespace, body, _content_type=None):
+        self.calls.append(("patch", body, _content_type))
+
+    def delete(self, name, namespace):
+        self.calls.append("delete")
+        if self.error:
+            raise self.error
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    api = FakeApi()
+    monkeypatch.setattr(kube, "_apis", lambda kind: (api.read, api.create, api.patch, api.delete))
+    return api
+
+
+def live(obj: dict):
+    """What the client's read returns for an object stored from ``obj``."""
+    return kubernetes.client.V1Service(metadata=kubernetes.client.V1ObjectMeta(
+        name=obj["metadata"]["name"], annotations=obj["metadata"].get("annotations")))
+
+
+def service(selector: dict) -> dict:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "p-batch", "namespace": "ns"},
+            "spec": {"selector": selector}}
+
+
+def test_apply_creates_then_leaves_alone_then_patches_with_deletions(fake):
+    first = service({"pool": "p", "role": "batch"})
+    assert kube.apply(first) == "created"
+    stored = fake.calls[-1][1]
+    assert json.loads(stored["metadata"]["annotations"][kube.LAST_APPLIED]) == first
+
+    fake.current = live(stored)
+    assert kube.apply(first) == "unchanged" and fake.calls[-1] == "read"
+
+    assert kube.apply(service({"pool": "p"})) == "updated"
+    _, body, content_type = fake.calls[-1]
+    assert content_type == kube.MERGE_PATCH
+    assert body["spec"]["selector"] == {"pool": "p", "role": None}
+    assert json.loads(body["metadata"]["annotations"][kube.LAST_APPLIED]) == service({"pool": "p"})
+
+
+def test_an_object_without_a_readable_last_rendering_is_patched_without_deletions(fake):
+    fake.current = live({"metadata": {"name": "p-batch", "annotations": {kube.LAST_APPLIED: "{not json"}}})
+    assert kube.apply(service({"pool": "p"})) == "updated"
+    assert fake.calls[-1][1]["spec"]["selector"] == {"pool": "p"}
+
+
+@pytest.mark.parametrize("error", [
+    ApiException(status=503, reason="Service Unavailable"), ApiException(status=409, reason="Conflict"),
+    ApiException(status=429, reason="Too Many Requests"), ConnectionRefusedError("refused"),
+    urllib3.exceptions.MaxRetryError(None, "/api", "connection refused"),
+    urllib3.exceptions.ProtocolError("connection aborted"),
+])
+def test_busy_or_unreachable_api_is_transient(fake, error):
+    fake.error = error
+    with pytest.raises(kube.Transient):
+        kube.apply(service({"pool": "p"}))
+    with pytest.raises(kube.Transient):
+        kube.delete("Service", "p-batch", "ns")
+
+
+def test_a_refusal_is_permanent_and_carries_the_api_message(fake):
+    fake.error = ApiException(status=403, reason="Forbidden")
+    fake.error.body = json.dumps({"kind": "Status", "message": "services is forbidden: no RBAC"})
+    with pytest.raises(kube.Refused, match="403 Forbidden.*no RBAC"):
+        kube.apply(service({"pool": "p"}))
+
+
+@pytest.mark.parametrize("example", ["quickstart-cpu", "chat-gpu"])
+@pytest.mark.parametrize("mode", ["colocated", "dedicated"])
+def test_every_rendered_object_passes_the_clients_own_model_check(example, mode):
+    """The client validates bodies before sending (a quantity written as a YAML number fails there)."""
+    obj = load_pools(EXAMPLES / f"{example}.yaml")[0]
+    spec = {**obj["spec"], "mode": mode, "replicas": max(2, obj["spec"]["replicas"])}
+    pool = Pool(obj["metadata"]["name"], "default", spec)
+    client = kubernetes.client.ApiClient()
+    models = {"Deployment": "V1Deployment", "Service": "V1Service", "ConfigMap": "V1ConfigMap",
+              "PodDisruptionBudget": "V1PodDisruptionBudget", "ServiceAccount": "V1ServiceAccount",
+              "Role": "V1Role", "RoleBinding": "V1RoleBinding"}
+    for obj in render.render_all(pool, owner={"name": pool.name, "uid": "u"}):
+        model = getattr(kubernetes.client, models[obj["kind"]])
+        model.from_dict(obj)  # raises on a wrong type
+        assert client.sanitize_for_serialization(model.from_dict(obj))["metadata"]["name"] == obj["metadata"]["name"]
