@@ -18,6 +18,7 @@ All carry an owner reference to the pool.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,6 +77,35 @@ def render_configmap(pool: Pool, roles: list[Role], owner=None) -> dict:
     }
 
 
+def resources(pool: Pool) -> dict:
+    """``spec.resources`` with every quantity a string, as the Kubernetes API types it (YAML lets a
+    user write ``nvidia.com/gpu: 1``; the CRD accepts int-or-string)."""
+    return {section: {name: str(value) for name, value in quantities.items()}
+            for section, quantities in pool.spec.get("resources", {}).items()}
+
+
+_DECIMAL = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+
+
+def cpu_threads(pool: Pool) -> int | None:
+    """Intra-op threads for an engine pod: its CPU limit (else request), rounded down, at least 1.
+
+    Without it torch starts one thread per core of the node, whatever the pod's CPU quota, and
+    throttles. None when the spec gives no CPU quantity (or one in a form CPUs are not given in).
+    """
+    res = pool.spec.get("resources", {})
+    value = res.get("limits", {}).get("cpu", res.get("requests", {}).get("cpu"))
+    if value is None:
+        return None
+    text = str(value)
+    number = text.rstrip("".join(_DECIMAL))
+    try:
+        cores = float(number) * _DECIMAL[text[len(number):]]
+    except (KeyError, ValueError):
+        return None
+    return max(1, math.floor(cores))
+
+
 def _probe(path: str, **timing: int) -> dict:
     return {"httpGet": {"path": path, "port": "http"}, **timing}
 
@@ -87,9 +117,10 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
     if pool.gpus:
         args += ["--device", "cuda"]
     volumes = [{"name": "config", "configMap": {"name": f"{pool.name}-engine"}},
-               {"name": "cache", "emptyDir": {}}]
+               {"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    # The root filesystem is read-only: the model cache and /tmp (torch needs a temp dir) are volumes.
     mounts = [{"name": "config", "mountPath": "/etc/cadenza", "readOnly": True},
-              {"name": "cache", "mountPath": "/cache"}]
+              {"name": "cache", "mountPath": "/cache"}, {"name": "tmp", "mountPath": "/tmp"}]
     source = pool.spec["model"].get("source", {})
     if "pvc" in source:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": source["pvc"]["claimName"],
@@ -98,18 +129,21 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
     if pool.gpus:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    env = [
+        {"name": "CADENZA_POOL", "value": pool.name},
+        {"name": "CADENZA_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "OTEL_SERVICE_NAME", "value": "cadenza"},
+        {"name": "HOME", "value": "/cache"},
+        {"name": "XDG_CACHE_HOME", "value": "/cache"},
+        {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"},
+    ]
+    if (threads := cpu_threads(pool)) is not None:
+        env.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
     container = {
-        "name": "engine", "image": pool.spec["image"], "args": args,
+        "name": "engine", "image": pool.spec["image"], "command": ["cadenza"], "args": args,
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],
-        "env": [
-            {"name": "CADENZA_POOL", "value": pool.name},
-            {"name": "CADENZA_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            {"name": "OTEL_SERVICE_NAME", "value": "cadenza"},
-            {"name": "HOME", "value": "/cache"},
-            {"name": "XDG_CACHE_HOME", "value": "/cache"},
-            {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"},
-        ],
-        "resources": pool.spec.get("resources", {}),
+        "env": env,
+        "resources": resources(pool),
         "volumeMounts": mounts,
         "startupProbe": _probe("/health", periodSeconds=5, failureThreshold=120),
         "livenessProbe": _probe("/health", periodSeconds=10, failureThreshold=6),
@@ -123,7 +157,7 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
         "spec": {
             "replicas": role.replicas,
             "selector": {"matchLabels": engine_selector(pool, role.name)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": _rollout(pool)},
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": {CONFIG_HASH: role.config_hash(model_args)}},
                 "spec": {
@@ -134,6 +168,14 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
             },
         },
     }
+
+
+def _rollout(pool: Pool) -> dict:
+    """A CPU pool surges a new pod before stopping an old one; a GPU pool has no spare GPU to surge
+    onto, so it replaces one pod at a time."""
+    if pool.gpus:
+        return {"maxSurge": 0, "maxUnavailable": 1}
+    return {"maxSurge": 1, "maxUnavailable": 0}
 
 
 def _service(pool: Pool, name: str, component: str, selector: dict, owner=None) -> dict:
@@ -177,7 +219,7 @@ def render_gateway(pool: Pool, owner=None) -> list[dict]:
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}],
     }
     container = {
-        "name": "gateway", "image": pool.spec["image"],
+        "name": "gateway", "image": pool.spec["image"], "command": ["cadenza"],
         "args": ["gateway", "--kubernetes", "--namespace", pool.namespace, "--pool", pool.name,
                  "--host", "0.0.0.0", "--port", str(HTTP_PORT)],
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],

@@ -120,8 +120,32 @@ def test_a_pvc_model_is_mounted_read_only_and_gpus_select_cuda():
     pod = objs[("Deployment", "chat-colocated")]["spec"]["template"]["spec"]
     assert container["args"][container["args"].index("--model") + 1] == "/models/llama-8b"
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
-    assert "--device" in container["args"] and container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "--device" in container["args"] and container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert any(v["name"] == "dshm" for v in pod["volumes"])
+
+
+def test_quantities_are_strings_as_the_api_types_them():
+    p = pool(resources={"requests": {"cpu": 8, "memory": "48Gi"}, "limits": {"nvidia.com/gpu": 1}})
+    assert engine(by_name(render_all(p, OWNER)), "colocated")["resources"] == {
+        "requests": {"cpu": "8", "memory": "48Gi"}, "limits": {"nvidia.com/gpu": "1"}}
+
+
+@pytest.mark.parametrize(("resources", "threads"), [
+    ({"limits": {"cpu": "4"}}, "4"), ({"limits": {"cpu": "2500m"}, "requests": {"cpu": 1}}, "2"),
+    ({"requests": {"cpu": "500m"}}, "1"), ({"limits": {"memory": "4Gi"}}, None), ({}, None),
+])
+def test_torch_threads_follow_the_cpu_quantity(resources, threads):
+    env = {e["name"]: e.get("value") for e in engine(by_name(render_all(pool(resources=resources), OWNER)),
+                                                      "colocated")["env"]}
+    assert env.get("OMP_NUM_THREADS") == threads
+
+
+def test_gpu_pools_roll_without_a_spare_gpu_and_cpu_pools_surge():
+    def rollout(p):
+        return by_name(render_all(p, OWNER))[("Deployment", "chat-colocated")]["spec"]["strategy"]["rollingUpdate"]
+
+    assert rollout(pool(resources={"limits": {"nvidia.com/gpu": 1}})) == {"maxSurge": 0, "maxUnavailable": 1}
+    assert rollout(pool()) == {"maxSurge": 1, "maxUnavailable": 0}
 
 
 def test_the_embedded_model_needs_no_model_flag():
@@ -137,6 +161,17 @@ def test_containers_run_hardened():
                 ctx = c["securityContext"]
                 assert ctx["runAsNonRoot"] and ctx["readOnlyRootFilesystem"] and ctx["capabilities"]["drop"] == ["ALL"]
                 assert not ctx["allowPrivilegeEscalation"]
+                assert c["command"] == ["cadenza"]  # not left to the image's entrypoint
+
+
+def test_engine_pods_write_only_to_volumes():
+    """torch needs a temp dir and the embedded model a cache: both are volumes on a read-only root."""
+    pod = by_name(render_all(pool(), OWNER))[("Deployment", "chat-colocated")]["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]] and "emptyDir" in volumes[mounts["/cache"]]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["HOME"] == env["XDG_CACHE_HOME"] == "/cache"
 
 
 def test_gateway_reads_endpoints_with_its_own_least_privilege_role():

@@ -187,6 +187,17 @@ def test_a_resource_quantity_that_is_a_list_is_refused():
     assert problems[0] == "spec.resources.limits[nvidia.com/gpu]: Invalid value: [1]: must be of type integer or string"
 
 
+@pytest.mark.parametrize("quantity", ["abc", "1.5.5", "-1", -2, "2 cores"])
+def test_a_resource_quantity_that_is_not_one_is_refused(quantity):
+    problems = problems_of(pool(resources={"requests": {"nvidia.com/gpu": 1, "cpu": quantity}}))
+    assert problems == ["spec.resources.requests.cpu: must be a resource quantity such as 2, 500m, 1.5 or 48Gi"]
+
+
+@pytest.mark.parametrize("quantity", [0, 8, "8", "500m", "1.5", "48Gi", "1e3", ".5"])
+def test_resource_quantities_in_every_kubernetes_form_are_accepted(quantity):
+    validate_pool(pool(resources={"limits": {"cpu": quantity}}))
+
+
 def test_a_wrong_type_is_refused():
     assert problems_of(pool(replicas="two"))[0] == 'spec.replicas: Invalid value: "two": must be of type integer'
 
