@@ -14,6 +14,8 @@ Cache folder: ``$CADENZA_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/cadenza``, e
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import logging
@@ -75,7 +77,9 @@ def ensure_embedded_model(model_dir: Path | None = None) -> Path:
     """Return the converted model folder, converting the GGUF first if needed (~30 s, once).
 
     The conversion writes into a temporary sibling folder and renames it into place, so an
-    interrupted conversion never leaves a half-written model behind.
+    interrupted conversion never leaves a half-written model behind. It holds an exclusive lock on
+    a sibling file while it runs: replicas started together on an empty cache (``cadenza up``)
+    convert once, the others wait and then find the model.
 
     Raises:
         EmbeddedModelError: the wheel or the conversion dependencies are missing.
@@ -83,6 +87,24 @@ def ensure_embedded_model(model_dir: Path | None = None) -> Path:
     model_dir = model_dir or embedded_model_dir()
     if is_converted(model_dir):
         return model_dir
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(model_dir.parent / f".{model_dir.name}.lock"):
+        if is_converted(model_dir):  # another process converted it while we waited
+            return model_dir
+        return _convert(model_dir)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed, even if we die
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert(model_dir: Path) -> Path:
     gguf_path = find_gguf()
     try:
         import torch
@@ -95,7 +117,6 @@ def ensure_embedded_model(model_dir: Path | None = None) -> Path:
         ) from exc
 
     logger.info("converting %s into %s (once)", gguf_path, model_dir)
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-", dir=model_dir.parent))
     try:
         src, name = str(gguf_path.parent), gguf_path.name

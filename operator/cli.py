@@ -26,8 +26,12 @@ def register_operator(sub: argparse._SubParsersAction) -> None:
 def run_operator(args: argparse.Namespace) -> int:
     import kopf
 
-    from cadenza.operator import handlers  # noqa: F401 - registers the handlers
+    from cadenza.operator import handlers
 
+    problem = handlers.credentials_problem()
+    if problem:
+        print(f"cadenza operator: {problem}", file=sys.stderr)
+        return 2
     liveness = None if args.liveness == "none" else args.liveness
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
              liveness_endpoint=liveness)
@@ -47,19 +51,28 @@ def register_up(sub: argparse._SubParsersAction) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     from cadenza.operator.local import run_local
-    from cadenza.operator.validate import PoolValidationError, load_pools
+    from cadenza.operator.validate import KIND, PoolValidationError, document_kinds, load_pools
 
     try:
         pools = load_pools(args.pool_file)
     except (OSError, PoolValidationError) as exc:
         print(f"cadenza up: {exc}", file=sys.stderr)
         return 2
+    names = [p["metadata"]["name"] for p in pools]
+    if not pools:
+        kinds = ", ".join(document_kinds(args.pool_file)) or "an empty file"
+        print(f"cadenza up: {args.pool_file} holds no {KIND} (serving.cadenza.dev/v1alpha1); found: {kinds}",
+              file=sys.stderr)
+        return 2
     if args.pool:
         pools = [p for p in pools if p["metadata"]["name"] == args.pool]
+        if not pools:
+            print(f"cadenza up: {args.pool_file} holds no {KIND} named {args.pool!r} (it has: {', '.join(names)})",
+                  file=sys.stderr)
+            return 2
     if len(pools) != 1:
-        names = ", ".join(p["metadata"]["name"] for p in pools) or "none"
-        print(f"cadenza up: {args.pool_file} must hold exactly one ServingPool (found: {names}); use --pool NAME",
-              file=sys.stderr)
+        print(f"cadenza up: {args.pool_file} holds {len(pools)} {KIND}s ({', '.join(names)}); choose one with "
+              "--pool NAME", file=sys.stderr)
         return 2
     logging.getLogger("cadenza").info("running ServingPool %s locally", pools[0]["metadata"]["name"])
     return run_local(pools[0], args.host, args.port, state_file=args.state_file, ready_timeout=args.ready_timeout)

@@ -11,8 +11,11 @@ configuration go to a run folder it prints.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import math
+import os
 import signal
 import socket
 import subprocess
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cadenza.operator.pool import Pool, PoolSpecError
+from cadenza.operator.render import cpu_threads
 
 logger = logging.getLogger("cadenza.up")
 GRACE_S = 30.0
@@ -37,6 +41,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now (in use, bad address), or None."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, OverflowError) as exc:
+        return f"cannot listen on {host}:{port}: {exc}"
+    family, kind, proto, _name, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway's server does
+        try:
+            s.bind(address)
+        except OSError as exc:
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc} (another server, or an earlier pool?)"
+    return None
+
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask Linux to send SIGTERM to this child when the supervisor dies, even by SIGKILL."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @dataclass
 class Process:
     """One supervised process (a replica or the gateway), restarted on the same port."""
@@ -47,14 +77,18 @@ class Process:
     log: Path
     host: str = "127.0.0.1"
     role: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     restarts: int = 0
     restart_at: float = 0.0
     started: float = field(default_factory=time.monotonic)
 
     def start(self) -> None:
+        # Its own session: a Ctrl-C in the terminal reaches the supervisor only, which stops the
+        # children in order (gateway first) instead of all at once.
         with open(self.log, "a") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
         self.started = time.monotonic()
 
     @property
@@ -89,16 +123,22 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int) -> tuple[list[Proc
     source = pool.spec["model"].get("source", {"embedded": True})
     if "pvc" in source:
         raise PoolSpecError("spec.model.source.pvc needs a cluster; use source.path for cadenza up")
+    roles = pool.roles()
+    total = sum(role.replicas for role in roles)
+    if total == 0:
+        raise PoolSpecError("spec.replicas is 0: there is nothing to run (scaling to zero is for a cluster)")
     model_args = pool.model_args()
     serve = [sys.executable, "-m", "cadenza.node.cli", "serve", "--host", "127.0.0.1"]
+    env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(_threads(pool, total))}
     replicas: list[Process] = []
-    for role in pool.roles():
+    for role in roles:
         policy = run_dir / f"{role.name}.policy.json"
         policy.write_text(json.dumps(role.policy(), indent=2) + "\n")
         for i in range(role.replicas):
             port_i = free_port()
             cmd = [*serve, "--port", str(port_i), *role.serve_args(model_args), "--policy", str(policy)]
-            replicas.append(Process(f"{role.name}-{i}", cmd, port_i, run_dir / f"{role.name}-{i}.log", role=role.name))
+            replicas.append(Process(f"{role.name}-{i}", cmd, port_i, run_dir / f"{role.name}-{i}.log",
+                                    role=role.name, env=env))
     urls = {role: [r.url for r in replicas if r.role == role] for role in ("interactive", "batch")}
     if pool.mode == "colocated":
         urls = {"interactive": [r.url for r in replicas], "batch": [r.url for r in replicas]}
@@ -107,6 +147,15 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int) -> tuple[list[Proc
     gateway = Process("gateway", [sys.executable, "-m", "cadenza.node.cli", "gateway", "--config", str(config),
                                   "--host", host, "--port", str(port)], port, run_dir / "gateway.log", host=host)
     return replicas, gateway
+
+
+def _threads(pool: Pool, replicas: int) -> int:
+    """Intra-op threads per replica: an equal share of this machine's cores, capped by the pool's CPU
+    quantity when it gives one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, math.floor(cores / replicas))
+    given = cpu_threads(pool)
+    return min(given, share) if given is not None else share
 
 
 def _write_state(path: Path | None, replicas: list[Process], gateway: Process) -> None:
@@ -140,20 +189,25 @@ def _wait_ready(procs: list[Process], timeout: float, stop: dict) -> Process | N
 
 def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_file: Path | None = None,
               ready_timeout: float = 600.0) -> int:
-    """Run a validated ServingPool until interrupted; the process exit code."""
+    """Run a validated ServingPool until interrupted; the process exit code (0, 1 failed, 2 refused)."""
     name = pool_obj["metadata"]["name"]
+    if problem := port_problem(host, port):
+        print(f"cadenza up: {problem}", file=sys.stderr)
+        return 1
     run_dir = Path(tempfile.mkdtemp(prefix=f"cadenza-up-{name}-"))
     try:
         replicas, gateway = plan(pool_obj, run_dir, host, port)
     except PoolSpecError as exc:
         print(f"cadenza up: {exc}", file=sys.stderr)
         return 2
-    stop = {"now": False}
+    stop = {"now": False, "force": False}
 
     def on_signal(_signum, _frame) -> None:
+        if stop["now"]:
+            stop["force"] = True  # a second Ctrl-C: no more grace
         stop["now"] = True
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     everyone = [*replicas, gateway]
     try:
         logger.info("pool %s: starting %d replicas (logs in %s)", name, len(replicas), run_dir)
@@ -165,8 +219,10 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
             return 1
         gateway.start()
         failed = _wait_ready([gateway], 60.0, stop)
+        if failed is None and not stop["now"] and _exited_soon(gateway):
+            failed = gateway  # something else answered on the port; ours could not listen
         if failed is not None:
-            print(f"cadenza up: the gateway did not start:\n{gateway.tail()}", file=sys.stderr)
+            print(f"cadenza up: the gateway did not start (log: {gateway.log}):\n{gateway.tail()}", file=sys.stderr)
             return 1
         _write_state(state_file, replicas, gateway)
         if not stop["now"]:
@@ -176,9 +232,17 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
             time.sleep(0.5)
         return 0
     finally:
-        _shutdown(everyone)
+        _shutdown(everyone, stop)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _exited_soon(p: Process, within_s: float = 1.0) -> bool:
+    try:
+        p.proc.wait(timeout=within_s)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def _supervise(everyone: list[Process], replicas: list[Process], gateway: Process, state_file: Path | None) -> None:
@@ -197,16 +261,19 @@ def _supervise(everyone: list[Process], replicas: list[Process], gateway: Proces
             _write_state(state_file, replicas, gateway)
 
 
-def _shutdown(everyone: list[Process]) -> None:
-    """The gateway first (no new work), then the replicas; SIGKILL after the grace period."""
+def _shutdown(everyone: list[Process], stop: dict) -> None:
+    """The gateway first (no new work), then the replicas; SIGKILL after the grace period, or as
+    soon as a second signal asks for it."""
+    if any(p.proc is not None and p.proc.poll() is None for p in everyone):
+        logger.info("stopping (Ctrl-C again to stop at once)")
     for p in reversed(everyone):
         p.stop()
     deadline = time.monotonic() + GRACE_S
     for p in everyone:
         if p.proc is None:
             continue
-        try:
-            p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        while p.proc.poll() is None and time.monotonic() < deadline and not stop["force"]:
+            time.sleep(0.1)
+        if p.proc.poll() is None:
             p.stop(signal.SIGKILL)
             p.proc.wait()

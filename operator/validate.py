@@ -219,14 +219,18 @@ def _to_cel(value: Any, schema: dict) -> Any:
 
 
 def load_pools(path: str | Path) -> list[dict]:
-    """The validated, defaulted ServingPools of a (multi-document) YAML file; other kinds are ignored.
+    """The validated, defaulted ServingPools of a (multi-document) YAML file; other kinds are ignored
+    (:func:`document_kinds` lists them, for a message when no pool is found).
 
     Raises ``OSError`` if the file cannot be read, ``PoolValidationError`` if it does not parse or its
     ServingPools are invalid (each problem names its document: 1-based number, pool name) or clash.
     """
     path = Path(path)
     try:
-        documents = list(yaml.safe_load_all(path.read_text()))
+        documents = list(yaml.safe_load_all(path.read_text(encoding="utf-8")))
+    except UnicodeDecodeError as exc:
+        raise PoolValidationError([f"<root>: not UTF-8 text ({exc.reason} at byte {exc.start})"],
+                                  header=str(path)) from None
     except yaml.YAMLError as exc:
         raise PoolValidationError([f"<root>: not valid YAML: {exc}"], header=str(path)) from None
     pools, problems, seen = [], [], set()
@@ -247,3 +251,14 @@ def load_pools(path: str | Path) -> list[dict]:
     if problems:
         raise PoolValidationError(problems, header=f"{path}: invalid {KIND} documents")
     return pools
+
+
+def document_kinds(path: str | Path) -> list[str]:
+    """``apiVersion/kind`` of each document of a YAML file that :func:`load_pools` read (so it parses)."""
+    kinds = []
+    for doc in yaml.safe_load_all(Path(path).read_text(encoding="utf-8")):
+        if isinstance(doc, dict):
+            kinds.append(f"{doc.get('apiVersion', '?')}/{doc.get('kind', '?')}")
+        elif doc is not None:
+            kinds.append(type(doc).__name__)
+    return kinds

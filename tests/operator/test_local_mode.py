@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cadenza.operator.local import plan
+from cadenza.operator.local import plan, port_problem
+from cadenza.operator.pool import PoolSpecError
 from cadenza.operator.validate import validate_pool
 from server_process import free_port
 
@@ -74,6 +75,56 @@ def test_the_plan_follows_the_pool_mode(tmp_path, tiny_llama_dir):
     assert config["roles"] == {"interactive": [replicas[0].url], "batch": [replicas[1].url]}
 
 
+def test_replicas_share_the_cores_instead_of_oversubscribing(tmp_path, tiny_llama_dir, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    pool = validate_pool(yaml.safe_load(pool_yaml(tmp_path / "p.yaml", tiny_llama_dir, replicas=4).read_text()))
+    assert {r.env["OMP_NUM_THREADS"] for r in plan(pool, tmp_path, "127.0.0.1", 8123)[0]} == {"2"}
+    pool["spec"]["resources"] = {"limits": {"cpu": "500m"}}  # the pool's own cap
+    assert {r.env["OMP_NUM_THREADS"] for r in plan(pool, tmp_path, "127.0.0.1", 8123)[0]} == {"1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's setting wins
+    assert all("OMP_NUM_THREADS" not in r.env for r in plan(pool, tmp_path, "127.0.0.1", 8123)[0])
+
+
+def test_a_pool_of_zero_replicas_is_refused_locally(tmp_path, tiny_llama_dir):
+    pool = validate_pool(yaml.safe_load(pool_yaml(tmp_path / "p.yaml", tiny_llama_dir, replicas=0).read_text()))
+    with pytest.raises(PoolSpecError, match="spec.replicas is 0"):
+        plan(pool, tmp_path, "127.0.0.1", 8123)
+
+
+def test_a_busy_port_is_refused_before_any_replica_starts(tmp_path, tiny_llama_dir):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert "in use" in port_problem("127.0.0.1", port)
+        started = time.monotonic()
+        result = subprocess.run([sys.executable, "-m", "cadenza.node.cli", "up",
+                                 str(pool_yaml(tmp_path / "p.yaml", tiny_llama_dir)), "--port", str(port)],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr and time.monotonic() - started < 30  # no replica was loaded
+    assert port_problem("127.0.0.1", free_port()) is None
+
+
+@pytest.mark.parametrize(("content", "extra", "message"), [
+    (b"apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n", [], "holds no ServingPool"),
+    (b"apiVersion: serving.cadenza.dev/v1alpha1\nkind: ServingPol\nmetadata: {name: x}\n", [],
+     "found: serving.cadenza.dev/v1alpha1/ServingPol"),
+    (b"\xff\xfe garbage", [], "not UTF-8"),
+    (None, ["--pool", "nothere"], "no ServingPool named 'nothere' (it has: tiny)"),
+])
+def test_a_file_without_the_pool_asked_for_says_what_it_holds(tmp_path, tiny_llama_dir, content, extra, message):
+    path = pool_yaml(tmp_path / "p.yaml", tiny_llama_dir)
+    if content is not None:
+        path.write_bytes(content)
+    result = subprocess.run([sys.executable, "-m", "cadenza.node.cli", "up", str(path), *extra,
+                             "--port", str(free_port())], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr and str(path) in result.stderr, result.stderr
+
+
 def test_an_invalid_pool_file_is_refused_before_anything_starts(tmp_path, tiny_llama_dir):
     bad = pool_yaml(tmp_path / "bad.yaml", tiny_llama_dir, engine={"tokenBudget": 64, "chunkSize": 128})
     result = subprocess.run([sys.executable, "-m", "cadenza.node.cli", "up", str(bad), "--port", str(free_port())],
@@ -117,3 +168,19 @@ def test_two_replicas_and_the_gateway_serve_both_classes_and_a_killed_replica_co
     wait_for(lambda: not any(alive(pid) for pid in pids), 30, "replicas stopped")
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"{url}/health", timeout=2)
+
+
+def test_no_child_outlives_a_killed_supervisor(tmp_path, tiny_llama_dir):
+    """SIGKILL (or a closed terminal's SIGHUP) must not leave replicas holding ports and memory."""
+    port, state_file = free_port(), tmp_path / "state.json"
+    with open(tmp_path / "up.log", "w") as log:
+        up = subprocess.Popen([sys.executable, "-m", "cadenza.node.cli", "up",
+                               str(pool_yaml(tmp_path / "pool.yaml", tiny_llama_dir, replicas=1)),
+                               "--port", str(port), "--state-file", str(state_file)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        state = wait_for(lambda: json.loads(state_file.read_text()), 180, "the pool to be ready")
+    finally:
+        up.kill()
+        up.wait()
+    pids = [state["gateway"]["pid"], *(r["pid"] for r in state["replicas"])]
+    wait_for(lambda: not any(alive(pid) for pid in pids), 30, "children stopped with their supervisor")
