@@ -3,7 +3,8 @@
 Routes:
 
 - ``GET /health``: liveness, always 200 while the process serves.
-- ``GET /ready``: 200 once every role has at least one replica known, else 503 (OpenAI format).
+- ``GET /ready``: 200 while every role has a replica that is known and not ejected (it has not
+  just failed to connect), else 503 (OpenAI format).
 - ``GET /gateway/upstreams``: per role, every replica with its requests in flight and whether it
   is full (for debugging).
 - ``GET /v1/models``: proxied to any replica.
@@ -117,12 +118,17 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 with the replica count per role once every role has one; 503 before."""
-    counts = {role: len(urls) for role, urls in request.app[UPSTREAMS].urls().items()}
+    """200 with the replica count per role while every role has a reachable one; 503 otherwise."""
+    upstreams = request.app[UPSTREAMS]
+    counts = {role: len(urls) for role, urls in upstreams.urls().items()}
     missing = [role for role in ROLES if not counts.get(role)]
     if missing:
         return error_response(503, f"no replica known for role(s): {', '.join(missing)}", code="no_upstream",
                               headers={"Retry-After": "1"})
+    down = [role for role in ROLES if not upstreams.reachable(role)]
+    if down:
+        return error_response(503, f"every replica of role(s) {', '.join(down)} failed to connect just now",
+                              code="upstreams_unreachable", headers={"Retry-After": "1"})
     return web.json_response({"status": "ready", "replicas": counts})
 
 
