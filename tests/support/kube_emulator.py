@@ -3,7 +3,10 @@
 What the emulator does not do, and how the tests live with it: it sets no ``uid``,
 ``resourceVersion`` or ``generation`` (create custom objects with the first two), ignores label
 selectors, has no PUT and no garbage collection, never updates Deployment status, and fails a
-namespaced list of namespaces — so the operator runs cluster-wide here.
+namespaced list of namespaces — so the operator runs cluster-wide here. As it never bumps
+``resourceVersion``, kopf can see its own annotation patches late and handle an update again
+(the handlers are idempotent): tests wait for converged state rather than count handler runs,
+and keep each scenario to a few changes.
 """
 
 from __future__ import annotations
