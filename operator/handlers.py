@@ -9,7 +9,7 @@
 
 An invalid spec is a ``Degraded`` condition and a Warning event, then ``kopf.PermanentError``: no
 crash loop, no retries until the spec changes. A transient API failure is a
-``kopf.TemporaryError`` (kopf retries it with the delay given). An object the API refuses (RBAC,
+``kopf.TemporaryError`` retried with exponential backoff (10 s doubling to 5 min). An object the API refuses (RBAC,
 an admission policy, a quota) is a ``Degraded`` condition and a Warning event too, retried slowly:
 the fix usually lies outside the pool.
 """
@@ -29,8 +29,14 @@ from cadenza.operator.pool import Pool, PoolSpecError
 from cadenza.operator.validate import PoolValidationError, validate_pool
 
 GROUP, VERSION, PLURAL = render.GROUP, render.VERSION, "servingpools"
-RETRY_DELAY_S = 10
+RETRY_DELAY_S = 10  # the first retry after a transient API failure; doubles each time
+MAX_RETRY_DELAY_S = 300
 REFUSED_RETRY_DELAY_S = 60
+
+
+def retry_delay(retry: int) -> float:
+    """Seconds before retry number ``retry`` + 1 (kopf counts from 0): 10, 20, 40 ... up to 300."""
+    return float(min(MAX_RETRY_DELAY_S, RETRY_DELAY_S * 2 ** min(retry, 10)))
 _SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 
@@ -90,7 +96,8 @@ def _pool(body: kopf.Body) -> Pool:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: logging.Logger, retry: int = 0,
+              **_: Any) -> None:
     """Converge the cluster on the pool's spec (idempotent: a second run changes nothing)."""
     try:
         pool = _pool(body)
@@ -113,7 +120,7 @@ def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: loggi
                 kopf.info(body, reason="Deleted", message=f"Deployment {name}: role not run in mode {pool.mode}")
         patch.status.update(_status(body, pool, roles))
     except kube.Transient as exc:
-        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+        raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
     except kube.Refused as exc:
         message = str(exc)
         patch.status.update(_status_invalid(body, message, reason="ApplyRefused"))
@@ -136,7 +143,7 @@ def refresh_status(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
-def cleanup(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+def cleanup(body: kopf.Body, logger: logging.Logger, retry: int = 0, **_: Any) -> None:
     """Delete every object the pool may own (garbage collection would, but not every server has it)."""
     pool = Pool(body.metadata.name, body.metadata.namespace, dict(body.spec))
     try:
@@ -144,7 +151,7 @@ def cleanup(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
             if kube.delete(kind, name, pool.namespace):
                 logger.info("deleted %s %s", kind, name)
     except kube.Transient as exc:
-        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+        raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
     except kube.Refused as exc:
         raise kopf.TemporaryError(str(exc), delay=REFUSED_RETRY_DELAY_S) from None
 

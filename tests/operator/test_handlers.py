@@ -101,9 +101,13 @@ def test_transient_api_failures_are_retried_later(cluster, monkeypatch):
 
     monkeypatch.setattr(kube, "apply", busy)
     b = kopf.Body(BODY)
-    with pytest.raises(kopf.TemporaryError) as err:
-        handlers.reconcile(body=b, meta=b.metadata, patch=kopf.Patch(), logger=logging.getLogger("test"))
-    assert err.value.delay == handlers.RETRY_DELAY_S
+    delays = []
+    for retry in range(7):  # kopf passes how many retries came before
+        with pytest.raises(kopf.TemporaryError) as err:
+            handlers.reconcile(body=b, meta=b.metadata, patch=kopf.Patch(), logger=logging.getLogger("test"),
+                               retry=retry)
+        delays.append(err.value.delay)
+    assert delays == [10, 20, 40, 80, 160, 300, 300]  # exponential backoff, capped
 
 
 def test_an_object_the_api_refuses_is_a_degraded_condition_and_a_slow_retry(cluster, monkeypatch):
