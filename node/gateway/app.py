@@ -3,8 +3,8 @@
 Routes:
 
 - ``GET /health``: liveness, always 200 while the process serves.
-- ``GET /ready``: 200 while every role has a replica that is known and not ejected (it has not
-  just failed to connect), else 503 (OpenAI format).
+- ``GET /ready``: 200 while every role has a replica that is known and not down (its last
+  request or health check reached it), else 503 (OpenAI format).
 - ``GET /gateway/upstreams``: per role, every replica with its requests in flight and whether it
   is full (for debugging).
 - ``GET /v1/models``: proxied to any replica.
@@ -27,9 +27,11 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
+from cadenza.node.gateway import health as health_checks
 from cadenza.node.gateway import proxy
 from cadenza.node.gateway.state import (
     DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_HEALTH_INTERVAL_S,
     DEFAULT_MAX_OUTSTANDING,
     SESSION,
     SETTINGS,
@@ -59,6 +61,7 @@ def create_gateway_app(
     *,
     source: UpstreamSource | None = None,
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S,
 ) -> web.Application:
     """Build a gateway in front of the replicas in ``upstreams``.
 
@@ -68,6 +71,7 @@ def create_gateway_app(
         max_outstanding: requests in flight through this gateway that make a replica full.
         source: keeps ``upstreams`` current while the app runs (started and cancelled with it).
         connect_timeout_s: seconds to connect to a replica before it counts as unreachable.
+        health_interval_s: seconds between health checks of every replica (:mod:`.health`); 0: none.
 
     Serve it with ``web.AppRunner(app, handler_cancellation=True)`` (as :mod:`.cli` does), so a
     client that disconnects while its replica is still silent cancels the upstream request at once;
@@ -77,11 +81,13 @@ def create_gateway_app(
         ValueError: an invalid class or limit.
     """
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
-    app[SETTINGS] = GatewaySettings(default_class, max_outstanding, connect_timeout_s)
+    app[SETTINGS] = GatewaySettings(default_class, max_outstanding, connect_timeout_s, health_interval_s)
     app[UPSTREAMS] = upstreams
     app.cleanup_ctx.append(_client_session)
     if source is not None:
         app.cleanup_ctx.append(_run_source(source))
+    if health_interval_s:
+        app.cleanup_ctx.append(_health_checks)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/gateway/upstreams", upstreams_view)
@@ -100,6 +106,17 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
                                      cookie_jar=aiohttp.DummyCookieJar()) as session:
         app[SESSION] = session
         yield
+
+
+async def _health_checks(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    task = asyncio.create_task(health_checks.run_checks(app[SESSION], app[UPSTREAMS], settings.health_interval_s,
+                                                        timeout_s=min(settings.health_interval_s, 2.0)),
+                               name="gateway-health-checks")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _run_source(source: UpstreamSource):
@@ -127,8 +144,8 @@ async def ready(request: web.Request) -> web.Response:
                               headers={"Retry-After": "1"})
     down = [role for role in ROLES if not upstreams.reachable(role)]
     if down:
-        return error_response(503, f"every replica of role(s) {', '.join(down)} failed to connect just now",
-                              code="upstreams_unreachable", headers={"Retry-After": "1"})
+        return error_response(503, f"every replica of role(s) {', '.join(down)} is down (not reachable, or "
+                              "failing its health check)", code="upstreams_unreachable", headers={"Retry-After": "1"})
     return web.json_response({"status": "ready", "replicas": counts})
 
 

@@ -26,7 +26,7 @@ from cadenza.node.gateway.app import UpstreamSource, create_gateway_app
 from cadenza.node.gateway.config import GatewayConfigError
 from cadenza.node.gateway.file_source import FileSource
 from cadenza.node.gateway.kubernetes_source import KubernetesConfigError, KubernetesSource, kubernetes_list_slices
-from cadenza.node.gateway.state import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_OUTSTANDING
+from cadenza.node.gateway.state import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_HEALTH_INTERVAL_S, DEFAULT_MAX_OUTSTANDING
 from cadenza.node.gateway.upstreams import Upstreams
 from cadenza.node.policy import CLASSES
 
@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"the config file's, else {DEFAULT_MAX_OUTSTANDING})")
     parser.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S, metavar="SECONDS",
                         help="seconds to connect to a replica before trying another (default: %(default)s)")
+    parser.add_argument("--health-interval", type=float, default=DEFAULT_HEALTH_INTERVAL_S, metavar="SECONDS",
+                        help="seconds between health checks (GET /health) of every replica; 0 turns them off "
+                             "(default: %(default)s)")
 
 
 def _default_namespace() -> str:
@@ -99,7 +102,8 @@ def build_gateway(args: argparse.Namespace) -> tuple[web.Application, UpstreamSo
         default_class = default_class or config.default_class
         max_outstanding = max_outstanding or config.max_outstanding
     app = create_gateway_app(upstreams, default_class or "interactive", max_outstanding or DEFAULT_MAX_OUTSTANDING,
-                             source=source, connect_timeout_s=args.connect_timeout)
+                             source=source, connect_timeout_s=args.connect_timeout,
+                             health_interval_s=args.health_interval)
     return app, source
 
 

@@ -4,12 +4,13 @@
    names the role — ``interactive`` to the interactive replicas, ``batch`` and ``background`` to
    the batch replicas. An invalid class is a 400 from the gateway itself.
 2. **Pick**: the role's replica with the fewest requests in flight through this gateway
-   (:meth:`Upstreams.pick`), avoiding replicas that recently could not be reached. If every one is full the gateway answers 429 with ``Retry-After`` and
+   (:meth:`Upstreams.pick`), avoiding replicas that are down. If every one is full the gateway answers 429 with ``Retry-After`` and
    calls nobody; if the role has no replica known yet, 503.
 3. **Send**: the method, path, query, body and end-to-end headers unchanged (``traceparent`` and
    ``tracestate`` included, so the replica's span is a child of the caller's).
 4. **Retry** at most once, to another replica of the role that is not full, and only while nothing
-   has reached the client: after a connection error (which also ejects that replica for a while),
+   has reached the client: after a connection error (which also marks that replica down until it
+   answers a request or a health check),
    or an upstream 502, 503, 504 or 429 (a 429 also backs that replica off for its ``Retry-After``). Re-sending a POST is safe then because
    the client has seen nothing of the first try; the abandoned upstream request is closed, so the
    replica aborts it. If the retry fails too, the client gets the last upstream answer, or a 502

@@ -12,6 +12,7 @@ from cadenza.node.policy import check_class
 
 DEFAULT_MAX_OUTSTANDING = 64
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_HEALTH_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,8 @@ class GatewaySettings:
         max_outstanding: requests in flight through this gateway that make an upstream full.
         connect_timeout_s: seconds to open a connection to an upstream before it counts as down.
             Responses have no timeout: a stream lasts as long as the generation.
+        health_interval_s: seconds between active health checks of every upstream (each with the
+            same timeout); 0 turns them off.
 
     Raises:
         ValueError: a class that is not ``interactive``/``batch``/``background`` (case-insensitive),
@@ -32,6 +35,7 @@ class GatewaySettings:
     default_class: str = "interactive"
     max_outstanding: int = DEFAULT_MAX_OUTSTANDING
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "default_class", check_class(self.default_class))
@@ -40,6 +44,8 @@ class GatewaySettings:
             raise ValueError(f"max_outstanding: must be a positive integer, got {self.max_outstanding!r}")
         if not self.connect_timeout_s > 0:
             raise ValueError(f"connect_timeout_s: must be positive, got {self.connect_timeout_s!r}")
+        if not self.health_interval_s >= 0:
+            raise ValueError(f"health_interval_s: must be 0 (off) or positive, got {self.health_interval_s!r}")
 
 
 SETTINGS = web.AppKey("gateway_settings", GatewaySettings)

@@ -7,11 +7,11 @@ both roles is one :class:`Upstream` (one outstanding count), however many roles 
 An upstream is **full** when it has ``max_outstanding`` requests in flight through this gateway,
 or when it answered 429 and the ``Retry-After`` it gave has not passed yet.
 
-An upstream that could not be reached is **ejected** for a while (passive outlier detection, as
-Envoy's): 1 s after the first failure, doubling with each consecutive one up to 30 s, and cleared
-by its next answer. Picking avoids ejected upstreams while any other candidate is free; when every
-free candidate is ejected it picks among them anyway (Envoy's "panic" routing: a replica that may
-be back beats a certain error). Picking follows the
+An upstream is **down** from the moment it could not be reached — a request's connection failed,
+or the gateway's health check (:mod:`.health`: ``GET /health`` every couple of seconds, with a
+timeout, so a hung replica is caught too) failed — until it answers again. Picking avoids down
+upstreams while any other candidate is free; when every free candidate is down it picks among them
+anyway (Envoy's "panic" routing: a replica that may be back beats a certain error). Picking follows the
 least-outstanding-requests rule (ties broken round robin), as Envoy's and NGINX's
 ``least_request``/``least_conn`` balancers do. Only this gateway's own requests are counted; the
 replicas' queues are theirs to report (``/ready``).
@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 ROLES = ("interactive", "batch")
-EJECT_BASE_S, EJECT_MAX_S = 1.0, 30.0
 # Traffic class (x-cadenza-class) -> the role whose replicas serve it.
 ROLE_OF_CLASS = {"interactive": "interactive", "batch": "batch", "background": "batch"}
 
@@ -44,18 +43,18 @@ class Upstream:
         outstanding: requests in flight through this gateway (sent, response not yet finished).
         blocked_until: monotonic time (seconds) before which the replica asked not to be sent more
             (its last 429's ``Retry-After``); 0 when it has not.
-        failures: consecutive tries that could not reach it.
-        ejected_until: monotonic time before which it is avoided because of those failures.
+        failures: consecutive requests or health checks that could not reach it; it is down
+            while this is above 0.
     """
 
     url: str
     outstanding: int = 0
     blocked_until: float = 0.0
     failures: int = 0
-    ejected_until: float = 0.0
 
-    def is_ejected(self, now: float) -> bool:
-        return now < self.ejected_until
+    @property
+    def is_down(self) -> bool:
+        return self.failures > 0
 
     def is_full(self, max_outstanding: int, now: float) -> bool:
         return self.outstanding >= max_outstanding or now < self.blocked_until
@@ -120,7 +119,7 @@ class Upstreams:
     def pick(self, candidates: list[Upstream], max_outstanding: int,
              exclude: Iterable[Upstream] = ()) -> Upstream | None:
         """The candidate with the fewest requests in flight that is not full nor excluded, preferring
-        those not ejected.
+        those not down.
 
         Ties go round robin. Returns None when every candidate is full or excluded.
         """
@@ -129,7 +128,7 @@ class Upstreams:
         free = [u for u in candidates if id(u) not in skip and not u.is_full(max_outstanding, now)]
         if not free:
             return None
-        free = [u for u in free if not u.is_ejected(now)] or free
+        free = [u for u in free if not u.is_down] or free
         least = min(u.outstanding for u in free)
         tied = [u for u in free if u.outstanding == least]
         return tied[next(self._turn) % len(tied)]
@@ -144,29 +143,27 @@ class Upstreams:
         """Send ``upstream`` nothing for ``seconds`` (it answered 429 with this ``Retry-After``)."""
         upstream.blocked_until = max(upstream.blocked_until, self.clock() + seconds)
 
-    def unreachable(self, upstream: Upstream) -> None:
-        """``upstream`` could not be reached: eject it for 1 s, 2 s, 4 s ... up to 30 s."""
+    @staticmethod
+    def unreachable(upstream: Upstream) -> None:
+        """``upstream`` could not be reached: it is down until it answers."""
         upstream.failures += 1
-        period = min(EJECT_MAX_S, EJECT_BASE_S * 2 ** (upstream.failures - 1))
-        upstream.ejected_until = self.clock() + period
 
-    def answered(self, upstream: Upstream) -> None:
-        """``upstream`` answered (any status): it is reachable again."""
-        upstream.failures, upstream.ejected_until = 0, 0.0
+    @staticmethod
+    def answered(upstream: Upstream) -> None:
+        """``upstream`` answered: it is up."""
+        upstream.failures = 0
 
     def reachable(self, role: str) -> list[Upstream]:
-        """The role's upstreams that are not ejected."""
-        now = self.clock()
-        return [u for u in self._roles.get(role, ()) if not u.is_ejected(now)]
+        """The role's upstreams that are not down."""
+        return [u for u in self._roles.get(role, ()) if not u.is_down]
 
     def snapshot(self, max_outstanding: int) -> dict[str, list[dict]]:
-        """Role -> ``[{url, outstanding, full, retry_after_s, ejected_s}]`` for ``GET /gateway/upstreams``."""
+        """Role -> ``[{url, outstanding, full, retry_after_s, down}]`` for ``GET /gateway/upstreams``."""
         now = self.clock()
         return {
             role: [
                 {"url": u.url, "outstanding": u.outstanding, "full": u.is_full(max_outstanding, now),
-                 "retry_after_s": round(max(0.0, u.blocked_until - now), 3),
-                 "ejected_s": round(max(0.0, u.ejected_until - now), 3)}
+                 "retry_after_s": round(max(0.0, u.blocked_until - now), 3), "down": u.is_down}
                 for u in ups
             ]
             for role, ups in self._roles.items()

@@ -143,9 +143,14 @@ def start_replica(aiohttp_server) -> Callable[..., Awaitable[FakeReplica]]:
 
 @pytest.fixture
 def start_gateway(aiohttp_client):
-    """``await start_gateway({"interactive": [urls], "batch": [urls]}, **create_gateway_app kwargs)``."""
+    """``await start_gateway({"interactive": [urls], "batch": [urls]}, **create_gateway_app kwargs)``.
+
+    Health checks are off unless a test asks for them (``health_interval_s``), so what a test
+    arranges is not changed under it by a check.
+    """
 
     async def start(roles: dict[str, list[str]], **settings):
+        settings.setdefault("health_interval_s", 0)
         return await aiohttp_client(create_gateway_app(Upstreams(roles), **settings))
 
     return start

@@ -94,19 +94,19 @@ async def test_a_lone_replica_that_fails_is_not_retried_on_itself(start_replica,
     assert resp.status == 503 and bad.calls == 1
 
 
-async def test_dead_replicas_are_ejected_so_later_requests_reach_the_live_one(
+async def test_dead_replicas_are_avoided_so_later_requests_reach_the_live_one(
         start_replica, start_gateway, dead_url, other_dead_url):
     good = await start_replica("good")
     gateway = await start_gateway({"interactive": [dead_url, other_dead_url, good.url], "batch": [good.url]})
     statuses = [(await gateway.post("/v1/completions", json=BODY)).status for _ in range(12)]
-    # The first request may try both dead replicas (its one retry); each is then ejected.
+    # The first request may try both dead replicas (its one retry); each is then down.
     assert statuses[1:] == [200] * 11 and statuses[0] in (200, 502)
     view = await (await gateway.get("/gateway/upstreams")).json()
-    assert [u["ejected_s"] > 0 for u in view["roles"]["interactive"]] == [True, True, False]
+    assert [u["down"] for u in view["roles"]["interactive"]] == [True, True, False]
     assert (await gateway.get("/ready")).status == 200  # the role still has a reachable replica
 
 
-async def test_the_gateway_is_not_ready_while_every_replica_of_a_role_is_unreachable(
+async def test_the_gateway_is_not_ready_while_every_replica_of_a_role_is_down(
         start_replica, start_gateway, dead_url):
     good = await start_replica("good")
     gateway = await start_gateway({"interactive": [dead_url], "batch": [good.url]})

@@ -104,7 +104,7 @@ async def test_gateway_upstreams_shows_each_replica_load(start_replica, start_ga
     view = await (await gateway.get("/gateway/upstreams")).json()
     assert view["max_outstanding"] == 5 and view["default_class"] == "interactive"
     assert view["roles"]["batch"] == [{"url": shared.url, "outstanding": 0, "full": False, "retry_after_s": 0,
-                                        "ejected_s": 0}]
+                                        "down": False}]
     assert view["roles"]["interactive"] == view["roles"]["batch"]
 
 

@@ -56,35 +56,29 @@ def test_back_off_makes_an_upstream_full_until_its_retry_after_passes():
     clock.now += 2.6
     assert table.pick([a, b], 64) is b
     assert table.snapshot(64)["batch"][0] == {"url": A, "outstanding": 0, "full": True, "retry_after_s": 4.4,
-                                                  "ejected_s": 0.0}
+                                                  "down": False}
 
 
-def test_an_unreachable_upstream_is_ejected_longer_each_time_until_it_answers():
-    clock = Clock()
-    table = Upstreams({"interactive": [A, B]}, clock=clock)
+def test_an_unreachable_upstream_is_down_until_it_answers():
+    table = Upstreams({"interactive": [A, B]})
     a, b = table.of_role("interactive")
     table.unreachable(a)
-    assert [table.pick([a, b], 64) for _ in range(3)] == [b, b, b]  # avoided while ejected
+    table.unreachable(a)
+    assert [table.pick([a, b], 64) for _ in range(3)] == [b, b, b]  # avoided while down
     assert table.reachable("interactive") == [b]
-    clock.now += 1.01
-    assert a in {table.pick([a, b], 64) for _ in range(2)}  # back after 1 s
-    table.unreachable(a)
-    table.unreachable(a)
-    assert table.snapshot(64)["interactive"][0]["ejected_s"] == 4.0  # 1 s, 2 s, 4 s ...
-    for _ in range(10):
-        table.unreachable(a)
-    assert a.ejected_until - clock.now == pytest.approx(30.0)  # capped
+    assert table.snapshot(64)["interactive"][0]["down"] is True
     table.answered(a)
     assert a.failures == 0 and table.reachable("interactive") == [a, b]
+    assert a in {table.pick([a, b], 64) for _ in range(2)}
 
 
-def test_when_every_free_upstream_is_ejected_one_is_still_tried():
+def test_when_every_free_upstream_is_down_one_is_still_tried():
     table = Upstreams({"batch": [A, B]})
     a, b = table.of_role("batch")
     table.unreachable(a)
     table.unreachable(b)
     assert table.pick([a, b], 64) in (a, b) and table.reachable("batch") == []
-    b.outstanding = 64  # full beats ejected: a full upstream is never picked
+    b.outstanding = 64  # full beats down: a full upstream is never picked
     assert table.pick([a, b], 64) is a
 
 
