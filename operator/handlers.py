@@ -4,7 +4,7 @@
   render, apply every object idempotently, delete the Deployments of roles the mode no longer runs,
   and report status (``observedGeneration``, ``mode``, replicas per role, ``Ready`` /
   ``Progressing`` / ``Degraded`` conditions) with an Event for each change;
-- a timer refreshes status as rollouts progress;
+- a timer refreshes status as rollouts progress and repairs drift (a deleted child comes back);
 - delete removes every child by name (owner references let a real cluster collect them too).
 
 An invalid spec is a ``Degraded`` condition and a Warning event, then ``kopf.PermanentError``: no
@@ -109,16 +109,7 @@ def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: loggi
         kopf.warn(body, reason="InvalidSpec", message=message[:1000])
         raise kopf.PermanentError(f"invalid ServingPool: {message}") from None
     try:
-        for obj in objects:
-            outcome = kube.apply(obj)
-            if outcome != "unchanged":
-                logger.info("%s %s %s", outcome, obj["kind"], obj["metadata"]["name"])
-                kopf.info(body, reason=outcome.capitalize(), message=f"{obj['kind']} {obj['metadata']['name']}")
-        for name in render.stale_deployments(pool, roles):
-            if kube.delete("Deployment", name, pool.namespace):
-                logger.info("deleted Deployment %s (mode %s)", name, pool.mode)
-                kopf.info(body, reason="Deleted", message=f"Deployment {name}: role not run in mode {pool.mode}")
-        patch.status.update(_status(body, pool, roles))
+        _converge(body, pool, roles, objects, patch, logger)
     except kube.Transient as exc:
         raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
     except kube.Refused as exc:
@@ -128,16 +119,36 @@ def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: loggi
         raise kopf.TemporaryError(message, delay=REFUSED_RETRY_DELAY_S) from None
 
 
+def _converge(body: kopf.Body, pool: Pool, roles, objects: list[dict], patch: kopf.Patch,
+              logger: logging.Logger) -> None:
+    """Apply every object, delete the Deployments of roles not run, and report status.
+
+    Raises:
+        kube.Transient, kube.Refused: as :func:`kube.apply`.
+    """
+    for obj in objects:
+        outcome = kube.apply(obj)
+        if outcome != "unchanged":
+            logger.info("%s %s %s", outcome, obj["kind"], obj["metadata"]["name"])
+            kopf.info(body, reason=outcome.capitalize(), message=f"{obj['kind']} {obj['metadata']['name']}")
+    for name in render.stale_deployments(pool, roles):
+        if kube.delete("Deployment", name, pool.namespace):
+            logger.info("deleted Deployment %s (mode %s)", name, pool.mode)
+            kopf.info(body, reason="Deleted", message=f"Deployment {name}: role not run in mode {pool.mode}")
+    patch.status.update(_status(body, pool, roles))
+
+
 @kopf.timer(GROUP, VERSION, PLURAL, interval=30.0, initial_delay=15.0, idle=5.0)
-def refresh_status(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-    """Follow rollouts: recompute replicas and conditions from the Deployments."""
+def resync(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    """Every 30 s: follow rollouts (replicas and conditions from the Deployments) and repair drift —
+    a child deleted by hand is created again (an unchanged one costs a read, no write)."""
     try:
         pool = _pool(body)
-        patch.status.update(_status(body, pool, pool.roles()))
-    except (PoolValidationError, PoolSpecError):
-        return  # reported by reconcile; nothing to follow
-    except kube.Refused:
-        return  # reported by reconcile, which retries
+        roles = pool.roles()
+        objects = render.render_all(pool, owner={"name": meta["name"], "uid": meta["uid"]})
+        _converge(body, pool, roles, objects, patch, logger)
+    except (PoolValidationError, PoolSpecError, kube.Refused):
+        return  # reported by reconcile (which retries a refusal); nothing to follow
     except kube.Transient as exc:
         raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
 

@@ -123,3 +123,20 @@ def test_an_object_the_api_refuses_is_a_degraded_condition_and_a_slow_retry(clus
     assert degraded["status"] == "True" and degraded["reason"] == "ApplyRefused"
     assert "quota exceeded" in degraded["message"]
     assert cluster["events"][-1][:2] == ("Warning", "ApplyRefused")
+
+
+def test_the_resync_timer_recreates_a_child_deleted_by_hand_and_leaves_the_rest(cluster):
+    run(BODY)
+    cluster["existing"].discard(("Deployment", "chat-gateway"))  # kubectl delete deploy chat-gateway
+    cluster["events"].clear()
+    patch, b = kopf.Patch(), kopf.Body(BODY)
+    handlers.resync(body=b, meta=b.metadata, patch=patch, logger=logging.getLogger("test"))
+    assert cluster["events"] == [("Normal", "Created", "Deployment chat-gateway")]
+    assert patch["status"]["mode"] == "colocated"
+
+
+def test_the_resync_timer_is_quiet_about_an_invalid_spec(cluster):
+    bad = {**BODY, "spec": {**BODY["spec"], "engine": {"tokenBudget": 128, "chunkSize": 256}}}
+    b = kopf.Body(bad)
+    handlers.resync(body=b, meta=b.metadata, patch=kopf.Patch(), logger=logging.getLogger("test"))
+    assert cluster["applied"] == [] and cluster["events"] == []
