@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -43,10 +44,21 @@ def register_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("pool_file", type=Path, metavar="POOL.yaml", help="a ServingPool manifest")
     p.add_argument("--pool", help="which ServingPool of the file (default: the only one)")
     p.add_argument("--host", default="127.0.0.1", help="gateway address (default %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="gateway port (default %(default)s)")
-    p.add_argument("--state-file", type=Path, help="write replica ports and pids here (JSON)")
+    p.add_argument("--port", type=_port, default=8000, help="gateway port, 1-65535 (default %(default)s)")
+    p.add_argument("--state-file", type=Path,
+                   help="write replica ports and pids here (JSON) while the pool runs; removed when it stops")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for replicas to load")
     p.set_defaults(func=run_up)
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {value!r}")
+    return port
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -73,6 +85,11 @@ def run_up(args: argparse.Namespace) -> int:
     if len(pools) != 1:
         print(f"cadenza up: {args.pool_file} holds {len(pools)} {KIND}s ({', '.join(names)}); choose one with "
               "--pool NAME", file=sys.stderr)
+        return 2
+    if args.state_file is not None and not (args.state_file.parent.is_dir()
+                                            and os.access(args.state_file.parent, os.W_OK)):
+        print(f"cadenza up: --state-file {args.state_file}: its folder does not exist or is not writable",
+              file=sys.stderr)
         return 2
     logging.getLogger("cadenza").info("running ServingPool %s locally", pools[0]["metadata"]["name"])
     return run_local(pools[0], args.host, args.port, state_file=args.state_file, ready_timeout=args.ready_timeout)

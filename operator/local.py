@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -93,7 +94,8 @@ class Process:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+        return f"http://{host}:{self.port}"
 
     def ready(self) -> bool:
         try:
@@ -166,7 +168,7 @@ def _write_state(path: Path | None, replicas: list[Process], gateway: Process) -
         "replicas": [{"name": r.name, "role": r.role, "url": r.url, "pid": r.proc.pid if r.proc else None,
                       "restarts": r.restarts, "log": str(r.log)} for r in replicas],
     }
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(state, indent=2) + "\n")
     tmp.replace(path)
 
@@ -198,6 +200,7 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
     try:
         replicas, gateway = plan(pool_obj, run_dir, host, port)
     except PoolSpecError as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)
         print(f"cadenza up: {exc}", file=sys.stderr)
         return 2
     stop = {"now": False, "force": False}
@@ -217,6 +220,8 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
         if failed is not None:
             print(f"cadenza up: replica {failed.name} did not become ready:\n{failed.tail()}", file=sys.stderr)
             return 1
+        if stop["now"]:
+            return 0  # stopped while loading: no gateway to start
         gateway.start()
         failed = _wait_ready([gateway], 60.0, stop)
         if failed is None and not stop["now"] and _exited_soon(gateway):
@@ -233,6 +238,8 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
         return 0
     finally:
         _shutdown(everyone, stop)
+        if state_file is not None:
+            state_file.unlink(missing_ok=True)  # its pids and ports are gone
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

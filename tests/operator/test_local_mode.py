@@ -32,6 +32,11 @@ def pool_yaml(path: Path, model_dir: Path, **spec) -> Path:
     return path
 
 
+def up_env(tmp_path: Path) -> dict[str, str]:
+    """The environment for a ``cadenza up`` child: its run folder (logs) lands in the test's tmp_path."""
+    return {**os.environ, "TMPDIR": str(tmp_path)}
+
+
 def post(url: str, cls: str, timeout: float = 30.0) -> dict:
     body = json.dumps({"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body, method="POST",
@@ -103,7 +108,7 @@ def test_a_busy_port_is_refused_before_any_replica_starts(tmp_path, tiny_llama_d
         started = time.monotonic()
         result = subprocess.run([sys.executable, "-m", "cadenza.node.cli", "up",
                                  str(pool_yaml(tmp_path / "p.yaml", tiny_llama_dir)), "--port", str(port)],
-                                capture_output=True, text=True, timeout=60)
+                                capture_output=True, text=True, timeout=60, env=up_env(tmp_path))
     assert result.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr and time.monotonic() - started < 30  # no replica was loaded
     assert port_problem("127.0.0.1", free_port()) is None
@@ -121,14 +126,32 @@ def test_a_file_without_the_pool_asked_for_says_what_it_holds(tmp_path, tiny_lla
     if content is not None:
         path.write_bytes(content)
     result = subprocess.run([sys.executable, "-m", "cadenza.node.cli", "up", str(path), *extra,
-                             "--port", str(free_port())], capture_output=True, text=True, timeout=60)
+                             "--port", str(free_port())], capture_output=True, text=True, timeout=60, env=up_env(tmp_path))
     assert result.returncode == 2 and message in result.stderr and str(path) in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--port", "0"], "must be a port number from 1 to 65535"),
+    (["--port", "99999"], "must be a port number from 1 to 65535"),
+    (["--state-file", "/nonexistent/dir/state.json"], "--state-file /nonexistent/dir/state.json"),
+])
+def test_bad_options_are_refused_before_anything_starts(tmp_path, tiny_llama_dir, extra, message):
+    result = subprocess.run([sys.executable, "-m", "cadenza.node.cli", "up",
+                             str(pool_yaml(tmp_path / "p.yaml", tiny_llama_dir)), *extra],
+                            capture_output=True, text=True, timeout=60, env=up_env(tmp_path))
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert not list(tmp_path.glob("cadenza-up-*"))  # nothing was started
+
+
+def test_an_ipv6_gateway_address_is_a_valid_url(tmp_path, tiny_llama_dir):
+    pool = validate_pool(yaml.safe_load(pool_yaml(tmp_path / "p.yaml", tiny_llama_dir).read_text()))
+    assert plan(pool, tmp_path, "::1", 8123)[1].url == "http://[::1]:8123"
 
 
 def test_an_invalid_pool_file_is_refused_before_anything_starts(tmp_path, tiny_llama_dir):
     bad = pool_yaml(tmp_path / "bad.yaml", tiny_llama_dir, engine={"tokenBudget": 64, "chunkSize": 128})
     result = subprocess.run([sys.executable, "-m", "cadenza.node.cli", "up", str(bad), "--port", str(free_port())],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, env=up_env(tmp_path))
     assert result.returncode == 2 and "spec.engine" in result.stderr and "chunkSize" in result.stderr
 
 
@@ -137,7 +160,7 @@ def test_two_replicas_and_the_gateway_serve_both_classes_and_a_killed_replica_co
     log = open(tmp_path / "up.log", "w")
     up = subprocess.Popen([sys.executable, "-m", "cadenza.node.cli", "up",
                            str(pool_yaml(tmp_path / "pool.yaml", tiny_llama_dir)), "--port", str(port),
-                           "--state-file", str(state_file)], stdout=log, stderr=subprocess.STDOUT)
+                           "--state-file", str(state_file)], stdout=log, stderr=subprocess.STDOUT, env=up_env(tmp_path))
     url = f"http://127.0.0.1:{port}"
     try:
         state = wait_for(lambda: json.loads(state_file.read_text()), 180, "the pool to be ready")
@@ -156,6 +179,7 @@ def test_two_replicas_and_the_gateway_serve_both_classes_and_a_killed_replica_co
         wait_for(lambda: urllib.request.urlopen(f"{victim['url']}/ready", timeout=2).status == 200, 120,
                  "the restarted replica to be ready")
         assert post(url, "interactive")["choices"]
+        pids = [r["pid"] for r in json.loads(state_file.read_text())["replicas"]]
     finally:
         up.send_signal(signal.SIGINT)
         try:
@@ -164,7 +188,7 @@ def test_two_replicas_and_the_gateway_serve_both_classes_and_a_killed_replica_co
             if up.poll() is None:
                 up.kill()
             log.close()
-    pids = [r["pid"] for r in json.loads(state_file.read_text())["replicas"]]
+    assert not state_file.exists()  # removed with the pool: its pids are gone
     wait_for(lambda: not any(alive(pid) for pid in pids), 30, "replicas stopped")
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"{url}/health", timeout=2)
@@ -176,7 +200,7 @@ def test_no_child_outlives_a_killed_supervisor(tmp_path, tiny_llama_dir):
     with open(tmp_path / "up.log", "w") as log:
         up = subprocess.Popen([sys.executable, "-m", "cadenza.node.cli", "up",
                                str(pool_yaml(tmp_path / "pool.yaml", tiny_llama_dir, replicas=1)),
-                               "--port", str(port), "--state-file", str(state_file)], stdout=log, stderr=subprocess.STDOUT)
+                               "--port", str(port), "--state-file", str(state_file)], stdout=log, stderr=subprocess.STDOUT, env=up_env(tmp_path))
     try:
         state = wait_for(lambda: json.loads(state_file.read_text()), 180, "the pool to be ready")
     finally:
