@@ -1,17 +1,19 @@
 """kopf handlers for ServingPool: thin, each one calling the pure renderers and :mod:`.kube`.
 
 - create / update / resume: validate (as the API server would, plus what only the engine knows),
-  render, apply every object idempotently, delete the Deployments of roles the mode no longer runs,
-  and report status (``observedGeneration``, ``mode``, replicas per role, ``Ready`` /
+  render, apply every object idempotently, retire the Deployments of roles the mode no longer runs
+  (once the new roles are ready), and report status (``observedGeneration``, ``mode``, replicas per role, ``Ready`` /
   ``Progressing`` / ``Degraded`` conditions) with an Event for each change;
-- a timer refreshes status as rollouts progress and repairs drift (a deleted child comes back);
+- a timer refreshes status as rollouts progress, finishes mode shifts (make-before-break: the old
+  role's Deployment is retired once the new roles are ready) and repairs drift (a deleted child
+  comes back);
 - delete removes every child by name (owner references let a real cluster collect them too).
 
 An invalid spec is a ``Degraded`` condition and a Warning event, then ``kopf.PermanentError``: no
 crash loop, no retries until the spec changes. A transient API failure is a
-``kopf.TemporaryError`` retried with exponential backoff (10 s doubling to 5 min). An object the API refuses (RBAC,
-an admission policy, a quota) is a ``Degraded`` condition and a Warning event too, retried slowly:
-the fix usually lies outside the pool.
+``kopf.TemporaryError`` retried with exponential backoff (10 s doubling to 5 min). An object the
+API refuses (RBAC, an admission policy, a quota) is a ``Degraded`` condition and a Warning event
+too, retried slowly: the fix usually lies outside the pool.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ GROUP, VERSION, PLURAL = render.GROUP, render.VERSION, "servingpools"
 RETRY_DELAY_S = 10  # the first retry after a transient API failure; doubles each time
 MAX_RETRY_DELAY_S = 300
 REFUSED_RETRY_DELAY_S = 60
+RESYNC_S = float(os.environ.get("CADENZA_OPERATOR_RESYNC_S", "15"))
 
 
 def retry_delay(retry: int) -> float:
@@ -102,14 +105,13 @@ def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: loggi
     try:
         pool = _pool(body)
         roles = pool.roles()
-        objects = render.render_all(pool, owner={"name": meta["name"], "uid": meta["uid"]})
     except (PoolValidationError, PoolSpecError) as exc:
         message = str(exc)
         patch.status.update(_status_invalid(body, message))
         kopf.warn(body, reason="InvalidSpec", message=message[:1000])
         raise kopf.PermanentError(f"invalid ServingPool: {message}") from None
     try:
-        _converge(body, pool, roles, objects, patch, logger)
+        _converge(body, meta, pool, roles, patch, logger)
     except kube.Transient as exc:
         raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
     except kube.Refused as exc:
@@ -119,34 +121,49 @@ def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: loggi
         raise kopf.TemporaryError(message, delay=REFUSED_RETRY_DELAY_S) from None
 
 
-def _converge(body: kopf.Body, pool: Pool, roles, objects: list[dict], patch: kopf.Patch,
+def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.Patch,
               logger: logging.Logger) -> None:
-    """Apply every object, delete the Deployments of roles not run, and report status.
+    """Apply every object, retire the Deployments of roles the mode no longer runs, report status.
+
+    A mode shift is make-before-break: while an old role's Deployment still exists and a new
+    role is not ready, the class Services keep selecting every engine pod (old and new) and the
+    old Deployment keeps serving; once every new role is ready the selectors narrow and the old
+    Deployment is deleted (by this call or the resync timer's).
 
     Raises:
         kube.Transient, kube.Refused: as :func:`kube.apply`.
     """
+    retiring = [name for name in render.stale_deployments(pool, roles)
+                if kube.deployment_status(name, pool.namespace) is not None]
+    waiting = [role.name for role in roles if not _role_ready(pool, role)] if retiring else []
+    objects = render.render_all(pool, owner={"name": meta["name"], "uid": meta["uid"]}, narrow=not waiting)
     for obj in objects:
         outcome = kube.apply(obj)
         if outcome != "unchanged":
             logger.info("%s %s %s", outcome, obj["kind"], obj["metadata"]["name"])
             kopf.info(body, reason=outcome.capitalize(), message=f"{obj['kind']} {obj['metadata']['name']}")
-    for name in render.stale_deployments(pool, roles):
-        if kube.delete("Deployment", name, pool.namespace):
-            logger.info("deleted Deployment %s (mode %s)", name, pool.mode)
-            kopf.info(body, reason="Deleted", message=f"Deployment {name}: role not run in mode {pool.mode}")
-    patch.status.update(_status(body, pool, roles))
+    if not waiting:
+        for name in retiring:
+            if kube.delete("Deployment", name, pool.namespace):
+                logger.info("deleted Deployment %s (mode %s)", name, pool.mode)
+                kopf.info(body, reason="Deleted", message=f"Deployment {name}: role not run in mode {pool.mode}")
+        retiring = []
+    patch.status.update(_status(body, pool, roles, shift=(waiting, retiring)))
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=30.0, initial_delay=15.0, idle=5.0)
+def _role_ready(pool: Pool, role) -> bool:
+    state = kube.deployment_status(f"{pool.name}-{role.name}", pool.namespace)
+    return state is not None and min(state["readyReplicas"], state["updatedReplicas"]) >= role.replicas
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_S, initial_delay=RESYNC_S / 2, idle=5.0)
 def resync(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-    """Every 30 s: follow rollouts (replicas and conditions from the Deployments) and repair drift —
-    a child deleted by hand is created again (an unchanged one costs a read, no write)."""
+    """Every ``RESYNC_S``: follow rollouts (replicas and conditions from the Deployments), finish
+    a mode shift whose new roles became ready, and repair drift — a child deleted by hand is
+    created again (an unchanged one costs a read, no write)."""
     try:
         pool = _pool(body)
-        roles = pool.roles()
-        objects = render.render_all(pool, owner={"name": meta["name"], "uid": meta["uid"]})
-        _converge(body, pool, roles, objects, patch, logger)
+        _converge(body, meta, pool, pool.roles(), patch, logger)
     except (PoolValidationError, PoolSpecError, kube.Refused):
         return  # reported by reconcile (which retries a refusal); nothing to follow
     except kube.Transient as exc:
@@ -186,7 +203,8 @@ def _condition(body: kopf.Body, kind: str, status: bool, reason: str, message: s
     return cond
 
 
-def _status(body: kopf.Body, pool: Pool, roles) -> dict:
+def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str]] = ([], [])) -> dict:
+    """Status from the Deployments; ``shift``: (new roles not ready yet, old Deployments kept)."""
     per_role, desired, ready, updated = {}, 0, 0, 0
     for role in roles:
         state = kube.deployment_status(f"{pool.name}-{role.name}", pool.namespace) or {}
@@ -196,6 +214,13 @@ def _status(body: kopf.Body, pool: Pool, roles) -> dict:
         updated += min(state.get("updatedReplicas", 0), role.replicas)
     is_ready = ready == desired
     rolling = updated < desired or not is_ready
+    waiting, retiring = shift
+    progress = ("RolloutInProgress" if rolling else "RolloutComplete",
+                f"{updated}/{desired} replicas updated, {ready}/{desired} ready")
+    if retiring:
+        rolling = True
+        progress = ("ModeShift", f"mode {pool.mode}: {', '.join(retiring)} keeps serving until role(s) "
+                                 f"{', '.join(waiting)} are ready; {ready}/{desired} ready")
     status = {
         "mode": pool.mode,
         "replicas": desired,
@@ -206,8 +231,7 @@ def _status(body: kopf.Body, pool: Pool, roles) -> dict:
         "conditions": [
             _condition(body, "Ready", is_ready, "AllReplicasReady" if is_ready else "ReplicasNotReady",
                        f"{ready}/{desired} engine replicas ready"),
-            _condition(body, "Progressing", rolling, "RolloutInProgress" if rolling else "RolloutComplete",
-                       f"{updated}/{desired} replicas updated, {ready}/{desired} ready"),
+            _condition(body, "Progressing", rolling, *progress),
             _condition(body, "Degraded", False, "AsExpected", "the spec is valid and applied"),
         ],
     }

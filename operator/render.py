@@ -7,7 +7,8 @@ Every function returns plain dicts (testable without a cluster). For a pool name
   carries a hash of the role's configuration, so a changed knob rolls only that role;
 - Services: ``p`` (every engine pod), ``p-interactive`` and ``p-batch`` (what the gateway routes
   each class to — in colocated mode both select every engine pod, so a mode shift changes
-  selectors, never the gateway), and ``p-gateway`` (the pool's entry point);
+  selectors, never the gateway; while a shift waits for the new roles, ``narrow=False`` keeps
+  them on every engine pod, old and new), and ``p-gateway`` (the pool's entry point);
 - a PodDisruptionBudget ``p-engine`` (one engine pod down at a time);
 - the gateway: ServiceAccount, Role and RoleBinding ``p-gateway`` (read EndpointSlices) and a
   Deployment ``p-gateway`` running ``cadenza gateway --kubernetes``.
@@ -185,9 +186,10 @@ def _service(pool: Pool, name: str, component: str, selector: dict, owner=None) 
     }
 
 
-def render_services(pool: Pool, owner=None) -> list[dict]:
-    """The engine-wide, per-class and gateway Services (selectors follow the mode)."""
-    dedicated = pool.mode == "dedicated"
+def render_services(pool: Pool, owner=None, narrow: bool = True) -> list[dict]:
+    """The engine-wide, per-class and gateway Services (selectors follow the mode; with
+    ``narrow=False`` the class Services select every engine pod, whatever the mode)."""
+    dedicated = pool.mode == "dedicated" and narrow
     return [
         _service(pool, pool.name, "engine", engine_selector(pool), owner),
         _service(pool, f"{pool.name}-interactive", "engine",
@@ -243,8 +245,8 @@ def render_gateway(pool: Pool, owner=None) -> list[dict]:
     return [sa, role, binding, deployment]
 
 
-def render_all(pool: Pool, owner: Mapping[str, str] | None = None) -> list[dict]:
-    """Every object the pool needs, in creation order.
+def render_all(pool: Pool, owner: Mapping[str, str] | None = None, narrow: bool = True) -> list[dict]:
+    """Every object the pool needs, in creation order (``narrow``: see :func:`render_services`).
 
     Raises:
         PoolSpecError: a spec that cannot run (see :meth:`Pool.roles`).
@@ -253,7 +255,7 @@ def render_all(pool: Pool, owner: Mapping[str, str] | None = None) -> list[dict]
     return [
         render_configmap(pool, roles, owner),
         *[render_engine_deployment(pool, role, owner) for role in roles],
-        *render_services(pool, owner),
+        *render_services(pool, owner, narrow),
         render_pdb(pool, owner),
         *render_gateway(pool, owner),
     ]

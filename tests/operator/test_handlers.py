@@ -20,11 +20,12 @@ BODY = {
 @pytest.fixture
 def cluster(monkeypatch):
     """A fake cluster: records applies/deletes and the events the handlers post."""
-    state = {"applied": [], "existing": set(), "events": [], "ready": 0}
+    state = {"applied": [], "existing": set(), "events": [], "ready": 0, "objects": {}}
 
     def apply(obj):
         key = (obj["kind"], obj["metadata"]["name"])
         state["applied"].append(key)
+        state["objects"][key] = obj
         if key in state["existing"]:
             return "unchanged"
         state["existing"].add(key)
@@ -34,7 +35,8 @@ def cluster(monkeypatch):
     monkeypatch.setattr(kube, "delete", lambda kind, name, ns: (kind, name) in state["existing"]
                         and not state["existing"].discard((kind, name)))
     monkeypatch.setattr(kube, "deployment_status", lambda name, ns: {
-        "replicas": 2, "readyReplicas": state["ready"], "updatedReplicas": 2})
+        "replicas": 2, "readyReplicas": state["ready"], "updatedReplicas": 2}
+        if ("Deployment", name) in state["existing"] else None)
     monkeypatch.setattr(handlers.kopf, "info", lambda body, reason, message: state["events"].append(("Normal", reason, message)))
     monkeypatch.setattr(handlers.kopf, "warn", lambda body, reason, message: state["events"].append(("Warning", reason, message)))
     return state
@@ -69,11 +71,28 @@ def test_status_reports_mode_replicas_and_conditions(cluster):
     assert conditions["Progressing"]["reason"] == "RolloutComplete"
 
 
-def test_a_mode_shift_deletes_the_old_role_with_an_event(cluster):
+def test_a_mode_shift_makes_the_new_roles_before_it_breaks_the_old_one(cluster):
     run(BODY)
-    dedicated = {**BODY, "spec": {**BODY["spec"], "mode": "dedicated"}}
-    run(dedicated)
-    assert ("Normal", "Deleted", "Deployment chat-colocated: role not run in mode dedicated") in cluster["events"]
+    cluster["ready"] = 2
+    dedicated = {**BODY, "spec": {**BODY["spec"], "replicas": 4, "mode": "dedicated",
+                                  "dedicated": {"interactiveReplicas": 2}}}
+    cluster["ready"] = 0  # the new roles' pods are loading
+    status = run(dedicated)["status"]
+    deleted = ("Normal", "Deleted", "Deployment chat-colocated: role not run in mode dedicated")
+    assert deleted not in cluster["events"] and ("Deployment", "chat-colocated") in cluster["existing"]
+    progressing = next(c for c in status["conditions"] if c["type"] == "Progressing")
+    assert progressing["reason"] == "ModeShift" and "chat-colocated keeps serving" in progressing["message"]
+    selector = cluster["objects"][("Service", "chat-interactive")]["spec"]["selector"]
+    assert "serving.cadenza.dev/role" not in selector  # still every engine pod, old and new
+
+    cluster["ready"] = 2  # the new roles are ready: the resync timer finishes the shift
+    patch, b = kopf.Patch(), kopf.Body(dedicated)
+    handlers.resync(body=b, meta=b.metadata, patch=patch, logger=logging.getLogger("test"))
+    assert deleted in cluster["events"] and ("Deployment", "chat-colocated") not in cluster["existing"]
+    selector = cluster["objects"][("Service", "chat-interactive")]["spec"]["selector"]
+    assert selector["serving.cadenza.dev/role"] == "interactive"
+    progressing = next(c for c in patch["status"]["conditions"] if c["type"] == "Progressing")
+    assert progressing["reason"] == "RolloutComplete"
 
 
 def test_an_invalid_spec_is_a_degraded_condition_a_warning_and_a_permanent_error(cluster):

@@ -70,6 +70,19 @@ def deployment(api, name):
     return api.objects("apps/v1/deployments").get(("default", name))
 
 
+def mark_ready(*names: str) -> bool:
+    """Play the Deployment controller kmock lacks: report every replica of ``names`` ready."""
+    apps = kubernetes.client.AppsV1Api()
+    for name in names:
+        try:
+            replicas = apps.read_namespaced_deployment(name, "default").spec.replicas
+        except kubernetes.client.ApiException:
+            continue  # not created yet
+        apps.patch_namespaced_deployment_status(name, "default", {"status": {
+            "replicas": replicas, "readyReplicas": replicas, "updatedReplicas": replicas}})
+    return True
+
+
 def engine_resources(api, name):
     dep = deployment(api, name)
     return dep and dep["spec"]["template"]["spec"]["containers"][0].get("resources")
@@ -125,8 +138,16 @@ def test_a_pool_becomes_its_objects_and_follows_every_change(api):
 
         # Dedicated mode: the roles split, the class services select them, the colocated role goes.
         patch_pool({"mode": "dedicated", "dedicated": {"interactiveReplicas": 1}})
-        wait_for(lambda: names(api, "apps/v1/deployments") == {"chat-interactive", "chat-batch", "chat-gateway"},
-                 what="roles split")
+        # Make before break: the colocated role serves, and the class services keep selecting every
+        # engine pod, until the new roles are ready.
+        wait_for(lambda: names(api, "apps/v1/deployments") == {"chat-colocated", "chat-interactive", "chat-batch",
+                                                               "chat-gateway"}, what="new roles beside the old")
+        assert "serving.cadenza.dev/role" not in \
+            api.objects("v1/services")[("default", "chat-interactive")]["spec"]["selector"]
+        wait_for(lambda: condition(get_pool(), "Progressing")["reason"] == "ModeShift", what="ModeShift status")
+        wait_for(lambda: mark_ready("chat-interactive", "chat-batch")
+                 and names(api, "apps/v1/deployments") == {"chat-interactive", "chat-batch", "chat-gateway"},
+                 what="the old role retired once the new ones are ready")
         assert deployment(api, "chat-interactive")["spec"]["replicas"] == 1
         assert deployment(api, "chat-batch")["spec"]["replicas"] == 3
         services = api.objects("v1/services")
@@ -154,7 +175,8 @@ def test_fields_a_new_rendering_drops_are_removed_not_merged(api):
         wait_for(lambda: engine_resources(api, "chat-batch") == {"limits": {"cpu": "2", "memory": "4Gi"}},
                  what="dedicated with limits")
         patch_pool({"mode": "colocated", "resources": {"limits": {"cpu": None, "memory": "4Gi"}}})
-        wait_for(lambda: names(api, "apps/v1/deployments") == EXPECTED_COLOCATED, what="roles merged")
+        wait_for(lambda: mark_ready("chat-colocated") and names(api, "apps/v1/deployments") == EXPECTED_COLOCATED,
+                 what="roles merged")
         wait_for(lambda: engine_resources(api, "chat-colocated") == {"limits": {"memory": "4Gi"}}, what="limit gone")
         services = api.objects("v1/services")
         for svc in ("chat-interactive", "chat-batch"):
@@ -177,7 +199,8 @@ def test_a_second_reconcile_changes_nothing_and_a_restart_converges_without_dupl
     # While the operator is down, the pool changes; a new operator resumes and converges.
     patch_pool({"replicas": 3, "mode": "dedicated", "dedicated": {"interactiveReplicas": 1}})
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        wait_for(lambda: names(api, "apps/v1/deployments") == {"chat-interactive", "chat-batch", "chat-gateway"},
+        wait_for(lambda: mark_ready("chat-interactive", "chat-batch")
+                 and names(api, "apps/v1/deployments") == {"chat-interactive", "chat-batch", "chat-gateway"},
                  what="converged after restart")
         assert deployment(api, "chat-batch")["spec"]["replicas"] == 2
         time.sleep(1.0)
@@ -203,7 +226,7 @@ def test_a_spec_only_the_engine_can_refuse_is_reported_not_retried(api):
         # Fixing the spec heals it.
         patch_pool({"dedicated": {"interactiveReplicas": 1, "engine": {"chunkSize": 128}}}, name="bad")
         wait_for(lambda: names(api, "apps/v1/deployments") == {"bad-interactive", "bad-batch", "bad-gateway"},
-                 what="healed")
+                 what="healed")  # nothing to retire: no wait for readiness
         wait_for(lambda: condition(get_pool("bad"), "Degraded")["status"] == "False", what="not degraded")
     assert runner.exit_code == 0, runner.output
     assert runner.output.count("invalid ServingPool") == 1  # a permanent error: reported once, not retried
