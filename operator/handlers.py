@@ -136,7 +136,9 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
     retiring = [name for name in render.stale_deployments(pool, roles)
                 if kube.deployment_status(name, pool.namespace) is not None]
     waiting = [role.name for role in roles if not _role_ready(pool, role)] if retiring else []
-    objects = render.render_all(pool, owner={"name": meta["name"], "uid": meta["uid"]}, narrow=not waiting)
+    kept = tuple(name.removeprefix(f"{pool.name}-") for name in retiring) if waiting else ()
+    objects = render.render_all(pool, owner={"name": meta["name"], "uid": meta["uid"]}, narrow=not waiting,
+                                retiring=kept)
     for obj in objects:
         outcome = kube.apply(obj)
         if outcome != "unchanged":
@@ -219,7 +221,7 @@ def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str
                 f"{updated}/{desired} replicas updated, {ready}/{desired} ready")
     if retiring:
         rolling = True
-        progress = ("ModeShift", f"mode {pool.mode}: {', '.join(retiring)} keeps serving until role(s) "
+        progress = ("ModeShift", f"mode {pool.mode}: {', '.join(retiring)} serving until role(s) "
                                  f"{', '.join(waiting)} are ready; {ready}/{desired} ready")
     status = {
         "mode": pool.mode,

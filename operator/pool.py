@@ -106,6 +106,14 @@ class Pool:
             self._check(role)
         return roles
 
+    def role_settings(self, name: str) -> Role:
+        """The settings a role runs with under this spec, whether or not the mode runs it (for the
+        policy file of a role being retired; its replicas are 0 here)."""
+        base = dict(self.spec.get("engine", {}))
+        if name == "interactive":
+            base = {**base, **self.spec.get("dedicated", {}).get("engine", {})}
+        return Role(name, 0, base)
+
     def _check(self, role: Role) -> None:
         engine = role.engine
         budget, chunk = engine.get("tokenBudget", 512), engine.get("chunkSize", 256)

@@ -245,15 +245,21 @@ def render_gateway(pool: Pool, owner=None) -> list[dict]:
     return [sa, role, binding, deployment]
 
 
-def render_all(pool: Pool, owner: Mapping[str, str] | None = None, narrow: bool = True) -> list[dict]:
-    """Every object the pool needs, in creation order (``narrow``: see :func:`render_services`).
+def render_all(pool: Pool, owner: Mapping[str, str] | None = None, narrow: bool = True,
+               retiring: tuple[str, ...] = ()) -> list[dict]:
+    """Every object the pool needs, in creation order.
+
+    Args:
+        narrow: see :func:`render_services` (False while a mode shift waits for the new roles).
+        retiring: roles whose Deployments still run during a mode shift: their policy files stay
+            in the ConfigMap, so a pod of theirs that restarts still finds its file.
 
     Raises:
         PoolSpecError: a spec that cannot run (see :meth:`Pool.roles`).
     """
     roles = pool.roles()
     return [
-        render_configmap(pool, roles, owner),
+        render_configmap(pool, [*roles, *(pool.role_settings(name) for name in retiring)], owner),
         *[render_engine_deployment(pool, role, owner) for role in roles],
         *render_services(pool, owner, narrow),
         render_pdb(pool, owner),

@@ -81,9 +81,11 @@ def test_a_mode_shift_makes_the_new_roles_before_it_breaks_the_old_one(cluster):
     deleted = ("Normal", "Deleted", "Deployment chat-colocated: role not run in mode dedicated")
     assert deleted not in cluster["events"] and ("Deployment", "chat-colocated") in cluster["existing"]
     progressing = next(c for c in status["conditions"] if c["type"] == "Progressing")
-    assert progressing["reason"] == "ModeShift" and "chat-colocated keeps serving" in progressing["message"]
+    assert progressing["reason"] == "ModeShift" and "chat-colocated serving until" in progressing["message"]
     selector = cluster["objects"][("Service", "chat-interactive")]["spec"]["selector"]
     assert "serving.cadenza.dev/role" not in selector  # still every engine pod, old and new
+    policies = set(cluster["objects"][("ConfigMap", "chat-engine")]["data"])
+    assert policies == {"colocated.policy.json", "interactive.policy.json", "batch.policy.json"}  # old pods' file too
 
     cluster["ready"] = 2  # the new roles are ready: the resync timer finishes the shift
     patch, b = kopf.Patch(), kopf.Body(dedicated)
@@ -91,6 +93,8 @@ def test_a_mode_shift_makes_the_new_roles_before_it_breaks_the_old_one(cluster):
     assert deleted in cluster["events"] and ("Deployment", "chat-colocated") not in cluster["existing"]
     selector = cluster["objects"][("Service", "chat-interactive")]["spec"]["selector"]
     assert selector["serving.cadenza.dev/role"] == "interactive"
+    assert set(cluster["objects"][("ConfigMap", "chat-engine")]["data"]) == {
+        "interactive.policy.json", "batch.policy.json"}
     progressing = next(c for c in patch["status"]["conditions"] if c["type"] == "Progressing")
     assert progressing["reason"] == "RolloutComplete"
 
