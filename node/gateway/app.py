@@ -135,7 +135,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 with the replica count per role while every role has a reachable one; 503 otherwise."""
+    """200 with the replica count per role (known, and ``up``) while every role has one up; else 503."""
     upstreams = request.app[UPSTREAMS]
     counts = {role: len(urls) for role, urls in upstreams.urls().items()}
     missing = [role for role in ROLES if not counts.get(role)]
@@ -146,7 +146,8 @@ async def ready(request: web.Request) -> web.Response:
     if down:
         return error_response(503, f"every replica of role(s) {', '.join(down)} is down (not reachable, or "
                               "failing its health check)", code="upstreams_unreachable", headers={"Retry-After": "1"})
-    return web.json_response({"status": "ready", "replicas": counts})
+    up = {role: len(upstreams.reachable(role)) for role in ROLES}
+    return web.json_response({"status": "ready", "replicas": counts, "up": up})
 
 
 async def upstreams_view(request: web.Request) -> web.Response:

@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import NamedTuple
@@ -126,8 +127,11 @@ async def _attempt(request: web.Request, upstream: Upstream, headers: CIMultiDic
     app = request.app
     url = URL(upstream.url + request.raw_path, encoded=True)
     try:
-        resp = await app[SESSION].request(request.method, url, headers=headers, data=body or None,
-                                          allow_redirects=False)
+        resp = await _send_unless_down(app[SESSION].request(request.method, url, headers=headers,
+                                                            data=body or None, allow_redirects=False), upstream)
+    except _WentDown:
+        logger.warning("%s went down before answering %s %s", upstream.url, request.method, request.path)
+        return None
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a malformed upstream URL
         logger.warning("%s did not answer %s %s: %r", upstream.url, request.method, request.path, exc)
         app[UPSTREAMS].unreachable(upstream)
@@ -145,6 +149,33 @@ async def _attempt(request: web.Request, upstream: Upstream, headers: CIMultiDic
         return await _relay(request, resp, upstream)
     finally:
         resp.close()  # a no-op once the body was read; else the replica sees the request aborted
+
+
+class _WentDown(Exception):
+    """The upstream was marked down (a failed health check) while this request waited for it."""
+
+
+async def _send_unless_down(send, upstream: Upstream) -> aiohttp.ClientResponse:
+    """Await ``send`` (the request, up to its response headers), giving up if ``upstream`` goes down
+    meanwhile — a hung replica fails its health check, and the request is freed to be retried.
+    A replica already down when picked (every candidate was) is waited for as usual.
+
+    Raises:
+        _WentDown: it went down first (the request is cancelled, which closes its connection).
+    """
+    task = asyncio.ensure_future(send)
+    if upstream.is_down:
+        return await task
+    down = asyncio.ensure_future(upstream.went_down.wait())
+    try:
+        done, _ = await asyncio.wait({task, down}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        down.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise _WentDown
+    return task.result()
 
 
 async def _relay(request: web.Request, resp: aiohttp.ClientResponse, upstream: Upstream) -> web.StreamResponse:

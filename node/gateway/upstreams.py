@@ -11,7 +11,9 @@ An upstream is **down** from the moment it could not be reached — a request's 
 or the gateway's health check (:mod:`.health`: ``GET /health`` every couple of seconds, with a
 timeout, so a hung replica is caught too) failed — until it answers again. Picking avoids down
 upstreams while any other candidate is free; when every free candidate is down it picks among them
-anyway (Envoy's "panic" routing: a replica that may be back beats a certain error). Picking follows the
+anyway, those with the fewest consecutive failures first (Envoy's "panic" routing: a replica that
+may be back beats a certain error). A request still waiting for the answer of a replica that goes
+down gives up on it (and may be retried elsewhere): a hung replica does not hold it forever. Picking follows the
 least-outstanding-requests rule (ties broken round robin), as Envoy's and NGINX's
 ``least_request``/``least_conn`` balancers do. Only this gateway's own requests are counted; the
 replicas' queues are theirs to report (``/ready``).
@@ -23,11 +25,12 @@ loop only and takes no locks.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROLES = ("interactive", "batch")
 # Traffic class (x-cadenza-class) -> the role whose replicas serve it.
@@ -45,12 +48,15 @@ class Upstream:
             (its last 429's ``Retry-After``); 0 when it has not.
         failures: consecutive requests or health checks that could not reach it; it is down
             while this is above 0.
+        went_down: set when it goes from up to down (requests still waiting for its answer give
+            up on it then), cleared when it is up again.
     """
 
     url: str
     outstanding: int = 0
     blocked_until: float = 0.0
     failures: int = 0
+    went_down: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def is_down(self) -> bool:
@@ -128,7 +134,11 @@ class Upstreams:
         free = [u for u in candidates if id(u) not in skip and not u.is_full(max_outstanding, now)]
         if not free:
             return None
-        free = [u for u in free if not u.is_down] or free
+        up = [u for u in free if not u.is_down]
+        if not up:  # panic: every free candidate is down; try those that failed least
+            fewest = min(u.failures for u in free)
+            up = [u for u in free if u.failures == fewest]
+        free = up
         least = min(u.outstanding for u in free)
         tied = [u for u in free if u.outstanding == least]
         return tied[next(self._turn) % len(tied)]
@@ -147,11 +157,13 @@ class Upstreams:
     def unreachable(upstream: Upstream) -> None:
         """``upstream`` could not be reached: it is down until it answers."""
         upstream.failures += 1
+        upstream.went_down.set()
 
     @staticmethod
     def answered(upstream: Upstream) -> None:
         """``upstream`` answered: it is up."""
         upstream.failures = 0
+        upstream.went_down.clear()
 
     def reachable(self, role: str) -> list[Upstream]:
         """The role's upstreams that are not down."""

@@ -93,3 +93,17 @@ async def test_with_live_checks_two_dead_replicas_never_cost_a_later_request(
         statuses.append((await gateway.post("/v1/completions", json=BODY)).status)
         await asyncio.sleep(0.05)
     assert statuses[1:] == [200] * 9
+
+
+async def test_a_request_waiting_on_a_replica_that_hangs_is_retried_when_its_check_fails(
+        start_replica, start_gateway, hung_url):
+    good = await start_replica("good")
+    gateway = await start_gateway({"interactive": [hung_url, good.url], "batch": [good.url]},
+                                  health_interval_s=0.3)
+    hung, good_up = gateway.app[UPSTREAMS].of_role("interactive")
+    await wait_until(lambda: hung.is_down)
+    gateway.app[UPSTREAMS].answered(hung)  # as if it answered once, then hung: it is picked
+    good_up.outstanding += 1  # and preferred over the good one
+    resp = await asyncio.wait_for(gateway.post("/v1/completions", json=BODY), 5)
+    good_up.outstanding -= 1
+    assert resp.status == 200 and (await resp.json())["replica"] == "good" and hung.is_down

@@ -103,7 +103,8 @@ async def test_dead_replicas_are_avoided_so_later_requests_reach_the_live_one(
     assert statuses[1:] == [200] * 11 and statuses[0] in (200, 502)
     view = await (await gateway.get("/gateway/upstreams")).json()
     assert [u["down"] for u in view["roles"]["interactive"]] == [True, True, False]
-    assert (await gateway.get("/ready")).status == 200  # the role still has a reachable replica
+    ready = await gateway.get("/ready")  # the role still has a reachable replica
+    assert ready.status == 200 and (await ready.json())["up"] == {"interactive": 1, "batch": 1}
 
 
 async def test_the_gateway_is_not_ready_while_every_replica_of_a_role_is_down(

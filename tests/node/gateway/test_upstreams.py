@@ -78,6 +78,8 @@ def test_when_every_free_upstream_is_down_one_is_still_tried():
     table.unreachable(a)
     table.unreachable(b)
     assert table.pick([a, b], 64) in (a, b) and table.reachable("batch") == []
+    table.unreachable(a)
+    assert table.pick([a, b], 64) is b  # panic picks the one that failed least (most likely back)
     b.outstanding = 64  # full beats down: a full upstream is never picked
     assert table.pick([a, b], 64) is a
 
