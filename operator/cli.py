@@ -86,9 +86,9 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"cadenza up: {args.pool_file} holds {len(pools)} {KIND}s ({', '.join(names)}); choose one with "
               "--pool NAME", file=sys.stderr)
         return 2
-    if args.state_file is not None and not (args.state_file.parent.is_dir()
-                                            and os.access(args.state_file.parent, os.W_OK)):
-        print(f"cadenza up: --state-file {args.state_file}: its folder does not exist or is not writable",
+    if args.state_file is not None and (args.state_file.is_dir() or not (
+            args.state_file.parent.is_dir() and os.access(args.state_file.parent, os.W_OK))):
+        print(f"cadenza up: --state-file {args.state_file}: must be a file in an existing, writable folder",
               file=sys.stderr)
         return 2
     logging.getLogger("cadenza").info("running ServingPool %s locally", pools[0]["metadata"]["name"])

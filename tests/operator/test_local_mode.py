@@ -134,6 +134,7 @@ def test_a_file_without_the_pool_asked_for_says_what_it_holds(tmp_path, tiny_lla
     (["--port", "0"], "must be a port number from 1 to 65535"),
     (["--port", "99999"], "must be a port number from 1 to 65535"),
     (["--state-file", "/nonexistent/dir/state.json"], "--state-file /nonexistent/dir/state.json"),
+    (["--state-file", "/tmp"], "--state-file /tmp: must be a file"),
 ])
 def test_bad_options_are_refused_before_anything_starts(tmp_path, tiny_llama_dir, extra, message):
     result = subprocess.run([sys.executable, "-m", "cadenza.node.cli", "up",
