@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 from pathlib import Path
@@ -29,8 +28,8 @@ from cadenza.node.gateway.kubernetes_source import KubernetesConfigError, Kubern
 from cadenza.node.gateway.state import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_HEALTH_INTERVAL_S, DEFAULT_MAX_OUTSTANDING
 from cadenza.node.gateway.upstreams import Upstreams
 from cadenza.node.policy import CLASSES
+from cadenza.node.server.runner import run_app
 
-logger = logging.getLogger(__name__)
 
 # The namespace of the pod we run in (the service account's), when --namespace is not given.
 _POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -118,29 +117,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(app: web.Application, source: UpstreamSource, host: str, port: int) -> int:
-    # handler_cancellation: a client that disconnects cancels its handler at once, which closes
-    # the upstream request even while the replica is still silent (queued, prefilling).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    loop = asyncio.get_running_loop()
-    signals = [signal.SIGINT, signal.SIGTERM]
-    try:
-        try:
-            await web.TCPSite(runner, host, port).start()
-        except (OSError, OverflowError) as exc:  # port in use, bad host or port
-            logger.error("cannot listen on %s:%s: %s", host, port, exc)
-            return 1
-        logger.info("gateway listening on http://%s:%d", host, port)
-        stop = asyncio.Event()
-        for sig in signals:
-            loop.add_signal_handler(sig, stop.set)
-        if isinstance(source, FileSource):
-            signals.append(signal.SIGHUP)
-            loop.add_signal_handler(signal.SIGHUP, source.request_reload)
-        await stop.wait()
-        logger.info("gateway shutting down")
-        return 0
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
-        await runner.cleanup()
+    reload = {signal.SIGHUP: source.request_reload} if isinstance(source, FileSource) else {}
+    return await run_app(app, host, port, "gateway", extra_signals=reload)

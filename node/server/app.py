@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
@@ -22,6 +21,7 @@ from cadenza.node.engine import Engine
 from cadenza.node.policy import check_class
 from cadenza.node.server import admin, openai_api
 from cadenza.node.server.errors import error_middleware, error_response
+from cadenza.node.server.runner import run_app
 from cadenza.node.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -99,19 +99,7 @@ def serve(engine_factory: Callable[[], Engine], model_name: str, host: str, port
 
 
 async def _serve(app: web.Application, host: str, port: int) -> int:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        try:
-            await web.TCPSite(runner, host, port).start()
-        except (OSError, OverflowError) as exc:  # port in use, bad host or port
-            logger.error("cannot listen on %s:%s: %s", host, port, exc)
-            return 1
-        logger.info("listening on http://%s:%d", host, port)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+    async def until_stopped_or_failed(stop: asyncio.Event) -> int:
         ready = asyncio.ensure_future(app[openai_api.ENGINE].wait_ready())
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -123,7 +111,6 @@ async def _serve(app: web.Application, host: str, port: int) -> int:
             logger.info("ready: serving %s", app[openai_api.MODEL_NAME])
         await stopped
         ready.cancel()
-        logger.info("shutting down")
         return 0
-    finally:
-        await runner.cleanup()
+
+    return await run_app(app, host, port, "server", until_stopped_or_failed)
