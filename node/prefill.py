@@ -18,6 +18,12 @@ Order of work in a step, after the decodes:
    holds), plus a watermark, beyond the blocks already reserved for admitted prompts — otherwise it
    waits (new prefill is delayed before anything is preempted). A partial prefill that cannot grow
    may preempt a lower-priority request; else it waits.
+5. **Displacement.** A waiting request that lacks a running slot or KV headroom takes them from
+   running requests of a *strictly lower* class: the lowest class first, the newest within it,
+   preempted by recompute — only when those victims free enough for it to start in this very step,
+   never a protected request (preempted more than ``max_preemptions`` times, so a lower class
+   always finishes), never one admitted in this step (aging's admission holds), never an equal
+   or higher class. Memory shortness closes admissions for equal and lower classes only.
 
 Each chunk is at most ``chunk_size``. No torch here.
 """
@@ -27,7 +33,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import TYPE_CHECKING
 
-from cadenza.node.policy import CLASSES
+from cadenza.node.policy import CLASS_RANK, CLASSES
 from cadenza.node.request import Request
 
 if TYPE_CHECKING:
@@ -131,11 +137,14 @@ class PrefillAdder:
             if not self._admit(queue.resume[0], limit - self.used[cls]):
                 return
         blocked: set[str] = set()
-        while self.admissions_open and self.used[cls] < limit and self.left > 0:  # 3. new, by WFQ
+        while self.used[cls] < limit and self.left > 0:  # 3. new, by WFQ
             tenant = queue.next_tenant(blocked)
             if tenant is None:
                 return
-            if not self._admit(queue.tenants[tenant][0], limit - self.used[cls]):
+            head = queue.tenants[tenant][0]
+            if not self.admissions_open and not self._displaceable(head):
+                return
+            if not self._admit(head, limit - self.used[cls]):
                 blocked.add(tenant)  # its head does not fit now; the others may
 
     # -- chunks -----------------------------------------------------------------------------------
@@ -165,19 +174,27 @@ class PrefillAdder:
         self._grant(req, min(n, fits))
 
     def _admit(self, req: Request, room: int) -> bool:
-        """Start a waiting request with a first chunk if a slot, budget and KV headroom allow."""
-        if not self.admissions_open or len(self.sched.running) >= self.max_running:
-            self.admissions_open = False
+        """Start a waiting request with a first chunk if a slot, budget and KV headroom allow —
+        displacing running requests of strictly lower classes when that is what it lacks."""
+        if not self.admissions_open and not self._displaceable(req):
             return False
         bm, bs = self.bm, self.bm.block_size
         cached = bm.match_prefix(req.request_id, req.token_ids)
-        evictable = sum(1 for b in cached if bm.ref_counts[b] == 0)
         need = -(-len(req.token_ids) // bs) - len(cached)
-        watermark = self.sched.watermark_blocks if self.sched.running else 0
-        if need > bm.num_free_blocks - evictable - self.reserved - watermark:
-            self.sched.stats.kv_admission_delays += 1
-            return False
         start = len(cached) * bs
+        slots_short = len(self.sched.running) + 1 - self.max_running
+        kv_short = need - self._headroom(cached)
+        if slots_short > 0 or kv_short > 0:
+            victims = self._victims_for(self._displaceable(req), cached, slots_short, kv_short)
+            if victims is None or self._chunk(req, start, room) <= 0:
+                if slots_short > 0:
+                    self.admissions_open = False
+                else:
+                    self.sched.stats.kv_admission_delays += 1
+                return False
+            for victim in victims:
+                self._preempt(victim, close_admissions=False)
+            self.sched.stats.num_admission_preemptions += len(victims)
         n = self._chunk(req, start, room)
         if n <= 0:
             return False
@@ -209,13 +226,60 @@ class PrefillAdder:
         key = req.tenant if req.tenant in by_tenant or len(by_tenant) < MAX_TENANT_STATS else OTHER_TENANTS
         by_tenant[key] += n
 
-    def _preempt(self, victim: Request) -> None:
-        """Preempt ``victim``; a prefill chunk it already had in this step is refunded."""
+    # -- displacement -------------------------------------------------------------------------
+
+    def _headroom(self, cached: list[int]) -> int:
+        """Blocks a new admission may take now: free ones, less its own cached prefix (adopted,
+        not allocated), the blocks admitted prompts still need, and the watermark."""
+        bm = self.bm
+        evictable = sum(1 for b in cached if bm.ref_counts[b] == 0)
+        watermark = self.sched.watermark_blocks if self.sched.running else 0
+        return bm.num_free_blocks - evictable - self.reserved - watermark
+
+    def _displaceable(self, req: Request) -> list[Request]:
+        """Running requests ``req`` may displace, in the order they go: strictly lower classes,
+        the lowest and then the newest first; none protected, none admitted in this step."""
+        rank = CLASS_RANK[req.traffic_class]
+        if rank == len(CLASSES) - 1:
+            return []
+        admitted_now = {r.request_id for r, _phase, _queued in self.step.out.admitted}
+        victims = [r for r in self.sched.running
+                   if CLASS_RANK[r.traffic_class] > rank and not self.sched.protected(r)
+                   and r.request_id not in admitted_now]
+        victims.sort(key=self.sched._victim_key, reverse=True)
+        return victims
+
+    def _victims_for(self, candidates: list[Request], cached: list[int], slots: int, blocks: int) -> list[Request] | None:
+        """The shortest prefix of ``candidates`` whose preemption frees ``slots`` running slots and
+        ``blocks`` KV blocks for an admission whose cached prefix is ``cached``; None if even all
+        of them would not (then nobody is preempted)."""
+        bm, bs = self.bm, self.bm.block_size
+        keep = set(cached)  # shared with the newcomer: freeing them gains it nothing
+        chosen: list[Request] = []
+        for victim in candidates:
+            if slots <= 0 and blocks <= 0:
+                break
+            table = bm.block_tables.get(victim.request_id, ())
+            blocks -= sum(1 for b in table if bm.ref_counts[b] == 1 and b not in keep)
+            n = len(victim.token_ids)
+            if victim.num_computed_tokens < n - 1:  # a partial prefill: its reservation goes too
+                blocks -= max(0, -(-n // bs) - len(table))
+            slots -= 1
+            chosen.append(victim)
+        return chosen if slots <= 0 and blocks <= 0 else None
+
+    def _preempt(self, victim: Request, close_admissions: bool = True) -> None:
+        """Preempt ``victim``; a prefill chunk it already had in this step is refunded, and the
+        blocks it still needed for its prompt are no longer reserved."""
         chunk = self.step.prefills.get(victim.request_id)
         if chunk is not None:
             self._account(victim, -chunk.num_tokens)
+        n, bs = len(victim.token_ids), self.bm.block_size
+        if victim.num_computed_tokens < n - 1:
+            self.reserved -= max(0, -(-n // bs) - len(self.bm.block_tables.get(victim.request_id, ())))
         self.sched._preempt(victim, self.step)  # unschedules it and refunds the step's budget
-        self.admissions_open = False
+        if close_admissions:
+            self.admissions_open = False
         self.wanted.pop(victim.request_id, None)
         for tenants in self.partials.values():
             for queue in tenants.values():

@@ -9,7 +9,9 @@ Each step spends at most ``token_budget`` tokens:
    victim already scheduled in this step is unscheduled and its tokens refunded.
 2. **Prefill** (the flexible part, :mod:`cadenza.node.prefill`): what is left, optionally shrunk
    so the cost model's predicted step time stays within ``step_time_target_ms``, shared by class
-   policy (priority, minimum shares, caps, aging) and, within a class, by tenant weights.
+   policy (priority, minimum shares, caps, aging) and, within a class, by tenant weights. A
+   waiting request that lacks a running slot or KV blocks displaces running requests of strictly
+   lower classes (preempted by recompute, with the same victim order and protection).
 
 The unifying rule (vLLM V1): a request only has ``num_computed_tokens`` catching up with
 ``num_tokens``; a row of ``n`` tokens starting at ``num_computed_tokens`` either leaves the request
@@ -133,6 +135,7 @@ class SchedulerStats:
 
     num_steps: int = 0
     num_preemptions: int = 0
+    num_admission_preemptions: int = 0  # of those, to let a waiting request of a higher class in
     num_recomputed_tokens: int = 0  # computed tokens whose KV a preemption dropped
     num_finished: int = 0
     num_aborted: int = 0
@@ -471,6 +474,7 @@ class Scheduler:
             "kv_blocks_free": bm.num_plain_free_blocks,
             "num_steps": s.num_steps,
             "num_preemptions": s.num_preemptions,
+            "num_admission_preemptions": s.num_admission_preemptions,
             "num_recomputed_tokens": s.num_recomputed_tokens,
             "num_finished": s.num_finished,
             "num_aborted": s.num_aborted,

@@ -86,6 +86,16 @@ class _Tracked:
         return self.wall_start_ns + int((mono - self.mono_start) * 1e9)
 
 
+
+def _preemptions_by_reason(stats: dict) -> list[tuple[dict, str]]:
+    """Preemptions split by why: a decode or chunk lacked a KV block, or a higher class took the
+    victim's slot or blocks at admission (the two add up to ``num_preemptions``)."""
+    if "num_preemptions" not in stats:
+        return []
+    admission = stats.get("num_admission_preemptions", 0)
+    return [({"cadenza.reason": "kv_growth"}, stats["num_preemptions"] - admission),
+            ({"cadenza.reason": "admission"}, admission)]
+
 class Telemetry:
     """Traces and metrics of one server (or one in-process engine).
 
@@ -139,10 +149,12 @@ class Telemetry:
                              explicit_bucket_boundaries_advisory=STEP_TOKEN_BUCKETS)
         counters = {
             "cadenza.scheduler.prefill_tokens": ("{token}", "Prefill tokens admitted to steps or deferred",
-                                                 lambda s: [({"cadenza.outcome": "admitted"}, "prefill_tokens_admitted"),
-                                                            ({"cadenza.outcome": "deferred"}, "prefill_tokens_deferred")]),
+                                                 lambda s: [({"cadenza.outcome": k.rsplit("_", 1)[-1]}, s[k])
+                                                            for k in ("prefill_tokens_admitted",
+                                                                      "prefill_tokens_deferred") if k in s]),
             "cadenza.scheduler.decode_steps_delayed": ("{step}", "Decodes that could not run in a step", None),
-            "cadenza.scheduler.preemptions": ("{preemption}", "Requests preempted by recompute", "num_preemptions"),
+            "cadenza.scheduler.preemptions": ("{preemption}", "Requests preempted by recompute, by reason",
+                                              _preemptions_by_reason),
             "cadenza.scheduler.recomputed_tokens": ("{token}", "Computed tokens dropped by preemption",
                                                     "num_recomputed_tokens"),
             "cadenza.scheduler.allocation_failures": ("{failure}", "KV block allocations that failed", None),
@@ -165,7 +177,7 @@ class Telemetry:
         def read(_options: CallbackOptions) -> list[Observation]:
             stats = self._stats()
             if callable(key):
-                return [Observation(stats[k], attrs) for attrs, k in key(stats) if k in stats]
+                return [Observation(value, attrs) for attrs, value in key(stats)]
             return [Observation(stats[key])] if key in stats else []
 
         return read

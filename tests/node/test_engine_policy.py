@@ -110,3 +110,24 @@ def test_greedy_outputs_are_identical_with_prefix_caching_on_and_off(tiny_llama_
         if preempt:
             assert stats["num_preemptions"] > 0
     assert results[True] == results[False] == hf_greedy(tiny_llama_dir, prompts, 24)
+
+
+def test_batch_requests_displaced_by_interactive_arrivals_keep_their_greedy_outputs(tiny_llama_dir):
+    """Two running slots held by batch decodes; interactive requests arrive and take them."""
+    engine = Engine.from_model(tiny_llama_dir, token_budget=64, chunk_size=16, max_num_seqs=2, max_model_len=96)
+    batch = [random_prompt(11, 31), random_prompt(23, 32)]
+    inter = [random_prompt(7, 33), random_prompt(19, 34)]
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"b{i}", prompt, greedy(30), arrival_time=float(i), traffic_class="batch")
+    got: dict[str, list[int]] = {}
+    for _ in range(4):  # both batch requests are decoding
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+    for i, prompt in enumerate(inter):
+        engine.add_request(f"i{i}", prompt, greedy(12), arrival_time=10.0 + i)
+    for rid, tokens in run_to_completion(engine).items():
+        got.setdefault(rid, []).extend(tokens)
+    assert engine.scheduler.stats.num_admission_preemptions >= 2
+    assert [got["b0"], got["b1"]] == hf_greedy(tiny_llama_dir, batch, 30)
+    assert [got["i0"], got["i1"]] == hf_greedy(tiny_llama_dir, inter, 12)
+    assert engine.block_manager.num_used_blocks == 0

@@ -256,6 +256,95 @@ def test_preempted_request_resumes_before_new_admissions_of_its_class():
     assert a.status == b.status == c.status == RequestStatus.FINISHED_LENGTH
 
 
+# -- a higher class takes a lower class's place -------------------------------------------------
+
+
+def _decoding(engine: FakeEngine, reqs) -> None:
+    while any(r.num_output_tokens == 0 for r in reqs):
+        engine.step()
+
+
+def test_an_interactive_request_displaces_the_newest_batch_decode_when_every_slot_is_taken():
+    sched = make_scheduler(token_budget=64, chunk_size=16, max_num_seqs=4, max_model_len=1024, num_blocks=1024)
+    engine = FakeEngine(sched)
+    batch = []
+    for _ in range(4):
+        batch.append(engine.add(make_request(8, max_tokens=900, traffic_class="batch")))
+        engine.clock.now += 1
+    _decoding(engine, batch)
+    inter = engine.add(make_request(8, max_tokens=4))
+    before = len(engine.record.steps)
+    steps = 0
+    while inter.request_id not in engine.record.first_token_step:
+        engine.step()
+        steps += 1
+    assert steps <= 2  # scheduled at once, not after a batch request's 900 tokens
+    assert [r for out in engine.record.steps[before:] for r in out.preempted] == [batch[-1]]  # the newest
+    assert sched.stats.num_admission_preemptions == 1
+    engine.run()
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in [*batch, inter])
+    assert batch[-1].num_output_tokens == 900  # it resumed and finished all of it
+
+
+def test_an_interactive_request_displaces_background_before_batch_when_kv_is_full():
+    """Twelve blocks of 4, filled by the decodes of one batch and two background requests that
+    would need fifteen to finish."""
+    sched = make_scheduler(token_budget=64, chunk_size=64, max_num_seqs=8, max_model_len=64, num_blocks=12,
+                           block_size=4, watermark=0.0)
+    engine = FakeEngine(sched)
+    batch = engine.add(make_request(6, max_tokens=14, traffic_class="batch"))
+    engine.clock.now += 1
+    old_bg = engine.add(make_request(6, max_tokens=14, traffic_class="background"))
+    engine.clock.now += 1
+    new_bg = engine.add(make_request(6, max_tokens=14, traffic_class="background"))
+    while sched.block_manager.num_free_blocks:
+        engine.step()
+    assert sched.num_running == 3 and sched.stats.num_preemptions == 0
+    inter = engine.add(make_request(10, max_tokens=3))
+    first = len(engine.record.steps)
+    while inter.request_id not in engine.record.first_token_step:
+        engine.step()
+    assert len(engine.record.steps) - first <= 2
+    victims = [r for out in engine.record.steps[first:] for r in out.preempted]
+    assert victims and victims[0] is new_bg and batch not in victims[:2]
+    engine.run()
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in (batch, old_bg, new_bg, inter))
+    assert sched.block_manager.num_used_blocks == 0
+
+
+def test_an_equal_class_never_displaces_a_running_request():
+    sched = make_scheduler(token_budget=64, chunk_size=16, max_num_seqs=4, max_model_len=1024, num_blocks=1024)
+    engine = FakeEngine(sched)
+    running = [engine.add(make_request(8, max_tokens=50, traffic_class="batch")) for _ in range(4)]
+    _decoding(engine, running)
+    late = engine.add(make_request(8, max_tokens=4, traffic_class="batch"))
+    engine.run()
+    assert sched.stats.num_preemptions == 0
+    first_done = min(i for i, out in enumerate(engine.record.steps)
+                     if any(r.request in running and r.request.is_finished for r in out.rows))
+    assert engine.record.first_token_step[late.request_id] > first_done  # it waited for a free slot
+    assert all(r.num_preemptions == 0 for r in [*running, late])
+
+
+def test_a_lower_class_under_steady_interactive_arrivals_still_finishes():
+    """Every step a new interactive request arrives; two slots; batch may be preempted, boundedly."""
+    sched = make_scheduler(token_budget=64, chunk_size=16, max_num_seqs=2, max_model_len=1024, num_blocks=1024,
+                           max_preemptions=2)
+    engine = FakeEngine(sched, step_seconds=0.05)
+    batch = engine.add(make_request(20, max_tokens=60, traffic_class="batch"))
+    engine.step()
+    inter = []
+    for _ in range(2000):
+        if batch.is_finished:
+            break
+        inter.append(engine.add(make_request(6, max_tokens=3)))
+        engine.step()
+    assert batch.status == RequestStatus.FINISHED_LENGTH and batch.num_output_tokens == 60
+    assert 1 <= batch.num_preemptions <= 3  # displaced, then protected after max_preemptions + 1
+    engine.run()
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in inter)
+
+
 def test_two_thousand_requests_with_30_percent_cancelled_leave_no_used_block():
     """Then one request that needs the whole pool succeeds (cached blocks are evicted for it)."""
     rng = random.Random(1)
