@@ -8,8 +8,9 @@ Two buffers sit between the sampler and the client:
 2. **Stop strings**: text that could still be the start of a stop string is held back until it
    either completes a stop (the request stops; the stop string and anything after it are never
    emitted, as in the OpenAI API) or can no longer match (it is released). The held text is at
-   most ``max(len(stop)) - 1`` characters, and only held text plus the new delta is searched,
-   so a token's cost depends on its delta and the stop strings, never on the text so far.
+   most ``max(len(stop)) - 1`` characters. One Aho–Corasick automaton per request
+   (``stop_strings.py``) consumes each new delta once, so a token's cost is amortised O(1) per
+   character of its delta: independent of the number of stop strings and of the text so far.
 
 References: vLLM's detokenizer stop-string check (hold back max stop length - 1) and Hugging
 Face's ``TextStreamer``; no code is copied.
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
+from cadenza.node.stop_strings import StopStringMatcher
 from cadenza.node.tokenizer import Tokenizer
 
 _CONTEXT_IDS = 6  # ids of already-emitted text kept as decoding context for flush()
@@ -47,13 +49,10 @@ class IncrementalDetokenizer:
     ) -> None:
         if isinstance(stop, str):
             stop = (stop,)
-        if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._stops: tuple[str, ...] = tuple(dict.fromkeys(stop))  # unique, order kept
-        self._max_hold = max((len(s) for s in self._stops), default=1) - 1
+        self._stops = StopStringMatcher(stop) if stop else None  # raises on an empty stop
         self._context: list[int] = []  # last ids whose text DecodeStream has released
         self._pending: list[int] = []  # ids whose text DecodeStream still holds
         self._held = ""  # decoded text that may still begin a stop string
@@ -126,37 +125,18 @@ class IncrementalDetokenizer:
 
     def _accept(self, chunk: str) -> str:
         """Add decoded text; return the part that can no longer belong to a stop string."""
-        if not self._stops:
+        if self._stops is None:
             self._emitted.append(chunk)
             return chunk
         window = self._held + chunk  # any match that ends in the new chunk starts in here
-        match = self._first_stop(window)
+        match = self._stops.feed(chunk)  # the automaton has already seen the held text
         if match is not None:
-            start, stop = match
-            self._stopped, self._stop_reason, self._finished = True, stop, True
+            start = len(self._held) + match.end - len(match.stop)
+            self._stopped, self._stop_reason, self._finished = True, match.stop, True
             self._held = ""
             self._emitted.append(window[:start])
             return window[:start]
-        keep = self._stop_prefix_length(window)
+        keep = self._stops.held  # <= len(window): the held text plus the new chunk
         safe, self._held = window[: len(window) - keep], window[len(window) - keep :]
         self._emitted.append(safe)
         return safe
-
-    def _first_stop(self, window: str) -> tuple[int, str] | None:
-        """The stop string that completes first in ``window`` (then the earliest-starting)."""
-        best: tuple[int, int, str] | None = None
-        for stop in self._stops:
-            start = window.find(stop)
-            if start >= 0:
-                key = (start + len(stop), start, stop)
-                if best is None or key[:2] < best[:2]:
-                    best = key
-        return None if best is None else (best[1], best[2])
-
-    def _stop_prefix_length(self, window: str) -> int:
-        """Length of the longest suffix of ``window`` that is a proper prefix of a stop."""
-        for length in range(min(self._max_hold, len(window)), 0, -1):
-            suffix = window[-length:]
-            if any(stop.startswith(suffix) for stop in self._stops):
-                return length
-        return 0

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cadenza.node.detokenizer import IncrementalDetokenizer
 from cadenza.node.tokenizer import Tokenizer
@@ -150,6 +152,30 @@ def test_overlapping_stops_end_at_the_first_to_complete(tiny: Tokenizer) -> None
     assert detok.stop_reason == "bc"
 
 
+@pytest.mark.parametrize(
+    ("stops", "text", "expected", "reason"),
+    [
+        (["ab", "b"], "xab", "x", "ab"),  # 'b' ends with 'ab': the earliest start wins
+        (["b", "ab"], "xab", "x", "ab"),
+        (["abcd", "bc"], "abcd", "a", "bc"),  # 'bc' completes before 'abcd'
+        (["ab", "ab", "b"], "zzab", "zz", "ab"),  # duplicates
+    ],
+)
+def test_nested_stops_end_at_the_first_to_complete_then_the_earliest_start(
+    tiny: Tokenizer, stops: list[str], text: str, expected: str, reason: str
+) -> None:
+    for ids in (char_ids(tiny, text), tiny.encode(text, add_special_tokens=False)):
+        detok = IncrementalDetokenizer(tiny, stop=stops)
+        assert "".join(stream(detok, ids)) == expected and detok.stop_reason == reason
+
+
+def test_many_stop_strings_match_like_one(tiny: Tokenizer) -> None:
+    stops = [f"{n:05d}" for n in range(10_000)] + ["ST"]  # only 'ST' can occur in the text
+    detok = IncrementalDetokenizer(tiny, stop=stops)
+    assert "".join(stream(detok, char_ids(tiny, "a b 0x1 STOP"))) == "a b 0x1 "
+    assert detok.stop_reason == "ST"
+
+
 def test_text_that_might_start_a_stop_is_held_back_then_released(tiny: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tiny, stop=["STOP"])
     assert [detok.add_token(i) for i in char_ids(tiny, "a ST")] == ["a", " ", "", ""]
@@ -211,3 +237,31 @@ def test_random_texts_and_stops_match_the_reference(tok: Tokenizer) -> None:
         emitted = "".join(stream(detok, ids))
         expected, reason = reference_stop(text, stops)
         assert (emitted, detok.stop_reason) == (expected, reason), (text, stops)
+
+
+@st.composite
+def chunked_streams(draw: st.DrawFn) -> tuple[list[str], list[str]]:
+    """Text pieces (each encoded on its own, so token boundaries fall anywhere) and stops."""
+    alphabet = draw(st.sampled_from(["ab", "abc ", "a é日😀"]))
+    pieces = draw(st.lists(st.text(alphabet, min_size=1, max_size=5), max_size=8))
+    stops = draw(st.lists(st.text(alphabet, min_size=1, max_size=4), min_size=1, max_size=6))
+    text = "".join(pieces)
+    if text and draw(st.booleans()):
+        start = draw(st.integers(0, len(text) - 1))
+        stops.append(text[start : start + draw(st.integers(1, 5))])
+    return pieces, stops
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(case=chunked_streams())
+def test_any_chunking_of_the_text_matches_the_reference(
+    tok: Tokenizer, case: tuple[list[str], list[str]]
+) -> None:
+    pieces, stops = case
+    text = "".join(pieces)
+    ids = [i for piece in pieces for i in tok.encode(piece, add_special_tokens=False)]
+    detok = IncrementalDetokenizer(tok, stop=stops)
+    emitted = "".join(stream(detok, ids))
+    assert (emitted, detok.stop_reason) == reference_stop(text, stops), (pieces, stops)
