@@ -11,10 +11,10 @@ optionally writes everything, per-request records included, to JSON, and draws f
 Usage::
 
     cadenza bench --trace data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \\
-        --base-url http://localhost:8000/v1 --time-scale 4 --length-scale 0.25 \\
-        --duration 120 --slo-ttft-ms 500 --slo-itl-ms 100 --json out.json \\
-        --batch-above 2048 --plot figures/
-    cadenza bench --plot-only out.json --plot figures/
+        --base-url http://localhost:8000 --time-scale 4 --length-scale 0.25 \\
+        --duration 120 --slo-ttft-ms 500 --slo-itl-ms 100 --json bench-results/run.json \\
+        --batch-above 2048 --plot bench-results/figures
+    cadenza bench --plot-only bench-results/run.json --plot bench-results/figures
     python -m cadenza.node.bench.cli --help
 """
 
@@ -32,7 +32,8 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from cadenza.node.bench.client import ReplayConfig, ReplayResult, RequestRecord, fetch_model, replay
+from cadenza.node.bench.client import (
+    ReplayConfig, ReplayResult, RequestRecord, api_base_url, fetch_model, replay)
 from cadenza.node.bench.headers import ClassRule, request_headers
 from cadenza.node.bench.prompts import PromptSynthesizer, load_tokenizer
 from cadenza.node.bench.report import SLO, format_summary, summarize
@@ -41,6 +42,7 @@ from cadenza.node.bench.trace import ScaledTrace, TraceRequest, load_trace, scal
 from cadenza.node.embedded import embedded_model_dir
 from cadenza.node.policy import CLASSES
 
+OUTPUT_DIR = "bench-results"  # the folder the help suggests for --json and --plot (git-ignored)
 DESCRIPTION = (
     "Replay a request trace (Azure CSV or JSONL) against an OpenAI-compatible endpoint with "
     "streaming; report TTFT, ITL, TPOT, throughput and goodput."
@@ -55,9 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "GeneratedTokens) or JSONL (timestamp in ms, input_length, "
                          "output_length) trace file")
     io.add_argument("--base-url", metavar="URL",
-                    help="(required unless --plot-only) API root including the version, e.g. "
-                         "http://localhost:8000/v1; a cadenza server's counters are polled at "
-                         "its origin's /ready every 0.5 s")
+                    help="(required unless --plot-only) API root, with or without the /v1 "
+                         "suffix: http://localhost:8000 and http://localhost:8000/v1 are the "
+                         "same (/v1 is added unless the path ends in a version such as /v1); a "
+                         "cadenza server's counters are polled at its origin's /ready every "
+                         "0.5 s")
     io.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                     help="POST {base}/completions with a prompt (default) or "
                          "{base}/chat/completions with one user message")
@@ -105,11 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--slo-itl-ms", type=float, default=None, metavar="Y",
                      help="goodput counts requests whose own p99 ITL is <= Y ms")
     out.add_argument("--json", type=Path, default=None, metavar="OUT",
-                     help="write the summary, the scaling and per-request records here")
+                     help="write the summary, the scaling and per-request records to OUT; a "
+                          f"relative path is under the current folder, e.g. {OUTPUT_DIR}/run.json")
     out.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     out.add_argument("--plot", type=Path, default=None, metavar="DIR",
-                     help="write PNG figures here (TTFT/ITL over time, TTFT vs prompt length, "
-                          "tokens per step, KV blocks)")
+                     help="write PNG figures (TTFT/ITL over time, TTFT vs prompt length, tokens "
+                          "per step, KV blocks) into DIR, created if needed; a relative path is "
+                          f"under the current folder, e.g. {OUTPUT_DIR}/figures")
     out.add_argument("--plot-only", type=Path, default=None, metavar="RESULT",
                      help="replay nothing: draw the --plot figures from a saved --json file")
     out.add_argument("--long-prompt-tokens", type=int, default=None, metavar="N",
@@ -212,6 +218,10 @@ def run(args: argparse.Namespace) -> int:
     missing = [o for o, v in (("--trace", args.trace), ("--base-url", args.base_url)) if v is None]
     if missing:
         return _fail(f"the following arguments are required: {', '.join(missing)}")
+    try:
+        args.base_url = api_base_url(args.base_url)
+    except ValueError as exc:
+        return _fail(f"--base-url: {exc}")
     if args.batch_above is not None and args.batch_above < 1:
         return _fail(f"--batch-above must be >= 1 token, got {args.batch_above}")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
@@ -246,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc), code=1)
 
     summary = summarize(result.records, result.duration_s,
-                        SLO(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms))
+                        SLO(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms), sampler.samples)
     print(format_summary(summary, title=f"Trace replay: {model} at {args.base_url}"))
     print(scaled.scaling.describe())
     print(sampler.note or f"{len(sampler.samples)} server samples from {sampler.url}")

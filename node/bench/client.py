@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
@@ -33,6 +35,29 @@ from cadenza.node.bench.trace import TraceRequest
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINT_PATHS: dict[str, str] = {"completions": "/completions", "chat": "/chat/completions"}
+DEFAULT_API_VERSION = "v1"
+_VERSION_SEGMENT = re.compile(r"v\d+")
+
+
+def api_base_url(url: str) -> str:
+    """The API root of ``url``, ending in its version segment and without a trailing slash.
+
+    ``http://h:8000``, ``http://h:8000/``, ``http://h:8000/v1`` and ``http://h:8000/v1/`` all give
+    ``http://h:8000/v1``: ``/v1`` is appended unless the path already ends in a version segment
+    (``/v1``, ``/v2``, ...), so a gateway prefix such as ``https://gw/tenant/a`` becomes
+    ``https://gw/tenant/a/v1``. A query or fragment is dropped.
+
+    Raises:
+        ValueError: ``url`` is not an ``http://`` or ``https://`` URL with a host.
+    """
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"not an http(s) URL: {url!r}; give the API root, e.g. "
+                         "http://127.0.0.1:8000 or http://127.0.0.1:8000/v1")
+    path = parts.path.rstrip("/")
+    if not _VERSION_SEGMENT.fullmatch(path.rsplit("/", 1)[-1]):
+        path += f"/{DEFAULT_API_VERSION}"
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +65,8 @@ class ReplayConfig:
     """Where and how to send requests.
 
     Attributes:
-        base_url: API root including the version, e.g. ``http://localhost:8000/v1``.
+        base_url: API root including the version, e.g. ``http://localhost:8000/v1`` (see
+            :func:`api_base_url` to accept one without it).
         model: the ``model`` field sent with every request.
         endpoint: ``completions`` (``POST {base}/completions``, field ``prompt``) or ``chat``
             (``POST {base}/chat/completions``, one user message).

@@ -14,6 +14,10 @@
 The last two need server samples (``server_samples``, see
 :mod:`cadenza.node.bench.server_samples`) and are skipped, with a printed note, without them.
 Figures are drawn on matplotlib's Agg canvas through ``Figure`` objects (no pyplot, no display).
+
+The TTFT and ITL panels draw the SLOs the replay was given (the result's ``slo``:
+``ttft_ms``, ``itl_p99_ms``) as dashed horizontal lines. A legend names the classes only when
+there are several (a replay sent without classes has one series and no class legend).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ CLASS_COLOURS = {"interactive": "tab:blue", "batch": "tab:orange", "background":
                  NO_CLASS: "tab:gray"}
 LONG_PROMPT_COLOUR = "tab:red"
 LONG_PROMPT_PERCENTILE = 90
+SLO_COLOUR = "black"
 
 
 def _figure(height_in: float = FIGSIZE[1], rows: int = 1, sharex: bool = False):
@@ -45,8 +50,10 @@ def _figure(height_in: float = FIGSIZE[1], rows: int = 1, sharex: bool = False):
 
 
 def _legend(ax, **kw) -> None:
-    """A legend outside the plot, on the right, so it never hides data."""
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0, **kw)
+    """A legend outside the plot, on the right, so it never hides data; none without labels."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
+                  borderaxespad=0, **kw)
 
 
 def _class_name(record: dict[str, Any]) -> str:
@@ -64,6 +71,19 @@ def _by_class(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any
     order = list(CLASS_COLOURS)
     return dict(sorted(groups.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order
                                                        else len(order), kv[0])))
+
+
+def _class_label(groups: dict[str, list[dict[str, Any]]], name: str, count: int) -> str | None:
+    """The legend label of a class's series; None (no entry) when it is the only series."""
+    return f"{name} ({count} requests)" if len(groups) > 1 else None
+
+
+def _slo_line(ax, result: dict[str, Any], key: str, what: str) -> None:
+    """A dashed horizontal line at the SLO ``result["slo"][key]`` (ms), when one was given."""
+    value = (result.get("slo") or {}).get(key)
+    if value is not None:
+        ax.axhline(value, color=SLO_COLOUR, linestyle="--", linewidth=1, zorder=3,
+                   label=f"{what} SLO ({value:g} ms)")
 
 
 def _send_s(record: dict[str, Any]) -> float:
@@ -111,14 +131,16 @@ def _title(result: dict[str, Any], what: str) -> str:
 
 
 def plot_ttft_itl_over_time(result: dict[str, Any], long_prompt_tokens: int | None):
-    """Two panels sharing time (s): TTFT per request and ITL gaps, by class; long-prompt marks."""
+    """Two panels sharing time (s): TTFT per request and ITL gaps, by class; long-prompt marks
+    and the SLO lines."""
     records = result.get("requests", [])
     fig, (top, bottom) = _figure(height_in=6.5, rows=2, sharex=True)
-    for name, group in _by_class(records).items():
+    groups = _by_class(records)
+    for name, group in groups.items():
         done = [r for r in group if r.get("ttft_ms") is not None]
         top.plot([_send_s(r) for r in done], [r["ttft_ms"] for r in done], linestyle="none",
                  marker="o", markersize=3.5, alpha=0.8, color=_colour(name),
-                 label=f"{name} ({len(done)} requests)")
+                 label=_class_label(groups, name, len(done)))
         times, gaps = [], []
         for r in done:
             t, g = itl_points(r)
@@ -133,22 +155,29 @@ def plot_ttft_itl_over_time(result: dict[str, Any], long_prompt_tokens: int | No
         top.axvline(t, color=LONG_PROMPT_COLOUR, linewidth=0.8, alpha=0.4, zorder=0,
                     label=f"arrival of a prompt\n>= {threshold} tokens" if i == 0 else None)
         bottom.axvline(t, color=LONG_PROMPT_COLOUR, linewidth=0.8, alpha=0.4, zorder=0)
+    _slo_line(top, result, "ttft_ms", "TTFT")
+    _slo_line(bottom, result, "itl_p99_ms", "p99 ITL")
     top.set_title(_title(result, "TTFT and inter-token latency over time"))
     top.set_ylabel("TTFT (ms)")
     bottom.set_ylabel("ITL gap (ms)")
     bottom.set_xlabel("time since replay start (s)")
-    _legend(top, title="class (both panels)", title_fontsize="small")
+    classes = {"title": "class (both panels)", "title_fontsize": "small"} if len(groups) > 1 else {}
+    _legend(top, **classes)
+    _legend(bottom)
     fig.align_ylabels([top, bottom])
     return fig
 
 
 def plot_ttft_vs_prompt_length(result: dict[str, Any]):
-    """TTFT (ms) of each completed request against its prompt length (tokens), by class."""
+    """TTFT (ms) of each completed request against its prompt length (tokens), by class, with
+    the TTFT SLO line."""
     fig, (ax,) = _figure()
-    for name, group in _by_class(result.get("requests", [])).items():
+    groups = _by_class(result.get("requests", []))
+    for name, group in groups.items():
         done = [r for r in group if r.get("ttft_ms") is not None]
         ax.scatter([r["input_len"] for r in done], [r["ttft_ms"] for r in done], s=14,
-                   alpha=0.7, color=_colour(name), label=f"{name} ({len(done)} requests)")
+                   alpha=0.7, color=_colour(name), label=_class_label(groups, name, len(done)))
+    _slo_line(ax, result, "ttft_ms", "TTFT")
     ax.set_title(_title(result, "TTFT against prompt length"))
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("TTFT (ms)")
@@ -195,7 +224,8 @@ def write_plots(result: dict[str, Any], out_dir: Path, long_prompt_tokens: int |
     """Write the module's figures for ``result`` into ``out_dir`` (created if needed).
 
     Args:
-        result: the replay's JSON document (``requests`` and, optionally, ``server_samples``).
+        result: the replay's JSON document (``requests`` and, optionally, ``slo`` and
+            ``server_samples``).
         out_dir: folder for the PNG files.
         long_prompt_tokens: prompts of at least this many tokens are marked; None for the 90th
             percentile of the replayed prompt lengths.

@@ -14,12 +14,19 @@ Definitions (the names of DESIGN.md's terms):
   meet every SLO given.
 - Per class: the same TTFT/ITL/TPOT distributions, counts and attainment over the requests sent
   with each ``x-cadenza-class``; requests sent without one are grouped under ``(no class)``.
+- Prefix-cache hit rate: of the prompt tokens a cadenza server looked up in its prefix cache
+  during the replay, the fraction found there (from its ``/ready`` counters, see
+  :func:`cadenza.node.bench.server_samples.prefix_cache_hits`); n/a for other servers.
+
+When attainment is low the report adds a short hint (:func:`attainment_hint`): the offered
+load, not the client, is what to change (``--time-scale``, ``--length-scale``).
 
 Percentiles use numpy's default (linear interpolation between closest ranks).
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,10 +35,13 @@ from typing import Any
 import numpy as np
 
 from cadenza.node.bench.client import RequestRecord
+from cadenza.node.bench.server_samples import prefix_cache_hits
 from cadenza.node.policy import CLASSES
 
 PERCENTILES = (50, 95, 99)
 NO_CLASS = "(no class)"
+LOW_ATTAINMENT = 0.5  # below this fraction the report hints at a lighter load
+HINT_WIDTH = 100  # characters per line of the hint
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,22 +89,27 @@ def meets_slo(record: RequestRecord, slo: SLO) -> bool:
     return True
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> dict[str, Any]:
+def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO,
+              server_samples: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """The summary dict written to JSON and printed by :func:`format_summary`.
 
     Args:
         records: every replayed request, completed or failed.
         duration_s: replay wall time in seconds (rates divide by it).
         slo: objectives for goodput and attainment.
+        server_samples: the replay's ``/ready`` samples
+            (:class:`~cadenza.node.bench.server_samples.ServerSampler`), for the prefix cache.
 
     Returns:
         ``completed``, ``failed``, ``duration_s``, ``request_throughput`` (req/s),
         ``total_prompt_tokens``, ``total_output_tokens``, ``prompt_tokens_per_s``,
         ``output_tokens_per_s``, ``ttft_ms``/``itl_ms``/``tpot_ms``/``e2e_ms`` (each
         ``mean``/``p50``/``p95``/``p99``), ``slo`` (``ttft_ms``, ``itl_p99_ms``), ``slo_met``,
-        ``slo_attainment`` (fraction), ``goodput`` (req/s), ``errors`` (message → count) and
-        ``per_class`` (see :func:`per_class`). Token totals count completed requests only; a
-        prompt without a usage count is counted at its requested length.
+        ``slo_attainment`` (fraction), ``goodput`` (req/s), ``prefix_cache_hit_tokens``,
+        ``prefix_cache_queried_tokens`` and ``prefix_cache_hit_rate`` (fraction; all three None
+        when n/a), ``errors`` (message → count) and ``per_class`` (see :func:`per_class`).
+        Token totals count completed requests only; a prompt without a usage count is counted
+        at its requested length.
     """
     done = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
@@ -103,6 +118,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
                         for r in done)
     output_tokens = sum(r.completion_tokens for r in done)
     met = sum(meets_slo(r, slo) for r in records)
+    cache = prefix_cache_hits(server_samples)
     return {
         "completed": len(done),
         "failed": len(failed),
@@ -120,6 +136,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
         "slo_met": met,
         "slo_attainment": met / len(records) if records else 0.0,
         "goodput": met * rate,
+        "prefix_cache_hit_tokens": cache.hit_tokens if cache else None,
+        "prefix_cache_queried_tokens": cache.queried_tokens if cache else None,
+        "prefix_cache_hit_rate": cache.rate if cache else None,
         "errors": dict(Counter(r.error or "unknown error" for r in failed).most_common()),
         "per_class": per_class(records, slo),
     }
@@ -164,6 +183,34 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def attainment_hint(summary: dict[str, Any]) -> str | None:
+    """A hint (one sentence, wrapped by the report) when SLO attainment is 0 or below
+    :data:`LOW_ATTAINMENT`.
+
+    None when no SLO was given or no request completed (then the errors tell why), or when
+    attainment is at least :data:`LOW_ATTAINMENT`.
+    """
+    slo, attainment = summary["slo"], summary["slo_attainment"]
+    if (slo["ttft_ms"] is None and slo["itl_p99_ms"] is None) or not summary["completed"]:
+        return None
+    lighter = "a larger --time-scale (slower arrivals) and/or a smaller --length-scale"
+    if summary["slo_met"] == 0:
+        return ("Hint: no request met every SLO: the server is slower than the replayed rate, or "
+                f"the SLOs are too tight for it. Try {lighter}.")
+    if attainment < LOW_ATTAINMENT:
+        return (f"Hint: under {LOW_ATTAINMENT:.0%} of requests met every SLO: the server is near "
+                f"its limit at this rate. Try {lighter}.")
+    return None
+
+
+def _prefix_cache_text(summary: dict[str, Any]) -> str:
+    rate = summary.get("prefix_cache_hit_rate")
+    if rate is None:
+        return "n/a"
+    return (f"{rate * 100:.1f}% of prompt tokens ({summary['prefix_cache_hit_tokens']} of "
+            f"{summary['prefix_cache_queried_tokens']})")
+
+
 def format_summary(summary: dict[str, Any], title: str = "Trace replay") -> str:
     """A plain-text report of :func:`summarize`'s dict, one fact a line, then a latency table."""
     slo = summary["slo"]
@@ -177,6 +224,7 @@ def format_summary(summary: dict[str, Any], title: str = "Trace replay") -> str:
         ("Request throughput (req/s)", _fmt(summary["request_throughput"], 2)),
         ("Prompt throughput (tok/s)", _fmt(summary["prompt_tokens_per_s"], 1)),
         ("Output throughput (tok/s)", _fmt(summary["output_tokens_per_s"], 1)),
+        ("Prefix cache hits", _prefix_cache_text(summary)),
         ("SLO", slo_text),
         ("Goodput (req/s)", _fmt(summary["goodput"], 2)),
         ("SLO attainment", f"{summary['slo_attainment'] * 100:.1f}%"),
@@ -184,6 +232,9 @@ def format_summary(summary: dict[str, Any], title: str = "Trace replay") -> str:
     width = max(len(name) for name, _ in rows)
     lines = [f"{'=' * 16} {title} {'=' * 16}"]
     lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    if hint := attainment_hint(summary):
+        lines += textwrap.wrap(hint, HINT_WIDTH, subsequent_indent="      ",
+                               break_long_words=False, break_on_hyphens=False)
     lines.append("")
     header = f"{'':<10}" + "".join(f"{col:>10}" for col in ("mean", "p50", "p95", "p99"))
     lines.append(header)

@@ -4,8 +4,11 @@ A cadenza server answers ``GET <origin>/ready`` with HTTP 200 and a JSON object 
 others, the keys in :data:`SAMPLE_KEYS`: ``num_steps`` (engine steps so far),
 ``prefill_tokens_admitted`` and ``decode_tokens`` (tokens scheduled so far, cumulative),
 ``kv_blocks_used`` / ``kv_blocks_cached`` / ``kv_blocks_total`` (KV cache blocks) and
-``num_running`` / ``num_waiting`` (requests). The origin is the base URL without its path:
-``http://127.0.0.1:8000/v1`` is polled at ``http://127.0.0.1:8000/ready``.
+``num_running`` / ``num_waiting`` (requests). The prefix-cache counters in
+:data:`OPTIONAL_KEYS` (``prefix_cache_queried_tokens``: prompt tokens looked up at admission,
+``prefix_cache_hit_tokens``: those found cached, both cumulative) are kept when the server has
+them; :func:`prefix_cache_hits` turns them into the run's hit rate. The origin is the base URL
+without its path: ``http://127.0.0.1:8000/v1`` is polled at ``http://127.0.0.1:8000/ready``.
 
 A :class:`ServerSampler` polls every ``interval_s`` while the replay runs, plus once more at the
 end, and keeps ``{"t": seconds since the replay started, **those keys}`` per answer. Another kind
@@ -21,13 +24,15 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import aiohttp
 
 SAMPLE_KEYS = ("num_steps", "prefill_tokens_admitted", "decode_tokens", "kv_blocks_used",
                "kv_blocks_cached", "kv_blocks_total", "num_running", "num_waiting")
+OPTIONAL_KEYS = ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
 DEFAULT_INTERVAL_S = 0.5
 
 
@@ -38,7 +43,8 @@ def ready_url(base_url: str) -> str:
 
 
 def parse_sample(body: str, t: float) -> dict[str, Any]:
-    """One sample from a ``/ready`` body: ``t`` (seconds) and the :data:`SAMPLE_KEYS` values.
+    """One sample from a ``/ready`` body: ``t`` (seconds), the :data:`SAMPLE_KEYS` values and
+    those of the :data:`OPTIONAL_KEYS` the body has as numbers.
 
     Raises:
         ValueError: the body is not a JSON object, or lacks a key, or a value is not a number.
@@ -55,7 +61,40 @@ def parse_sample(body: str, t: float) -> dict[str, Any]:
     bad = [k for k in SAMPLE_KEYS if isinstance(obj[k], bool) or not isinstance(obj[k], (int, float))]
     if bad:
         raise ValueError(f"non-numeric {', '.join(bad)}")
-    return {"t": t, **{k: obj[k] for k in SAMPLE_KEYS}}
+    optional = {k: obj[k] for k in OPTIONAL_KEYS
+                if isinstance(obj.get(k), (int, float)) and not isinstance(obj[k], bool)}
+    return {"t": t, **{k: obj[k] for k in SAMPLE_KEYS}, **optional}
+
+
+class PrefixCacheHits(NamedTuple):
+    """Prompt tokens found in the prefix cache over a run (between two samples)."""
+
+    hit_tokens: int
+    queried_tokens: int
+
+    @property
+    def rate(self) -> float:
+        """``hit_tokens / queried_tokens``, a fraction in [0, 1]."""
+        return self.hit_tokens / self.queried_tokens
+
+
+def prefix_cache_hits(samples: Sequence[dict[str, Any]]) -> PrefixCacheHits | None:
+    """The growth of the prefix-cache counters from the first to the last sample that has them.
+
+    Returns:
+        The hit and queried token deltas; None (n/a) when fewer than two samples have the
+        counters (another server, or one without them), when no prompt token was looked up in
+        between, or when a counter went down (the server restarted).
+    """
+    have = [s for s in samples if all(k in s for k in OPTIONAL_KEYS)]
+    if len(have) < 2:
+        return None
+    first, last = have[0], have[-1]
+    hit = last["prefix_cache_hit_tokens"] - first["prefix_cache_hit_tokens"]
+    queried = last["prefix_cache_queried_tokens"] - first["prefix_cache_queried_tokens"]
+    if queried <= 0 or not 0 <= hit <= queried:
+        return None
+    return PrefixCacheHits(int(hit), int(queried))
 
 
 class ServerSampler:

@@ -88,7 +88,8 @@ async def _stream(request: web.Request) -> web.StreamResponse:
 
 
 async def _ready(request: web.Request) -> web.Response:
-    """Cadenza-like counters: poll n (1, 2, ...) has made 3n steps, 40n prefill and 5n decode."""
+    """Cadenza-like counters: poll n (1, 2, ...) has made 3n steps, 40n prefill and 5n decode,
+    and looked up 40n prompt tokens in the prefix cache, 10n of them hits (a 25 % hit rate)."""
     polls = request.app[READY_POLLS]
     polls.append(request.path)
     n = len(polls)
@@ -96,7 +97,8 @@ async def _ready(request: web.Request) -> web.Response:
         "status": "ready", "num_steps": 3 * n, "prefill_tokens_admitted": 40 * n,
         "decode_tokens": 5 * n, "kv_blocks_used": n % 10, "kv_blocks_cached": n % 3,
         "kv_blocks_total": KV_BLOCKS_TOTAL, "kv_blocks_free": KV_BLOCKS_TOTAL - n % 10,
-        "num_running": len(request.app[RECEIVED]), "num_waiting": 0, "classes": {}})
+        "num_running": len(request.app[RECEIVED]), "num_waiting": 0, "classes": {},
+        "prefix_cache_queried_tokens": 40 * n, "prefix_cache_hit_tokens": 10 * n})
 
 
 async def _ready_html(request: web.Request) -> web.Response:

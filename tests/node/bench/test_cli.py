@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +63,28 @@ def test_cli_replays_the_trace_and_writes_the_json_report(
     assert "Trace scaled:" in stdout and "Goodput (req/s)" in stdout and "TTFT (ms)" in stdout
 
 
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
+def test_cli_accepts_the_api_root_with_or_without_v1_and_a_trailing_slash(
+        suffix, trace_path, threaded_base_url, byte_tokenizer_path, tmp_path):
+    out = tmp_path / "bench.json"
+    argv = _argv(trace_path, threaded_base_url, byte_tokenizer_path, "--num-requests", "1",
+                 "--json", str(out))
+    argv[argv.index("--base-url") + 1] = threaded_base_url + suffix
+    assert cli.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["base_url"] == f"{threaded_base_url}/v1"
+    assert doc["model"] == "fake-model" and doc["completed"] == 1
+    assert doc["server_samples_url"] == f"{threaded_base_url}/ready"
+
+
+def test_cli_refuses_a_base_url_that_is_not_an_http_url(trace_path, byte_tokenizer_path, capsys):
+    code = cli.main(["--trace", str(trace_path), "--base-url", "127.0.0.1:8000",
+                     "--tokenizer", str(byte_tokenizer_path), "--no-progress"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--base-url: not an http(s) URL" in err and "http://127.0.0.1:8000/v1" in err
+
+
 def test_cli_scales_time_and_lengths_as_asked(
         trace_path, threaded_base_url, byte_tokenizer_path, tmp_path):
     out = tmp_path / "bench.json"
@@ -99,6 +124,8 @@ def test_cli_help_says_how_time_scale_changes_the_rate():
     cli.add_arguments(parser)
     text = " ".join(parser.format_help().split())
     assert "F=2 halves the request rate" in text
+    assert "with or without the /v1 suffix" in text
+    assert "bench-results/run.json" in text and "bench-results/figures" in text
     for option in ("--trace", "--base-url", "--time-scale", "--length-scale", "--max-input-len",
                    "--max-output-len", "--num-requests", "--duration", "--slo-ttft-ms",
                    "--slo-itl-ms", "--json", "--endpoint", "--model", "--tokenizer", "--seed",
@@ -156,9 +183,16 @@ def test_cli_keeps_server_samples_from_a_cadenza_ready_endpoint(
     assert len(samples) >= 2  # one at the start, one after the last request
     assert set(samples[0]) == {"t", "num_steps", "prefill_tokens_admitted", "decode_tokens",
                                "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total",
-                               "num_running", "num_waiting"}
+                               "num_running", "num_waiting", "prefix_cache_queried_tokens",
+                               "prefix_cache_hit_tokens"}
     assert samples[0]["t"] < samples[-1]["t"]
-    assert f"server samples from {threaded_base_url}/ready" in capsys.readouterr().out
+    stdout = capsys.readouterr().out
+    assert f"server samples from {threaded_base_url}/ready" in stdout
+    intervals = len(samples) - 1  # poll n reports 10n hits of 40n tokens looked up
+    assert doc["prefix_cache_hit_rate"] == pytest.approx(0.25)
+    assert (doc["prefix_cache_hit_tokens"], doc["prefix_cache_queried_tokens"]) == (
+        10 * intervals, 40 * intervals)
+    assert f"25.0% of prompt tokens ({10 * intervals} of {40 * intervals})" in stdout
     assert all(r["class"] is None for r in doc["requests"]) and doc["per_class"] == {}
 
 
@@ -171,10 +205,12 @@ def test_cli_against_a_server_without_ready_reports_no_samples_and_skips_those_p
     assert code == 0
     doc = json.loads(out.read_text())
     assert doc["server_samples"] == [] and "HTTP 404" in doc["server_samples_note"]
+    assert doc["prefix_cache_hit_rate"] is None
     assert sorted(p.name for p in figs.iterdir()) == ["ttft_itl_over_time.png",
                                                       "ttft_vs_prompt_length.png"]
     stdout = capsys.readouterr().out
     assert stdout.count("not a cadenza server") == 1
+    assert re.search(r"^Prefix cache hits +n/a$", stdout, re.MULTILINE)
     assert "skipped tokens_per_step.png and kv_blocks.png" in stdout
 
 
@@ -198,6 +234,21 @@ def test_cli_plot_writes_four_figures_and_plot_only_redraws_them_from_the_json(
     assert sorted(p.name for p in again.iterdir()) == sorted(names)
 
 
+def test_cli_figures_draw_the_slos_from_the_json_result(
+        trace_path, threaded_base_url, byte_tokenizer_path, tmp_path):
+    from cadenza.node.bench.plots import plot_ttft_itl_over_time
+
+    out = tmp_path / "bench.json"
+    assert cli.main(_argv(trace_path, threaded_base_url, byte_tokenizer_path, "--num-requests", "2",
+                          "--slo-ttft-ms", "5000", "--slo-itl-ms", "1000", "--json", str(out))) == 0
+    top, bottom = plot_ttft_itl_over_time(json.loads(out.read_text()), None).axes
+    for ax, level, label in ((top, 5000.0, "TTFT SLO (5000 ms)"),
+                             (bottom, 1000.0, "p99 ITL SLO (1000 ms)")):
+        assert [ln.get_ydata()[0] for ln in ax.lines if ln.get_linestyle() == "--"] == [level]
+        assert label in [t.get_text() for t in ax.get_legend().get_texts()]
+        assert "(no class)" not in " ".join(t.get_text() for t in ax.get_legend().get_texts())
+
+
 def test_cli_plot_only_needs_a_plot_folder_and_a_bench_result(tmp_path, capsys):
     not_a_result = tmp_path / "x.json"
     not_a_result.write_text("[]")
@@ -217,3 +268,20 @@ def test_cli_class_and_batch_above_cannot_be_combined(trace_path):
         cli.main(["--trace", str(trace_path), "--base-url", "http://h/v1", "--class", "batch",
                   "--batch-above", "10"])
     assert exc.value.code == 2
+
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (REPO_ROOT / ".git").exists(),
+                    reason="needs git and a checkout")
+def test_bench_output_written_in_the_repository_root_is_git_ignored():
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO_ROOT,
+                              check=False).returncode == 0
+
+    for path in ("bench.json", "bench-azure-conv.json", f"{cli.OUTPUT_DIR}/run.json",
+                 f"{cli.OUTPUT_DIR}/figures/kv_blocks.png"):
+        assert ignored(path), path
+    for path in ("bench/classes.py", "node/bench/cli.py", "docs/img/ttft_itl_over_time.png"):
+        assert not ignored(path), path

@@ -6,8 +6,8 @@ import pytest
 from matplotlib.image import imread
 
 from cadenza.node.bench.plots import (
-    DPI, FIGSIZE, itl_points, long_prompt_threshold, plot_ttft_itl_over_time, step_rates,
-    write_plots)
+    DPI, FIGSIZE, itl_points, long_prompt_threshold, plot_ttft_itl_over_time,
+    plot_ttft_vs_prompt_length, step_rates, write_plots)
 
 ALL_FOUR = ["ttft_itl_over_time.png", "ttft_vs_prompt_length.png", "tokens_per_step.png",
             "kv_blocks.png"]
@@ -95,3 +95,45 @@ def test_the_timeline_marks_long_prompt_arrivals_on_both_panels_with_one_legend_
     assert top.get_ylabel() == "TTFT (ms)" and bottom.get_ylabel() == "ITL gap (ms)"
     assert bottom.get_xlabel() == "time since replay start (s)"
     assert top.get_shared_x_axes().joined(top, bottom)
+
+
+def _dashed_levels(ax) -> list[float]:
+    """The y of every dashed horizontal line on ``ax`` (axhline: constant y over the axes)."""
+    return [line.get_ydata()[0] for line in ax.lines if line.get_linestyle() == "--"]
+
+
+def _labels(ax) -> list[str]:
+    legend = ax.get_legend()
+    return [] if legend is None else [t.get_text() for t in legend.get_texts()]
+
+
+def test_the_ttft_and_itl_panels_draw_the_given_slos_as_dashed_lines_in_the_legend():
+    result = {**_result(), "slo": {"ttft_ms": 500.0, "itl_p99_ms": 40.0}}
+    top, bottom = plot_ttft_itl_over_time(result, long_prompt_tokens=10_000).axes
+    assert _dashed_levels(top) == [500.0] and _dashed_levels(bottom) == [40.0]
+    assert "TTFT SLO (500 ms)" in _labels(top)
+    assert _labels(bottom) == ["p99 ITL SLO (40 ms)"]
+    (scatter,) = plot_ttft_vs_prompt_length(result).axes
+    assert _dashed_levels(scatter) == [500.0] and "TTFT SLO (500 ms)" in _labels(scatter)
+
+
+def test_only_the_slos_given_are_drawn():
+    result = {**_result(), "slo": {"ttft_ms": None, "itl_p99_ms": 40.0}}
+    top, bottom = plot_ttft_itl_over_time(result, long_prompt_tokens=10_000).axes
+    assert _dashed_levels(top) == [] and _dashed_levels(bottom) == [40.0]
+    for old in (_result(), {**_result(), "slo": None}):  # a result without SLOs, or an old file
+        top, bottom = plot_ttft_itl_over_time(old, long_prompt_tokens=10_000).axes
+        assert _dashed_levels(top) == _dashed_levels(bottom) == [] and bottom.get_legend() is None
+
+
+def test_requests_without_a_class_make_one_series_with_no_class_legend():
+    result = _result()
+    for r in result["requests"]:
+        r["class"] = None
+    top, bottom = plot_ttft_itl_over_time(result, long_prompt_tokens=10_000).axes
+    assert top.get_legend() is None and bottom.get_legend() is None
+    assert plot_ttft_vs_prompt_length(result).axes[0].get_legend() is None
+    top, _ = plot_ttft_itl_over_time({**result, "slo": {"ttft_ms": 500.0, "itl_p99_ms": None}},
+                                     long_prompt_tokens=400).axes
+    assert _labels(top) == ["arrival of a prompt\n>= 400 tokens", "TTFT SLO (500 ms)"]
+    assert top.get_legend().get_title().get_text() == ""

@@ -7,7 +7,7 @@ import socket
 import aiohttp
 import pytest
 
-from cadenza.node.bench.client import ReplayConfig, fetch_model, replay
+from cadenza.node.bench.client import ReplayConfig, api_base_url, fetch_model, replay
 from cadenza.node.bench.trace import TraceRequest
 
 
@@ -16,6 +16,26 @@ MODEL_ID = "fake-model"  # the first id the fake server lists
 
 def _config(base: str, **kw) -> ReplayConfig:
     return ReplayConfig(base_url=f"{base}/v1", model=MODEL_ID, **kw)
+
+
+@pytest.mark.parametrize("given", ["http://127.0.0.1:8000", "http://127.0.0.1:8000/",
+                                   "http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/",
+                                   " http://127.0.0.1:8000/v1// "])
+def test_the_api_root_is_taken_with_or_without_v1_and_trailing_slashes(given):
+    assert api_base_url(given) == "http://127.0.0.1:8000/v1"
+
+
+def test_a_path_prefix_gets_v1_appended_and_another_version_is_kept():
+    assert api_base_url("https://gw.example/tenant/a/") == "https://gw.example/tenant/a/v1"
+    assert api_base_url("https://gw.example/tenant/a/v1") == "https://gw.example/tenant/a/v1"
+    assert api_base_url("http://h:9000/v2/") == "http://h:9000/v2"
+    assert api_base_url("http://h/v1?x=1#top") == "http://h/v1"
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1:8000", "localhost", "ftp://h/v1", "http:///v1", ""])
+def test_an_api_root_that_is_not_an_http_url_is_refused(bad):
+    with pytest.raises(ValueError, match="not an http"):
+        api_base_url(bad)
 
 
 async def test_each_request_gets_a_ttft_and_one_itl_gap_per_token_after_the_first(

@@ -131,3 +131,61 @@ def test_report_prints_a_per_class_table_of_percentiles():
     assert table[1].split()[:4] == ["interactive", "TTFT", "(ms)", "1/1"]
     assert table[4].split()[:5] == ["batch", "TTFT", "(ms)", "1/2", "900.0"]
     assert [line.split()[0] for line in table[5:7]] == ["ITL", "TPOT"]
+
+
+def _hint_lines(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Hint:")), None)
+    if start is None:
+        return []
+    end = next(i for i in range(start, len(lines)) if not lines[i])
+    return lines[start:end]
+
+
+def test_zero_attainment_says_the_server_is_slower_than_the_rate_and_how_to_slow_it():
+    records = [_ok(900.0, [10.0]), _ok(800.0, [10.0]), _failed()]
+    text = format_summary(summarize(records, 1.0, SLO(ttft_ms=500.0)))
+    hint = " ".join(line.strip() for line in _hint_lines(text))
+    assert "no request met every SLO" in hint
+    assert "the server is slower than the replayed rate" in hint
+    assert "the SLOs are too tight for it" in hint
+    assert "a larger --time-scale (slower arrivals)" in hint and "--length-scale" in hint
+    assert 1 <= len(_hint_lines(text)) <= 2 and all(len(line) <= 100 for line in _hint_lines(text))
+    lines = text.splitlines()
+    assert lines.index(_hint_lines(text)[0]) == 1 + next(
+        i for i, line in enumerate(lines) if line.startswith("SLO attainment"))
+
+
+def test_low_attainment_gets_a_milder_hint_and_half_or_more_gets_none():
+    slo = SLO(ttft_ms=500.0)
+    low = format_summary(summarize([_ok(100.0, [10.0])] + [_ok(900.0, [10.0])] * 3, 1.0, slo))
+    hint = " ".join(line.strip() for line in _hint_lines(low))
+    assert "under 50% of requests met every SLO" in hint and "--time-scale" in hint
+    assert "slower than the replayed rate" not in hint
+    half = format_summary(summarize([_ok(100.0, [10.0]), _ok(900.0, [10.0])], 1.0, slo))
+    assert _hint_lines(half) == []
+
+
+def test_there_is_no_speed_hint_without_slos_or_without_a_completed_request():
+    assert _hint_lines(format_summary(summarize([_ok(100.0, [10.0]), _failed(), _failed()],
+                                                1.0, SLO()))) == []
+    assert _hint_lines(format_summary(summarize([_failed()], 1.0, SLO(ttft_ms=1.0)))) == []
+
+
+def test_the_prefix_cache_hit_rate_comes_from_the_server_samples_and_is_printed():
+    samples = [{"t": 0.0, "prefix_cache_queried_tokens": 1000, "prefix_cache_hit_tokens": 0},
+               {"t": 1.0, "prefix_cache_queried_tokens": 2000, "prefix_cache_hit_tokens": 123}]
+    summary = summarize([_ok(100.0, [10.0])], 1.0, SLO(), samples)
+    assert summary["prefix_cache_hit_rate"] == pytest.approx(0.123)
+    assert (summary["prefix_cache_hit_tokens"], summary["prefix_cache_queried_tokens"]) == (123, 1000)
+    assert "Prefix cache hits" in (text := format_summary(summary))
+    assert "12.3% of prompt tokens (123 of 1000)" in text
+
+
+def test_the_prefix_cache_hit_rate_is_na_without_a_cadenza_servers_counters():
+    summary = summarize([_ok(100.0, [10.0])], 1.0, SLO(), [{"t": 0.0, "num_steps": 1}])
+    assert summary["prefix_cache_hit_rate"] is None and summary["prefix_cache_hit_tokens"] is None
+    line = next(x for x in format_summary(summary).splitlines() if x.startswith("Prefix cache"))
+    assert line.split()[-1] == "n/a"
+    del summary["prefix_cache_hit_rate"]  # a summary from before the prefix cache was reported
+    assert "n/a" in format_summary(summary)

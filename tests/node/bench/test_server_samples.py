@@ -9,7 +9,9 @@ import aiohttp
 import pytest
 
 from cadenza.node.bench.client import ReplayConfig, replay
-from cadenza.node.bench.server_samples import SAMPLE_KEYS, ServerSampler, parse_sample, ready_url
+from cadenza.node.bench.server_samples import (
+    OPTIONAL_KEYS, SAMPLE_KEYS, PrefixCacheHits, ServerSampler, parse_sample, prefix_cache_hits,
+    ready_url)
 from cadenza.node.bench.trace import TraceRequest
 
 
@@ -21,6 +23,38 @@ def test_the_ready_url_is_the_origin_of_the_base_url():
 def test_a_sample_keeps_the_time_and_the_counters_only():
     body = '{"status": "ready", "classes": {}, ' + ", ".join(f'"{k}": 1' for k in SAMPLE_KEYS) + "}"
     assert parse_sample(body, 1.5) == {"t": 1.5, **{k: 1 for k in SAMPLE_KEYS}}
+
+
+def test_a_sample_keeps_the_prefix_cache_counters_only_when_the_server_has_them_as_numbers():
+    counters = ", ".join(f'"{k}": 1' for k in SAMPLE_KEYS)
+    with_them = "{" + counters + ', "prefix_cache_queried_tokens": 80, "prefix_cache_hit_tokens": 20}'
+    assert parse_sample(with_them, 0.0)["prefix_cache_hit_tokens"] == 20
+    odd = "{" + counters + ', "prefix_cache_queried_tokens": "80", "prefix_cache_hit_tokens": null}'
+    assert set(parse_sample(odd, 0.0)) == {"t", *SAMPLE_KEYS}
+    assert set(parse_sample("{" + counters + "}", 0.0)) == {"t", *SAMPLE_KEYS}
+
+
+def _cache_sample(t: float, queried: int, hit: int) -> dict:
+    return {"t": t, "prefix_cache_queried_tokens": queried, "prefix_cache_hit_tokens": hit}
+
+
+def test_the_prefix_cache_hit_rate_is_the_counters_growth_from_first_to_last_sample():
+    samples = [_cache_sample(0.0, 100, 10), _cache_sample(0.5, 300, 60), _cache_sample(1.0, 500, 110)]
+    hits = prefix_cache_hits(samples)
+    assert hits == PrefixCacheHits(hit_tokens=100, queried_tokens=400)
+    assert hits.rate == pytest.approx(0.25)  # tokens cached before the replay do not count
+    assert prefix_cache_hits([{"t": 0.0}, *samples, {"t": 2.0}]) == hits  # samples without them
+
+
+@pytest.mark.parametrize("samples", [
+    [],
+    [{"t": 0.0, "num_steps": 1}, {"t": 1.0, "num_steps": 2}],  # a server without the counters
+    [_cache_sample(0.0, 100, 10)],                              # one sample: no interval
+    [_cache_sample(0.0, 100, 10), _cache_sample(1.0, 100, 10)],  # no prompt looked up
+    [_cache_sample(0.0, 900, 90), _cache_sample(1.0, 100, 10)],  # counters reset by a restart
+])
+def test_the_prefix_cache_hit_rate_is_not_available_without_growing_counters(samples):
+    assert prefix_cache_hits(samples) is None
 
 
 @pytest.mark.parametrize("body, reason", [("<html></html>", "not JSON"), ("[1]", "not a JSON object"),
@@ -41,7 +75,7 @@ async def test_the_sampler_keeps_growing_counters_at_increasing_times(fake_base_
     assert len(fake_app[fake.READY_POLLS]) == 3
     assert [s["num_steps"] for s in sampler.samples] == [3, 6, 9]
     assert [s["t"] for s in sampler.samples] == sorted(s["t"] for s in sampler.samples)
-    assert all(set(s) == {"t", *SAMPLE_KEYS} for s in sampler.samples)
+    assert all(set(s) == {"t", *SAMPLE_KEYS, *OPTIONAL_KEYS} for s in sampler.samples)
     assert sampler.note is None
 
 
