@@ -8,7 +8,8 @@ Wiring (in the ``cadenza`` CLI)::
 
 Upstreams come from a config file (``--config``, re-read on change and on SIGHUP) or from the
 Kubernetes API (``--kubernetes --namespace NS --pool NAME``). Command-line ``--default-class`` and
-``--max-outstanding`` override the file's values.
+``--max-outstanding`` override the file's values. ``--header-timeout-s``, ``--idle-timeout-s`` and
+``--body-timeout-s`` bound slow clients (:mod:`cadenza.node.server.http`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from cadenza.node.gateway.kubernetes_source import KubernetesConfigError, Kubern
 from cadenza.node.gateway.state import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_HEALTH_INTERVAL_S, DEFAULT_MAX_OUTSTANDING
 from cadenza.node.gateway.upstreams import Upstreams
 from cadenza.node.policy import CLASSES
+from cadenza.node.server.http import HttpTimeouts, add_http_arguments, http_timeouts_from_args
 from cadenza.node.server.runner import run_app
 
 
@@ -69,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval", type=float, default=DEFAULT_HEALTH_INTERVAL_S, metavar="SECONDS",
                         help="seconds between health checks (GET /health) of every replica; 0 turns them off "
                              "(default: %(default)s)")
+    add_http_arguments(parser)
 
 
 def _default_namespace() -> str:
@@ -113,9 +116,9 @@ def run(args: argparse.Namespace) -> int:
     except (GatewayConfigError, KubernetesConfigError, ValueError) as exc:
         print(f"cadenza gateway: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(app, source, args.host, args.port))
+    return asyncio.run(_serve(app, source, args.host, args.port, http_timeouts_from_args(args)))
 
 
-async def _serve(app: web.Application, source: UpstreamSource, host: str, port: int) -> int:
+async def _serve(app: web.Application, source: UpstreamSource, host: str, port: int, timeouts: HttpTimeouts) -> int:
     reload = {signal.SIGHUP: source.request_reload} if isinstance(source, FileSource) else {}
-    return await run_app(app, host, port, "gateway", extra_signals=reload)
+    return await run_app(app, host, port, "gateway", extra_signals=reload, timeouts=timeouts)

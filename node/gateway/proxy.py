@@ -39,6 +39,7 @@ from cadenza.node.gateway.state import SESSION, SETTINGS, UPSTREAMS
 from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream
 from cadenza.node.policy import PolicyError, check_class
 from cadenza.node.server.errors import APIError, error_body
+from cadenza.node.server.http import body_timeout, send
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,8 @@ async def forward(request: web.Request, candidates: list[Upstream], what: str) -
         APIError: 503 when there is no candidate, 429 when all are full, 502 when none answered.
     """
     upstreams, limit = request.app[UPSTREAMS], request.app[SETTINGS].max_outstanding
-    body = await request.read()  # before picking: from a pick to its count, nothing may await
+    async with body_timeout(request):  # a 408 for a client that trickles its body
+        body = await request.read()  # before picking: from a pick to its count, nothing may await
     if not candidates:
         raise APIError(503, f"no {what} is known yet", code="no_upstream", headers={"Retry-After": "1"})
     upstream = upstreams.pick(candidates, limit)
@@ -192,8 +194,8 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse, upstream: U
         if not chunk:
             break
         try:
-            await out.write(chunk)
-        except ConnectionError:  # the client went away: closing resp aborts the upstream request
+            await send(request, out, chunk)
+        except ConnectionError:  # the client went away or stopped reading: closing resp aborts upstream
             logger.info("client left %s %s; closing the upstream request", request.method, request.path)
             return out
     await out.write_eof()

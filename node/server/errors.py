@@ -80,6 +80,8 @@ async def error_middleware(request: web.Request, handler):
         if exc.status == 404:
             message = f"no route for {request.method} {request.path}"
         return error_response(exc.status, message, headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"})
+    except ConnectionResetError:
+        raise  # the client is gone (or was dropped for not reading): there is nobody to answer
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, "internal server error; the request was not completed")

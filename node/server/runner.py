@@ -3,6 +3,8 @@
 Shared by ``cadenza serve`` and ``cadenza gateway``. The runner uses
 ``handler_cancellation=True``: a client that disconnects cancels its handler at once, so an
 upstream request or a generation stops even while nothing is being written to the client yet.
+Connections are hardened by :mod:`cadenza.node.server.http`: OpenAI JSON for malformed requests,
+and header, idle and body timeouts.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
+from cadenza.node.server.http import HttpTimeouts, app_runner
+
 logger = logging.getLogger(__name__)
 
 
 async def run_app(app: web.Application, host: str, port: int, name: str,
                   main: Callable[[asyncio.Event], Awaitable[int]] | None = None,
-                  extra_signals: Mapping[int, Callable[[], None]] | None = None) -> int:
+                  extra_signals: Mapping[int, Callable[[], None]] | None = None,
+                  timeouts: HttpTimeouts | None = None) -> int:
     """Serve ``app`` on ``host:port`` until SIGINT or SIGTERM; return the exit code.
 
     Args:
@@ -27,11 +32,12 @@ async def run_app(app: web.Application, host: str, port: int, name: str,
         main: run once listening, given the stop event (set by SIGINT/SIGTERM); its return value is
             the exit code. Default: wait for the stop event, exit 0.
         extra_signals: more signal handlers while serving (e.g. SIGHUP to reload).
+        timeouts: header, idle and body timeouts (default: :class:`HttpTimeouts`'s).
 
     Returns:
         1 when the address cannot be listened on (in use, bad host or port), else ``main``'s code.
     """
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = app_runner(app, timeouts or HttpTimeouts(), handler_cancellation=True, access_log=None)
     await runner.setup()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

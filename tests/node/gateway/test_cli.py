@@ -14,6 +14,7 @@ import pytest
 
 from cadenza.node.gateway import cli
 from cadenza.node.gateway.state import SETTINGS
+from cadenza.node.server.http import HttpTimeouts, http_timeouts_from_args
 
 # Runs the gateway as its own process, as the lead's `cadenza gateway` subcommand will.
 MAIN = ("import argparse, sys; from cadenza.node.gateway import cli; p = argparse.ArgumentParser(); "
@@ -33,6 +34,14 @@ def test_options_and_their_defaults():
     args = parse("--kubernetes", "--namespace", "ns", "--pool", "chat", "--default-class", "Batch",
                  "--max-outstanding", "16", "--port", "9000")
     assert (args.namespace, args.pool, args.default_class, args.max_outstanding) == ("ns", "chat", "batch", 16)
+
+
+def test_http_timeout_options_reach_the_gateway():
+    assert http_timeouts_from_args(parse("--config", "gw.yaml")) == HttpTimeouts()
+    args = parse("--config", "gw.yaml", "--header-timeout-s", "3", "--idle-timeout-s", "120", "--body-timeout-s", "20")
+    assert http_timeouts_from_args(args) == HttpTimeouts(3, 120, 20)
+    with pytest.raises(SystemExit):
+        parse("--config", "gw.yaml", "--idle-timeout-s", "0")
 
 
 @pytest.mark.parametrize("argv", [(), ("--config", "a", "--kubernetes"), ("--config", "a", "--max-outstanding", "0"),
