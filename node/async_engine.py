@@ -35,6 +35,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (failed to load, or shut down)."""
 
 
+class EngineCommandError(RuntimeError):
+    """A command failed inside the engine for a reason that is not the caller's input (a bug); the
+    engine goes on stepping. The server answers 500 with the message."""
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -75,6 +80,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._died: asyncio.Event | None = None  # set (on the loop) when the running engine thread dies
         self.engine: Engine | None = None
         self.error: BaseException | None = None
         self._stats: dict = {}
@@ -86,6 +92,7 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the engine thread (returns at once; see :meth:`wait_ready`)."""
         self._loop = asyncio.get_running_loop()
+        self._died = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="cadenza-engine", daemon=True)
         self._thread.start()
 
@@ -100,13 +107,21 @@ class AsyncEngine:
             raise EngineDeadError(f"engine failed to start: {self.error}") from self.error
         return self.engine
 
+    async def wait_dead(self) -> BaseException | None:
+        """Return once a loaded engine's thread has died (a bug: a loop that cannot go on); the
+        error that ended it. A server exits on it, so its supervisor restarts the replica."""
+        assert self._died is not None, "start() first"
+        await self._died.wait()
+        return self.error
+
     @property
     def is_ready(self) -> bool:
         return self.engine is not None and self.is_alive
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The engine thread runs (loading or serving) and has not failed."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
 
     async def shutdown(self) -> None:
         """Stop the thread after the current step; live requests end with ``abort``."""
@@ -180,7 +195,8 @@ class AsyncEngine:
             The scheduler configuration now in force.
 
         Raises:
-            ValueError: an invalid change (nothing changed); EngineDeadError: not running.
+            ValueError: an invalid change (nothing changed); EngineDeadError: not running;
+            EngineCommandError: the change failed inside the engine (a bug; the engine goes on).
         """
         if not self.is_ready:
             raise EngineDeadError("engine is not ready")
@@ -221,6 +237,7 @@ class AsyncEngine:
             logger.exception("engine thread died")
             self.error = exc
             self._publish([(rid, EngineDeadError(f"engine stopped: {exc}")) for rid in list(self._streams)])
+            self._call_soon(self._died.set)  # type: ignore[union-attr]
 
     def _loop_forever(self, engine: Engine) -> None:
         stalled = False  # the last step scheduled nothing: do not spin, wait for a command
@@ -242,16 +259,7 @@ class AsyncEngine:
             for cmd in commands:
                 if cmd is _STOP:
                     return
-                if isinstance(cmd, _Abort):
-                    engine.abort_request(cmd.request_id)
-                elif isinstance(cmd, _Reconfigure):
-                    self._settle(cmd.done, engine.reconfigure, cmd.changes)
-                else:
-                    try:
-                        engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.arrival_time,
-                                           cmd.traffic_class, cmd.tenant)
-                    except ValueError as exc:  # AdmissionError included
-                        failures.append((cmd.request_id, exc))
+                self._apply(engine, cmd, failures)
             if failures:
                 self._publish(failures)
             if not engine.has_unfinished_requests():
@@ -281,9 +289,11 @@ class AsyncEngine:
         """Run ``fn`` here (the engine thread) and hand its result or error to ``future``."""
         try:
             result, error = fn(*args), None
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError) as exc:  # the caller's input: a 400
             result, error = None, exc
-        assert self._loop is not None
+        except Exception as exc:  # a bug: the caller gets a 500, the engine goes on
+            logger.exception("engine command %s failed", getattr(fn, "__name__", fn))
+            result, error = None, EngineCommandError(f"{type(exc).__name__}: {exc}")
 
         def settle() -> None:
             if future.done():
@@ -293,12 +303,15 @@ class AsyncEngine:
             else:
                 future.set_result(result)
 
-        self._loop.call_soon_threadsafe(settle)
+        self._call_soon(settle)
 
     def _publish(self, items: list) -> None:
+        self._call_soon(self._dispatch, items)
+
+    def _call_soon(self, fn, *args) -> None:
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(self._dispatch, items)
+            self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: nobody is listening
             pass
 

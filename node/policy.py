@@ -176,13 +176,21 @@ class Policy:
         Raises:
             PolicyError: an unknown key or an invalid value (nothing is changed).
         """
+        changes = _mapping(changes, "policy")
         unknown = set(changes) - {"classes", "tenants", "default_tenant", "step_time_target_ms",
-                                  "max_preemptions", "watermark"}
+                                  "max_preemptions", "watermark", "tenant_cache_isolation"}
         if unknown:
-            raise PolicyError(f"{sorted(unknown)[0]}: unknown policy setting")
+            raise PolicyError(f"{sorted(map(str, unknown))[0]}: unknown policy setting")
         classes = dict(self.classes)
-        for name, patch in _mapping(changes.get("classes", {}), "classes").items():
-            check_class(name)
+        seen: dict[str, object] = {}
+        for given, patch in _mapping(changes.get("classes", {}), "classes").items():
+            try:
+                name = check_class(given)  # canonical: "Batch" and " batch" are batch
+            except PolicyError as exc:
+                raise PolicyError(f"classes: {str(exc).partition(': ')[2]}") from None
+            if name in seen:
+                raise PolicyError(f"classes: {_shown(seen[name])} and {_shown(given)} name the same class")
+            seen[name] = given
             classes[name] = _merge(ClassPolicy, classes[name], patch, f"classes.{name}")
         tenants = dict(self.tenants)
         for name, patch in _mapping(changes.get("tenants", {}), "tenants").items():
@@ -214,7 +222,8 @@ def _merge(kind: type, current: Any, patch: object, path: str) -> Any:
     patch = _mapping(patch, path)
     names = {f.name for f in fields(kind)}
     if unknown := set(patch) - names:
-        raise PolicyError(f"{path}.{sorted(unknown)[0]}: unknown setting (known: {', '.join(sorted(names))})")
+        raise PolicyError(f"{path}.{sorted(map(str, unknown))[0]}: unknown setting "
+                          f"(known: {', '.join(sorted(names))})")
     merged = kind(**{**asdict(current), **patch})
     merged.validate(path)
     return merged

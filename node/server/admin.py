@@ -22,8 +22,10 @@ from pathlib import Path
 
 from aiohttp import web
 
+from cadenza.node.async_engine import EngineCommandError, EngineDeadError
 from cadenza.node.config import SchedulerConfig
 from cadenza.node.server.errors import APIError
+from cadenza.node.server.http import body_timeout
 from cadenza.node.server.openai_api import ENGINE
 
 TOKEN_ENV = "CADENZA_ADMIN_TOKEN"
@@ -75,7 +77,8 @@ async def get_config(request: web.Request) -> web.Response:
 async def put_config(request: web.Request) -> web.Response:
     _authorize(request)
     try:
-        changes = await request.json(loads=json.loads)
+        async with body_timeout(request):
+            changes = await request.json(loads=json.loads)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(changes, dict) or not changes:
@@ -86,6 +89,10 @@ async def put_config(request: web.Request) -> web.Response:
         config = await request.app[ENGINE].reconfigure(changes)
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc)) from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), headers={"Retry-After": "5"}) from None
+    except EngineCommandError as exc:  # a bug, logged by the engine; nothing changed, it serves on
+        raise APIError(500, f"the change failed inside the engine and was not applied: {exc}") from None
     return web.json_response(config_view(config))
 
 

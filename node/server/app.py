@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -20,7 +21,9 @@ from cadenza.node.async_engine import AsyncEngine
 from cadenza.node.engine import Engine
 from cadenza.node.policy import check_class
 from cadenza.node.server import admin, openai_api
+from cadenza.node.server.access_log import access_log_middleware
 from cadenza.node.server.errors import error_middleware, error_response
+from cadenza.node.server.http import HttpTimeouts
 from cadenza.node.server.runner import run_app
 from cadenza.node.telemetry import Telemetry
 
@@ -38,7 +41,7 @@ def create_app(engine_factory: Callable[[], Engine], model_name: str, default_cl
         model_name: the id clients must send as ``model``.
         default_class: traffic class of requests without an ``x-cadenza-class`` header.
     """
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[access_log_middleware, error_middleware], client_max_size=MAX_BODY_BYTES)
     engine = AsyncEngine(engine_factory)
     telemetry = Telemetry(model_name, stats=engine.stats)
     engine.telemetry = telemetry
@@ -88,29 +91,49 @@ async def ready(request: web.Request) -> web.Response:
 
 
 def serve(engine_factory: Callable[[], Engine], model_name: str, host: str, port: int,
-          default_class: str = "interactive") -> int:
+          default_class: str = "interactive", timeouts: HttpTimeouts | None = None) -> int:
     """Serve until SIGINT/SIGTERM; return the process exit code.
 
     The server listens at once (probes get answers while the weights load). If the engine fails
     to load — a configuration that cannot work with this model, say — the server stops and the
     exit code is 1, so a supervisor sees the failure instead of a replica that never gets ready.
     """
-    return asyncio.run(_serve(create_app(engine_factory, model_name, default_class), host, port))
+    if admin.admin_token() is None:
+        logger.info("admin API off: set %s (or %s) to enable GET/PUT /admin/config", admin.TOKEN_ENV,
+                    admin.TOKEN_FILE_ENV)
+    else:
+        logger.info("admin API on: GET/PUT /admin/config with the bearer token")
+    return asyncio.run(_serve(create_app(engine_factory, model_name, default_class), host, port, timeouts))
 
 
-async def _serve(app: web.Application, host: str, port: int) -> int:
-    async def until_stopped_or_failed(stop: asyncio.Event) -> int:
-        ready = asyncio.ensure_future(app[openai_api.ENGINE].wait_ready())
-        stopped = asyncio.ensure_future(stop.wait())
+async def _serve(app: web.Application, host: str, port: int, timeouts: HttpTimeouts | None = None) -> int:
+    return await run_app(app, host, port, "server", partial(until_stopped_or_failed, app), timeouts=timeouts)
+
+
+async def until_stopped_or_failed(app: web.Application, stop: asyncio.Event) -> int:
+    """Serve until ``stop`` is set (0), the engine fails to load (1) or a loaded engine dies (1).
+
+    A replica whose engine is gone cannot serve anything: rather than answer 503 forever while
+    its process lives, it exits, and its supervisor (Kubernetes, or ``cadenza up``) restarts it.
+    """
+    engine = app[openai_api.ENGINE]
+    ready = asyncio.ensure_future(engine.wait_ready())
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
         await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and ready.exception() is not None:
             logger.error("%s", ready.exception())
-            stopped.cancel()
             return 1
-        if ready.done():
-            logger.info("ready: serving %s", app[openai_api.MODEL_NAME])
-        await stopped
-        ready.cancel()
+        if not ready.done():
+            return 0
+        logger.info("ready: serving %s", app[openai_api.MODEL_NAME])
+        dead = asyncio.ensure_future(engine.wait_dead())
+        await asyncio.wait({dead, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if dead.done():
+            logger.error("the engine died (%s); exiting so that this replica is restarted", dead.result())
+            return 1
+        dead.cancel()
         return 0
-
-    return await run_app(app, host, port, "server", until_stopped_or_failed)
+    finally:
+        ready.cancel()
+        stopped.cancel()

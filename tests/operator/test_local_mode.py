@@ -156,12 +156,40 @@ def test_an_invalid_pool_file_is_refused_before_anything_starts(tmp_path, tiny_l
     assert result.returncode == 2 and "spec.engine" in result.stderr and "chunkSize" in result.stderr
 
 
-def test_two_replicas_and_the_gateway_serve_both_classes_and_a_killed_replica_comes_back(tmp_path, tiny_llama_dir):
+# Loaded by every process of the pool (PYTHONPATH): in a replica, the first engine step after the
+# trigger file appears raises what no handler catches, so the engine thread dies, process alive.
+CRASH_ONCE = """
+import os, sys
+trigger = os.environ.get("CADENZA_TEST_ENGINE_CRASH_FILE")
+if trigger and "serve" in sys.argv:
+    from cadenza.node.engine import Engine
+
+    class SimulatedEngineCrash(BaseException):
+        pass
+
+    step = Engine.step
+
+    def crashing_step(self):
+        try:
+            os.unlink(trigger)  # one replica wins the trigger; its restart finds none
+        except FileNotFoundError:
+            return step(self)
+        raise SimulatedEngineCrash("simulated bug in the engine loop")
+
+    Engine.step = crashing_step
+"""
+
+
+def test_two_replicas_serve_both_classes_and_a_killed_replica_or_a_dead_engine_comes_back(tmp_path, tiny_llama_dir):
     port, state_file = free_port(), tmp_path / "state.json"
+    inject, trigger = tmp_path / "inject", tmp_path / "crash-engine"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(CRASH_ONCE)
+    env = {**up_env(tmp_path), "PYTHONPATH": str(inject), "CADENZA_TEST_ENGINE_CRASH_FILE": str(trigger)}
     log = open(tmp_path / "up.log", "w")
     up = subprocess.Popen([sys.executable, "-m", "cadenza.node.cli", "up",
                            str(pool_yaml(tmp_path / "pool.yaml", tiny_llama_dir)), "--port", str(port),
-                           "--state-file", str(state_file)], stdout=log, stderr=subprocess.STDOUT, env=up_env(tmp_path))
+                           "--state-file", str(state_file)], stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         state = wait_for(lambda: json.loads(state_file.read_text()), 180, "the pool to be ready")
@@ -180,6 +208,20 @@ def test_two_replicas_and_the_gateway_serve_both_classes_and_a_killed_replica_co
         wait_for(lambda: urllib.request.urlopen(f"{victim['url']}/ready", timeout=2).status == 200, 120,
                  "the restarted replica to be ready")
         assert post(url, "interactive")["choices"]
+
+        # An engine that dies inside a live process: the replica exits, and is restarted.
+        before = {r["name"]: (r["pid"], r["restarts"]) for r in json.loads(state_file.read_text())["replicas"]}
+        trigger.touch()
+        for i in range(6):  # the gateway retries the failed request on the other replica
+            assert post(url, ("interactive", "batch")[i % 2])["choices"]
+        assert not trigger.exists()
+        crashed = wait_for(lambda: [r for r in json.loads(state_file.read_text())["replicas"]
+                                    if r["restarts"] > before[r["name"]][1]], 60, "the dead engine's replica to restart")
+        assert len(crashed) == 1 and crashed[0]["pid"] != before[crashed[0]["name"]][0]
+        wait_for(lambda: urllib.request.urlopen(f"{crashed[0]['url']}/ready", timeout=2).status == 200, 120,
+                 "the replica with a new engine to be ready")
+        assert post(url, "batch")["choices"]
+        assert "engine died" in Path(crashed[0]["log"]).read_text()
         pids = [r["pid"] for r in json.loads(state_file.read_text())["replicas"]]
     finally:
         up.send_signal(signal.SIGINT)

@@ -177,3 +177,111 @@ async def test_context_limits_at_max_model_len_1024(client):
     resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": [], "max_tokens": 1})
     assert resp.status == 400  # a 0-token prompt
     assert (await client.post("/v1/completions", json=body())).status == 200
+
+
+ODD_CHANGES = [  # (change, status): spellings, types and cases an operator might really send
+    ({"classes": {"Batch": {"max_prefill_tokens": 64}}}, 200),
+    ({"classes": {" INTERACTIVE ": {"max_queue_depth": 10}}}, 200),
+    ({"classes": {"batch": {}, "BATCH": {}}}, 400),
+    ({"classes": {"urgent": {}}}, 400),
+    ({"classes": {"": {}}}, 400),
+    ({"classes": []}, 400),
+    ({"classes": "batch"}, 400),
+    ({"classes": {"batch": []}}, 400),
+    ({"classes": {"batch": None}}, 400),
+    ({"classes": {"batch": {"min_share": "0.1"}}}, 400),
+    ({"classes": {"batch": {"min_share": None}}}, 400),
+    ({"classes": {"batch": {"Min_Share": 0.1}}}, 400),
+    ({"classes": {"batch": {"max_prefill_tokens": True}}}, 400),
+    ({"classes": {"batch": {"max_prefill_tokens": 2.5}}}, 400),
+    ({"classes": {"batch": {"max_queue_age_s": {"s": 1}}}}, 400),
+    ({"classes": {"batch": {"max_queue_depth": 10**30}}}, 200),
+    ({"tenants": {"Gold": {"weight": 2}}}, 200),
+    ({"tenants": {"gold": None}}, 200),
+    ({"tenants": {"": {}}}, 400),
+    ({"tenants": {"x y": {}}}, 400),
+    ({"tenants": {"x": 3}}, 400),
+    ({"tenants": []}, 400),
+    ({"tenants": {"x": {"weight": "heavy"}}}, 400),
+    ({"default_tenant": None}, 400),
+    ({"default_tenant": {"weight": 0}}, 400),
+    ({"default_tenant": []}, 400),
+    ({"token_budget": "512"}, 400),
+    ({"token_budget": -1}, 400),
+    ({"token_budget": 1.5}, 400),
+    ({"token_budget": True}, 400),
+    ({"token_budget": None}, 400),
+    ({"Token_Budget": 64}, 400),
+    ({"chunk_size": None}, 200),
+    ({"chunk_size": 0}, 400),
+    ({"chunk_size": "none"}, 400),
+    ({"max_num_seqs": [1]}, 400),
+    ({"prefix_caching": "yes"}, 400),
+    ({"prefix_caching": 1}, 400),
+    ({"step_time_target_ms": "fast"}, 400),
+    ({"step_time_target_ms": None}, 200),
+    ({"max_preemptions": -1}, 400),
+    ({"max_preemptions": 2.5}, 400),
+    ({"watermark": 0.5}, 400),
+    ({"watermark": "0.1"}, 400),
+    ({"max_model_len": 10}, 400),
+    ({"classes": {"batch": {"a": {"b": {"c": [1, {"d": None}]}}}}}, 400),
+    ([], 400), ("token_budget", 400), (5, 400), (None, 400), ({}, 400),
+]
+
+
+async def test_odd_admin_changes_get_an_answer_and_the_server_keeps_serving(client):
+    """Every admin key with odd spellings, types and cases: each PUT answers 200 or 400 at once,
+    and afterwards the engine still serves, healthy."""
+    for change, status in ODD_CHANGES:
+        resp = await asyncio.wait_for(client.put("/admin/config", json=change, headers=AUTH), timeout=30)
+        assert resp.status == status, (change, await resp.text())
+        if status == 400:
+            assert (await resp.json())["error"]["message"]
+    view = await (await client.get("/admin/config", headers=AUTH)).json()
+    assert view["classes"]["batch"]["max_prefill_tokens"] == 64  # "Batch" reached batch
+    assert view["classes"]["interactive"]["max_queue_depth"] == 10
+    for raw in (b"{not json", b"\xff\xfe", b'{"classes": ' * 100_000):
+        resp = await client.put("/admin/config", data=raw, headers=AUTH)
+        assert resp.status == 400
+    assert (await client.post("/v1/completions", json=body())).status == 200
+    assert (await client.get("/health")).status == 200 and client.app[ENGINE].is_alive
+
+
+async def test_a_bug_in_an_engine_command_is_a_500_and_the_engine_goes_on(client, monkeypatch):
+    engine = client.app[ENGINE].engine
+
+    def broken_reconfigure(changes):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(engine, "reconfigure", broken_reconfigure)
+    resp = await client.put("/admin/config", json={"token_budget": 32}, headers=AUTH)
+    assert resp.status == 500 and "KeyError" in (await resp.json())["error"]["message"]
+    original_add = engine.add_request
+    calls = []
+
+    def add_once_broken(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 1:
+            original_add(*args, **kwargs)  # half-added, then a bug
+            raise AttributeError("another bug")
+        return original_add(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", add_once_broken)
+    resp = await client.post("/v1/completions", json=body())
+    assert resp.status == 500 and "AttributeError" in (await resp.json())["error"]["message"]
+    await wait_until(lambda: not engine.scheduler.requests)  # the half-added request was dropped
+    assert engine.block_manager.num_used_blocks == 0
+    assert (await client.post("/v1/completions", json=body())).status == 200
+    assert (await client.get("/health")).status == 200
+
+
+async def test_a_policy_file_may_name_classes_in_any_case(tmp_path):
+    from cadenza.node.cli import build_parser, engine_config_from_args
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("classes:\n  Batch: {min_share: 0.2}\n  BACKGROUND: {max_queue_depth: 7}\n")
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--policy", str(policy)])
+    config = engine_config_from_args(args)
+    assert config.scheduler.policy.classes["batch"].min_share == 0.2
+    assert config.scheduler.policy.classes["background"].max_queue_depth == 7

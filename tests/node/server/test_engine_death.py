@@ -1,0 +1,52 @@
+"""A replica whose engine thread died exits (code 1), so its supervisor restarts it, instead of
+answering 503 forever while its process lives."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+
+from cadenza.node.config import CacheConfig, EngineConfig, SchedulerConfig
+from cadenza.node.engine import Engine
+from cadenza.node.server.app import create_app, until_stopped_or_failed
+from cadenza.node.server.openai_api import ENGINE
+
+
+class SimulatedCrash(BaseException):
+    """What no command handler catches: a bug in the engine loop itself."""
+
+
+async def test_the_server_exits_with_1_when_its_loaded_engine_dies(aiohttp_client, tiny_llama_dir):
+    config = EngineConfig(model=str(tiny_llama_dir), served_model_name="tiny",
+                          scheduler=SchedulerConfig(token_budget=64, chunk_size=16, max_model_len=256),
+                          cache=CacheConfig(num_kv_blocks=64))
+    app = create_app(partial(Engine, config), "tiny")
+    client = await aiohttp_client(app)
+    engine = await app[ENGINE].wait_ready()
+    stop = asyncio.Event()
+    serving = asyncio.ensure_future(until_stopped_or_failed(app, stop))
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    assert (await client.post("/v1/completions", json=body)).status == 200
+    assert not serving.done()
+
+    def crash():
+        raise SimulatedCrash("the engine loop broke")
+
+    engine.step = crash
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 503  # the request in flight fails at once, not after a timeout
+    assert await asyncio.wait_for(serving, timeout=30) == 1
+    assert (await client.get("/health")).status == 503
+
+
+async def test_the_server_exits_with_0_when_stopped(aiohttp_client, tiny_llama_dir):
+    config = EngineConfig(model=str(tiny_llama_dir), served_model_name="tiny",
+                          scheduler=SchedulerConfig(max_model_len=256), cache=CacheConfig(num_kv_blocks=64))
+    app = create_app(partial(Engine, config), "tiny")
+    await aiohttp_client(app)
+    await app[ENGINE].wait_ready()
+    stop = asyncio.Event()
+    serving = asyncio.ensure_future(until_stopped_or_failed(app, stop))
+    await asyncio.sleep(0)
+    stop.set()
+    assert await asyncio.wait_for(serving, timeout=30) == 0
