@@ -48,6 +48,7 @@ class _Add:
     arrival_time: float
     traffic_class: str
     tenant: str
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -143,6 +144,7 @@ class AsyncEngine:
         traffic_class: str = "interactive",
         tenant: str = "default",
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until one is finished.
 
@@ -167,7 +169,7 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._commands.put(_Add(request_id, prompt_token_ids, sampling, arrival, traffic_class, tenant))
+        self._commands.put(_Add(request_id, prompt_token_ids, sampling, arrival, traffic_class, tenant, cache_salt))
         finished = False
         try:
             while True:
@@ -278,6 +280,30 @@ class AsyncEngine:
             self._refresh_stats(force=any(o.finished for o in outputs) or not engine.has_unfinished_requests())
             if outputs:
                 self._publish(outputs)
+
+    def _apply(self, engine: Engine, cmd: _Add | _Abort | _Reconfigure, failures: list) -> None:
+        """Run one command. Whatever it raises answers its caller — a ValueError (bad input:
+        400), anything else (a bug: 500, logged) — and never ends the loop."""
+        if isinstance(cmd, _Reconfigure):
+            self._settle(cmd.done, engine.reconfigure, cmd.changes)
+            return
+        try:
+            if isinstance(cmd, _Abort):
+                engine.abort_request(cmd.request_id)
+            else:
+                engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.arrival_time,
+                                   cmd.traffic_class, cmd.tenant, cmd.cache_salt)
+        except ValueError as exc:  # AdmissionError included
+            failures.append((cmd.request_id, exc))
+        except Exception as exc:
+            logger.exception("engine command %s for %s failed", type(cmd).__name__.lstrip("_"), cmd.request_id)
+            if isinstance(cmd, _Add):
+                try:  # it may be half-added: never leave it holding KV with nobody listening
+                    engine.abort_request(cmd.request_id)
+                except Exception:  # pragma: no cover - a second bug on the same request
+                    logger.exception("could not drop %s after its failed add", cmd.request_id)
+                failures.append((cmd.request_id, EngineCommandError(f"the request failed inside the engine: "
+                                                                    f"{type(exc).__name__}: {exc}")))
 
     def _refresh_stats(self, force: bool = False) -> None:
         now = time.monotonic()

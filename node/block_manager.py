@@ -5,7 +5,12 @@ SOSP 2023). A request's block table lists its blocks in token order, so position
 slot ``table[p // block_size] * block_size + p % block_size``.
 
 Prefix caching (as vLLM's automatic prefix caching): a *full* block is identified by a hash
-chained over every token id of the prefix up to its end, so equal hashes mean equal KV. Blocks
+chained over every token id of the prefix up to its end, so equal hashes mean equal KV. The hash
+is SHA-256 over the parent block's hash and the block's token ids (as 32-bit words), truncated to
+128 bits: a crafted prompt cannot collide with another's blocks and be handed their KV, as it
+could with Python's 64-bit unsalted ``hash()`` (vLLM's CVE-2025-25183). The chain starts from a
+root derived from a per-request *salt*: requests with different salts never share blocks, so a
+tenant cannot probe another tenant's prompts through time to first token. Blocks
 are ref-counted; a new request adopts the cached blocks of its longest cached prefix and computes
 only the rest. A block whose last user finishes keeps its hash and stays cached-but-free; it is
 evicted, least recently freed first, only when a fresh block is needed. Hashes are registered
@@ -18,10 +23,23 @@ Accounting is exact: ``num_used_blocks`` (ref > 0) + ``num_cached_free_blocks`` 
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-_ROOT_HASH = hash(("cadenza-prefix-cache", 1))
+HASH_BYTES = 16  # SHA-256 truncated to 128 bits
+_ROOT_HASH = hashlib.sha256(b"cadenza-prefix-cache-v2").digest()[:HASH_BYTES]
+
+
+def root_hash(salt: bytes = b"") -> bytes:
+    """The chain's start for requests with cache salt ``salt`` (no salt: the shared root)."""
+    return _ROOT_HASH if not salt else hashlib.sha256(_ROOT_HASH + salt).digest()[:HASH_BYTES]
+
+
+def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The hash of a full block holding ``token_ids`` after the prefix hashed ``parent``."""
+    return hashlib.sha256(parent + array("I", token_ids).tobytes()).digest()[:HASH_BYTES]
 
 
 class KVBlockManager:
@@ -41,11 +59,12 @@ class KVBlockManager:
         self.prefix_caching = prefix_caching
         self.block_tables: dict[str, list[int]] = {}
         self.ref_counts = [0] * num_blocks
-        self._hash_of: list[int | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}  # hash -> block holding that prefix's KV
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # hash -> block holding that prefix's KV
         self._plain_free: deque[int] = deque(range(num_blocks))  # free, never hashed (or evicted)
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # free, hashed; oldest first
-        self._hashes: dict[str, list[int]] = {}  # request -> chained hashes of its full blocks
+        self._hashes: dict[str, list[bytes]] = {}  # request -> chained hashes of its full blocks
+        self._committed: dict[str, int] = {}  # request -> leading blocks of its table already committed
         self.num_evictions = 0
 
     # -- accounting -------------------------------------------------------------------------------
@@ -130,6 +149,7 @@ class KVBlockManager:
         """
         if not keep_hashes:
             self._hashes.pop(request_id, None)
+        self._committed.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if not table:
             return 0
@@ -149,15 +169,16 @@ class KVBlockManager:
 
     # -- prefix caching -----------------------------------------------------------------------------
 
-    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+    def match_prefix(self, request_id: str, token_ids: Sequence[int], salt: bytes = b"") -> list[int]:
         """Cached blocks holding the longest cached prefix of ``token_ids`` (not adopted yet).
 
         At most ``len(token_ids) - 1`` tokens are matched: the last token is always computed, so
-        its logits exist, and it never lands in a shared block.
+        its logits exist, and it never lands in a shared block. Only blocks committed under the
+        same ``salt`` match.
         """
         if not self.prefix_caching:
             return []
-        hashes = self._chain(request_id, token_ids, (len(token_ids) - 1) // self.block_size)
+        hashes = self._chain(request_id, token_ids, (len(token_ids) - 1) // self.block_size, salt)
         blocks = []
         for h in hashes:
             block = self._cached.get(h)
@@ -176,7 +197,8 @@ class KVBlockManager:
             self.ref_counts[block] += 1
         self.block_tables[request_id] = list(blocks)
 
-    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+               salt: bytes = b"") -> None:
         """Register the hashes of the request's blocks that are now full and computed."""
         if not self.prefix_caching:
             return
@@ -184,19 +206,25 @@ class KVBlockManager:
         if not table:
             return
         full = min(num_computed_tokens // self.block_size, len(table))
-        hashes = self._chain(request_id, token_ids, full)
-        for i in range(full):
+        done = self._committed.get(request_id, 0)
+        if full <= done:
+            return
+        hashes = self._chain(request_id, token_ids, full, salt)
+        hash_of, cached = self._hash_of, self._cached
+        for i in range(done, full):
             block = table[i]
-            if self._hash_of[block] is None and hashes[i] not in self._cached:
-                self._hash_of[block] = hashes[i]
-                self._cached[hashes[i]] = block
+            if hash_of[block] is None and hashes[i] not in cached:
+                hash_of[block] = hashes[i]
+                cached[hashes[i]] = block
+        self._committed[request_id] = full
 
-    def _chain(self, request_id: str, token_ids: Sequence[int], num_full: int) -> list[int]:
-        """Chained hashes of the first ``num_full`` full blocks, memoised per request."""
+    def _chain(self, request_id: str, token_ids: Sequence[int], num_full: int, salt: bytes) -> list[bytes]:
+        """Chained hashes of the first ``num_full`` full blocks, memoised per request (a request's
+        salt never changes while it is live)."""
         hashes = self._hashes.setdefault(request_id, [])
         bs = self.block_size
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else root_hash(salt)
         for i in range(len(hashes), num_full):
-            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             hashes.append(parent)
         return hashes

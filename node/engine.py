@@ -128,8 +128,13 @@ class Engine:
         arrival_time: float | None = None,
         traffic_class: str = "interactive",
         tenant: str = "default",
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request in its traffic class.
+
+        ``cache_salt`` keeps its prefix-cache entries apart from those of requests with another
+        salt (see :mod:`cadenza.node.block_manager`); the scheduler adds the tenant's name to it
+        when the policy isolates tenants.
 
         Raises:
             ValueError: empty prompt, a token id outside the vocabulary, a duplicate id.
@@ -141,7 +146,7 @@ class Engine:
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
         req = Request(request_id, list(prompt_token_ids), sampling, eos_token_ids=self.eos_token_ids,
-                      traffic_class=traffic_class, tenant=tenant)
+                      traffic_class=traffic_class, tenant=tenant, cache_salt=cache_salt)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.scheduler.add_request(req)

@@ -128,6 +128,9 @@ class Policy:
             time stays within it (the reservation for decodes, in time).
         max_preemptions: a request preempted more than this many times is not preempted again.
         watermark: fraction of KV blocks kept free when admitting new prompts.
+        tenant_cache_isolation: tenants never share prefix-cache blocks (a tenant cannot learn
+            from time to first token whether another sent a prompt); off by default, so a system
+            prompt common to every tenant is computed once.
     """
 
     classes: Mapping[str, ClassPolicy] = field(default_factory=default_class_policies)
@@ -136,6 +139,7 @@ class Policy:
     step_time_target_ms: float | None = None
     max_preemptions: int = 2
     watermark: float = 0.01
+    tenant_cache_isolation: bool = False
 
     def __post_init__(self) -> None:
         if set(self.classes) != set(CLASSES):
@@ -153,6 +157,8 @@ class Policy:
             raise PolicyError(f"max_preemptions: must be an integer >= 0, got {_shown(self.max_preemptions)}")
         if not _is_number(self.watermark) or not 0 <= self.watermark < 0.5:
             raise PolicyError(f"watermark: must be a number in [0, 0.5), got {_shown(self.watermark)}")
+        if not isinstance(self.tenant_cache_isolation, bool):
+            raise PolicyError(f"tenant_cache_isolation: must be true or false, got {_shown(self.tenant_cache_isolation)}")
 
     def tenant(self, name: str) -> TenantPolicy:
         return self.tenants.get(name, self.default_tenant)
@@ -166,6 +172,7 @@ class Policy:
             "step_time_target_ms": self.step_time_target_ms,
             "max_preemptions": self.max_preemptions,
             "watermark": self.watermark,
+            "tenant_cache_isolation": self.tenant_cache_isolation,
         }
 
     def updated(self, changes: Mapping[str, Any]) -> "Policy":
@@ -194,7 +201,10 @@ class Policy:
             classes[name] = _merge(ClassPolicy, classes[name], patch, f"classes.{name}")
         tenants = dict(self.tenants)
         for name, patch in _mapping(changes.get("tenants", {}), "tenants").items():
-            check_tenant(name)
+            try:
+                check_tenant(name)
+            except PolicyError as exc:
+                raise PolicyError(f"tenants: {str(exc).partition(': ')[2]}") from None
             if patch is None:
                 tenants.pop(name, None)
             else:
@@ -209,6 +219,7 @@ class Policy:
             step_time_target_ms=changes.get("step_time_target_ms", self.step_time_target_ms),
             max_preemptions=changes.get("max_preemptions", self.max_preemptions),
             watermark=changes.get("watermark", self.watermark),
+            tenant_cache_isolation=changes.get("tenant_cache_isolation", self.tenant_cache_isolation),
         )
 
 

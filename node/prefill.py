@@ -179,7 +179,7 @@ class PrefillAdder:
         if not self.admissions_open and not self._displaceable(req):
             return False
         bm, bs = self.bm, self.bm.block_size
-        cached = bm.match_prefix(req.request_id, req.token_ids)
+        cached = bm.match_prefix(req.request_id, req.token_ids, self.sched.cache_salt(req))
         need = -(-len(req.token_ids) // bs) - len(cached)
         start = len(cached) * bs
         slots_short = len(self.sched.running) + 1 - self.max_running

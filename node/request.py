@@ -53,7 +53,8 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 disables it.
         seed: seeds this request's generator; None draws one from the engine's seed.
         stop: strings that end generation; the match is not included in the output.
-        stop_token_ids: token ids that end generation (the token is not included in the text).
+        stop_token_ids: token ids that end generation (the token is not included in the text);
+            kept as a frozenset, so checking a token costs the same however many there are.
         ignore_eos: keep generating past EOS (benchmarks use it to get the trace's lengths).
 
     Raises:
@@ -66,7 +67,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] | tuple[int, ...] = frozenset()
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -82,6 +83,7 @@ class SamplingParams:
             raise ValueError("stop: stop strings must be non-empty")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed: must be a 64-bit signed integer, got {self.seed}")
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -105,6 +107,8 @@ class Request:
         num_cached_tokens: prompt tokens served from the prefix cache at its (last) admission.
         admitted_time: when it was first admitted to run (queue time = this - arrival).
         preempted_time: when it was last preempted (None once it runs again).
+        cache_salt: the client's prefix-cache salt: only requests with the same salt (and, when
+            the policy isolates tenants, the same tenant) share cached KV blocks.
     """
 
     request_id: str
@@ -121,6 +125,7 @@ class Request:
     num_cached_tokens: int = 0
     admitted_time: float | None = None
     preempted_time: float | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -327,6 +327,16 @@ class Scheduler:
                 return False
         return True
 
+    def cache_salt(self, req: Request) -> bytes:
+        """The prefix-cache salt of ``req``: its tenant when the policy isolates tenants, and the
+        client's ``cache_salt``; requests share cached blocks only under equal salts."""
+        isolate = self.policy.tenant_cache_isolation
+        if not isolate and not req.cache_salt:
+            return b""
+        tenant = f"tenant={req.tenant}" if isolate else ""
+        salt = f"salt={req.cache_salt}" if req.cache_salt else ""
+        return f"{tenant}\0{salt}".encode()
+
     # -- preemption ---------------------------------------------------------------------------
 
     def protected(self, req: Request) -> bool:
@@ -410,7 +420,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             computed = req.num_computed_tokens = req.num_computed_tokens + n
             if caching and (n > 1 or computed % bs == 0):
-                bm.commit(req.request_id, req.token_ids, computed)
+                bm.commit(req.request_id, req.token_ids, computed, self.cache_salt(req))
             if token is None:
                 continue
             finished = req.append_token(token)

@@ -90,6 +90,35 @@ def test_hashes_chain_over_the_whole_prefix():
     assert bm.match_prefix("b", [9, 9, 9, 9, 5, 6, 7, 8, 0]) == []  # same second block, other prefix
 
 
+def test_block_hashes_are_truncated_sha256_over_the_parent_hash_and_the_token_ids():
+    import hashlib
+    from array import array
+
+    from cadenza.node.block_manager import block_hash, root_hash
+
+    tokens = [1, 70_000, 3, 2**31]
+    expected = hashlib.sha256(root_hash() + array("I", tokens).tobytes()).digest()[:16]
+    assert block_hash(root_hash(), tokens) == expected and len(expected) == 16
+    assert root_hash(b"tenant=a") != root_hash() != root_hash(b"tenant=b")
+    bm = cached_manager()
+    bm.allocate("a", 8)
+    bm.commit("a", tokens + [5, 6, 7, 8], 8)
+    assert bm._hashes["a"] == [expected, block_hash(expected, [5, 6, 7, 8])]
+
+
+def test_requests_share_cached_blocks_only_under_the_same_salt():
+    bm = cached_manager(num_blocks=16)
+    tokens = list(range(13))
+    bm.allocate("a", 13)
+    bm.commit("a", tokens, 13, salt=b"tenant=acme")
+    assert bm.match_prefix("b", tokens) == []  # no salt
+    assert bm.match_prefix("c", tokens, salt=b"tenant=other") == []
+    assert bm.match_prefix("d", tokens, salt=b"tenant=acme") == bm.block_table("a")[:3]
+    bm.allocate("e", 13)
+    bm.commit("e", tokens, 13)  # the unsalted copy is cached apart
+    assert bm.match_prefix("f", tokens) == bm.block_table("e")[:3]
+
+
 def test_shared_blocks_are_ref_counted_and_survive_their_first_user():
     bm = cached_manager()
     tokens = list(range(9))
