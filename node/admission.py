@@ -64,11 +64,14 @@ def check_admission(
     tenant_queued_tokens: int,
     drain: DrainRate,
     now: float,
+    queue_limit: int | None = None,
 ) -> None:
     """Refuse ``req`` if it cannot or should not be queued now.
 
     Args:
         class_depth: requests waiting in the request's class.
+        queue_limit: most requests the class may have waiting (default: its policy's
+            ``max_queue_depth``; the scheduler passes the bound derived from its capacity).
         tenant_live: the tenant's live requests (waiting or running).
         tenant_queued_tokens: the tenant's prompt tokens waiting.
 
@@ -80,8 +83,8 @@ def check_admission(
         raise AdmissionError(
             400, f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling.max_tokens}) "
             f"exceeds max_model_len={max_model_len}", "too_long")
-    cls = policy.classes[req.traffic_class]
-    if cls.max_queue_depth is not None and class_depth >= cls.max_queue_depth:
+    limit = policy.classes[req.traffic_class].max_queue_depth if queue_limit is None else queue_limit
+    if limit is not None and class_depth >= limit:
         raise AdmissionError(
             429, f"the {req.traffic_class} queue is full ({class_depth} requests waiting); retry later",
             "queue_full", drain.retry_after(class_depth, now))

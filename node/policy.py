@@ -15,6 +15,10 @@ from typing import Any
 
 CLASSES = ("interactive", "batch", "background")  # highest priority first
 CLASS_RANK = {name: rank for rank, name in enumerate(CLASSES)}
+# A class's queue bound when its policy sets none: this many waiting requests per running slot
+# (``max_running``). Interactive requests wait at most about two generations before a 429 says
+# "retry later"; batch and background tolerate long queues, not unbounded ones.
+QUEUE_DEPTH_PER_SLOT = {"interactive": 2, "batch": 16, "background": 16}
 DEFAULT_TENANT = "default"
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
 
@@ -68,7 +72,9 @@ class ClassPolicy:
             prefill work, even while higher classes want more (0 to 1).
         max_queue_age_s: once the class's oldest waiting request has waited this long (seconds),
             it is admitted next, ahead of every other class (aging: nothing starves).
-        max_queue_depth: most requests waiting in the class; more are refused with 429.
+        max_queue_depth: most requests waiting in the class; more are refused with 429. None:
+            derived from the engine's capacity, ``QUEUE_DEPTH_PER_SLOT[class] × max_running``
+            (128 interactive and 1,024 batch or background requests at ``max_num_seqs`` 64).
     """
 
     max_prefill_tokens: int | None = None

@@ -60,6 +60,7 @@ class PrefillAdder:
         self.reserved = 0  # blocks admitted prompts still need
         bs = self.bm.block_size
         tables = self.bm.block_tables
+        self._lowest_rank: int | None = None  # of the classes running when the step began (lazily)
         for req in sched.running:
             n = len(req.token_ids)
             if req.num_computed_tokens < n - 1:
@@ -240,7 +241,9 @@ class PrefillAdder:
         """Running requests ``req`` may displace, in the order they go: strictly lower classes,
         the lowest and then the newest first; none protected, none admitted in this step."""
         rank = CLASS_RANK[req.traffic_class]
-        if rank == len(CLASSES) - 1:
+        if self._lowest_rank is None:
+            self._lowest_rank = max((CLASS_RANK[c] for c in {r.traffic_class for r in self.sched.running}), default=-1)
+        if rank >= self._lowest_rank:  # nothing of a lower class ran when the step began
             return []
         admitted_now = {r.request_id for r, _phase, _queued in self.step.out.admitted}
         victims = [r for r in self.sched.running
@@ -281,10 +284,12 @@ class PrefillAdder:
         if close_admissions:
             self.admissions_open = False
         self.wanted.pop(victim.request_id, None)
-        for tenants in self.partials.values():
-            for queue in tenants.values():
-                if victim in queue:
-                    queue.remove(victim)
+        tenants = self.partials[victim.traffic_class]
+        queue = tenants.get(victim.tenant)
+        if queue is not None and victim in queue:
+            queue.remove(victim)
+            if not queue:
+                del tenants[victim.tenant]
 
     def _count_deferred(self) -> None:
         deferred = 0

@@ -35,7 +35,7 @@ from cadenza.node.admission import AdmissionError, DrainRate, check_admission
 from cadenza.node.block_manager import KVBlockManager
 from cadenza.node.config import SchedulerConfig
 from cadenza.node.cost_model import StepCostModel, StepFeatures
-from cadenza.node.policy import CLASS_RANK, CLASSES, PolicyError, check_class, check_tenant
+from cadenza.node.policy import CLASS_RANK, CLASSES, QUEUE_DEPTH_PER_SLOT, PolicyError, check_class, check_tenant
 from cadenza.node.queues import ClassQueue
 from cadenza.node.request import Request, RequestStatus
 
@@ -235,7 +235,13 @@ class Scheduler:
         queue = self.queues[request.traffic_class]
         check_admission(request, self.policy, self.config.max_model_len, len(queue),
                         self.tenant_live.get(request.tenant, 0), queue.queued_prompt_tokens.get(request.tenant, 0),
-                        self.drain[request.traffic_class], self.clock())
+                        self.drain[request.traffic_class], self.clock(), self.queue_limit(request.traffic_class))
+
+    def queue_limit(self, cls: str) -> int:
+        """Most requests class ``cls`` may have waiting: its policy's ``max_queue_depth``, else
+        ``QUEUE_DEPTH_PER_SLOT[cls] × max_running`` (overload is a 429, not minutes in a queue)."""
+        depth = self.policy.classes[cls].max_queue_depth
+        return depth if depth is not None else QUEUE_DEPTH_PER_SLOT[cls] * self.config.max_running
 
     def abort_request(self, request_id: str) -> Request | None:
         """Drop a live request now and free its KV blocks; None if it is not live."""
@@ -298,21 +304,31 @@ class Scheduler:
         if len(decodes) > step.budget_left:  # the budget was lowered live: highest classes first
             decodes.sort(key=lambda r: (CLASS_RANK[r.traffic_class], r.arrival_time))
         running = RequestStatus.RUNNING
+        bs, append, new_row = bm.block_size, rows.append, _new_row
+        budget, count, context = step.budget_left, 0, 0  # written back to the step before any preemption
         for req in decodes:
-            if req.status != running:
+            if req.status is not running:
                 continue  # preempted by a decode before it
-            if step.budget_left <= 0:
+            if budget <= 0:
                 self.stats.decode_steps_delayed += 1
                 continue
             n = len(req.token_ids)
             table = tables[req.request_id]
-            if n > len(table) * bm.block_size and not bm.append_slot(req.request_id, n):
-                if not self._make_room(req, n, step):
+            if n > len(table) * bs and not bm.append_slot(req.request_id, n):
+                step.budget_left, out.num_decode_tokens, out.decode_context_tokens = (
+                    budget, out.num_decode_tokens + count, out.decode_context_tokens + context)
+                count = context = 0
+                made_room = self._make_room(req, n, step)  # may unschedule (refund) earlier rows
+                budget = step.budget_left
+                if not made_room:
                     continue
-            rows.append(_new_row(ScheduledRow, (req, n - 1, 1, True, table)))
-            step.budget_left -= 1
-            out.num_decode_tokens += 1
-            out.decode_context_tokens += n
+            append(new_row(ScheduledRow, (req, n - 1, 1, True, table)))
+            budget -= 1
+            count += 1
+            context += n
+        step.budget_left = budget
+        out.num_decode_tokens += count
+        out.decode_context_tokens += context
 
     def _make_room(self, req: Request, n: int, step: Step) -> bool:
         """Preempt until ``req`` gets the block its decode needs; False if it must wait instead."""
@@ -470,6 +486,7 @@ class Scheduler:
             classes[name] = {
                 "waiting": len(queue),
                 "running": sum(1 for r in self.running if r.traffic_class == name),
+                "queue_limit": self.queue_limit(name),
                 "oldest_queue_age_s": round(now - oldest.arrival_time, 6) if oldest else 0.0,
                 "prefill_tokens": s.prefill_tokens_by_class[name],
             }

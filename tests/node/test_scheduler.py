@@ -106,7 +106,7 @@ def test_waiting_requests_are_admitted_first_come_first_served():
 
 
 def test_max_num_seqs_caps_running_requests():
-    sched = make_scheduler(token_budget=64, chunk_size=4, max_num_seqs=2)
+    sched = make_scheduler(token_budget=64, chunk_size=4, max_num_seqs=2, queue_depth=5)
     for _ in range(5):
         sched.add_request(make_request(4, max_tokens=10))
     run_step(sched)
@@ -238,7 +238,8 @@ def simulate(w: dict) -> Trace:
     max_model_len = 140
     bs = w["block_size"]
     num_blocks = -(-max_model_len // bs) + w["spare_blocks"]
-    sched = make_scheduler(w["token_budget"], w["chunk_size"], w["max_num_seqs"], max_model_len, num_blocks, bs)
+    sched = make_scheduler(w["token_budget"], w["chunk_size"], w["max_num_seqs"], max_model_len, num_blocks, bs,
+                           queue_depth=len(w["requests"]))
     trace = Trace(sched.config)
     streams = [[(7 * j + k * 13) % 97 + 3 for j in range(120)] for k in range(2)]
 

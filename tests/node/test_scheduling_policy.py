@@ -5,6 +5,7 @@ Numbers in test names and assertions are those of the issue that specified the p
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -85,7 +86,8 @@ def test_batch_request_is_admitted_within_its_max_queue_age_despite_an_interacti
     """Interactive flood plus one batch request: its queue age never exceeds the class maximum."""
     max_age = 2.0
     sched = make_scheduler(token_budget=64, chunk_size=64, max_num_seqs=4, max_model_len=1024, num_blocks=4096,
-                           classes=classes(batch=ClassPolicy(min_share=0.0, max_queue_age_s=max_age)))
+                           classes=classes(batch=ClassPolicy(min_share=0.0, max_queue_age_s=max_age)),
+                           queue_depth=100_000)
     engine = FakeEngine(sched, step_seconds=0.1)
     for _ in range(8):
         engine.add(make_request(60, max_tokens=8))
@@ -107,7 +109,7 @@ def test_batch_request_is_admitted_within_its_max_queue_age_despite_an_interacti
 def test_two_saturating_tenants_with_weights_3_to_1_get_prefill_tokens_3_to_1():
     policy = {"tenants": {"gold": TenantPolicy(weight=3.0), "bronze": TenantPolicy(weight=1.0)}}
     sched = make_scheduler(token_budget=128, chunk_size=64, max_num_seqs=8, max_model_len=4096, num_blocks=8192,
-                           **policy)
+                           queue_depth=100_000, **policy)
     engine = FakeEngine(sched)
     rng = random.Random(0)
     for _ in range(400):
@@ -151,6 +153,49 @@ def test_queue_depth_limit_refuses_with_retry_after_from_the_drain_rate():
         engine.add(make_request(16, max_tokens=1))
     assert err.value.status == 429 and err.value.reason == "queue_full"
     assert 2 <= err.value.retry_after <= 4  # 5 queued at ~2 per second
+
+
+def test_without_a_configured_depth_each_queue_is_bounded_by_the_engines_capacity():
+    """max_num_seqs 8: 16 interactive and 128 batch requests may wait; the next is a 429."""
+    sched = make_scheduler(token_budget=64, chunk_size=16, max_num_seqs=8, max_model_len=1024)
+    engine = FakeEngine(sched)
+    for _ in range(8):
+        engine.add(make_request(10, max_tokens=100))
+    engine.step()
+    engine.step()
+    assert sched.num_running == 8 and sched.num_waiting == 0
+    for _ in range(16):
+        engine.add(make_request(10, max_tokens=100))
+    for _ in range(128):
+        engine.add(make_request(10, max_tokens=100, traffic_class="batch"))
+    for cls in ("interactive", "batch"):
+        with pytest.raises(AdmissionError) as refused:
+            engine.add(make_request(10, max_tokens=100, traffic_class=cls))
+        assert refused.value.status == 429 and refused.value.reason == "queue_full"
+        assert refused.value.retry_after >= 1
+    snapshot = sched.snapshot()["classes"]
+    assert snapshot["interactive"]["queue_limit"] == 16 and snapshot["batch"]["queue_limit"] == 128
+    sched.reconfigure(dataclasses.replace(sched.config, policy=sched.policy.updated(
+        {"classes": {"interactive": {"max_queue_depth": 17}}})))  # an explicit depth overrides it
+    engine.add(make_request(10, max_tokens=100))
+    engine.run()
+    assert sched.num_waiting == 0
+
+
+@pytest.mark.parametrize("isolated", [False, True])
+def test_with_tenant_cache_isolation_one_tenant_never_hits_anothers_prompt(isolated):
+    sched = make_scheduler(max_model_len=1024, tenant_cache_isolation=isolated)
+    engine = FakeEngine(sched)
+    prompt = list(range(100, 164))
+    engine.add(make_request(64, tokens=prompt, tenant="alice"))
+    engine.run()
+    bob = engine.add(make_request(64, tokens=prompt, tenant="bob"))
+    alice_again = engine.add(make_request(64, tokens=prompt, tenant="alice"))
+    salted = engine.add(make_request(64, tokens=prompt, tenant="alice", cache_salt="s1"))
+    engine.run()
+    assert (bob.num_cached_tokens == 0) == isolated
+    assert alice_again.num_cached_tokens == 60  # a tenant's own prompts still hit (last block recomputed)
+    assert salted.num_cached_tokens == 0  # a client's cache_salt keeps it apart, isolation or not
 
 
 def test_invalid_class_or_tenant_is_a_400():
@@ -329,7 +374,7 @@ def test_an_equal_class_never_displaces_a_running_request():
 def test_a_lower_class_under_steady_interactive_arrivals_still_finishes():
     """Every step a new interactive request arrives; two slots; batch may be preempted, boundedly."""
     sched = make_scheduler(token_budget=64, chunk_size=16, max_num_seqs=2, max_model_len=1024, num_blocks=1024,
-                           max_preemptions=2)
+                           max_preemptions=2, queue_depth=100_000)
     engine = FakeEngine(sched, step_seconds=0.05)
     batch = engine.add(make_request(20, max_tokens=60, traffic_class="batch"))
     engine.step()
@@ -349,7 +394,7 @@ def test_two_thousand_requests_with_30_percent_cancelled_leave_no_used_block():
     """Then one request that needs the whole pool succeeds (cached blocks are evicted for it)."""
     rng = random.Random(1)
     sched = make_scheduler(token_budget=256, chunk_size=64, max_num_seqs=32, max_model_len=1024, num_blocks=256,
-                           block_size=4)
+                           block_size=4, queue_depth=100_000)
     engine = FakeEngine(sched)
     shared = [rng.randrange(3, 500) for _ in range(64)]
     live = []
@@ -431,7 +476,8 @@ def test_policy_updates_merge_and_validate():
 
 def test_a_returning_tenant_starts_level_with_those_waiting_neither_credit_nor_debt():
     """A used 10,000 tokens alone, B 200 alone; when both flood, they alternate."""
-    sched = make_scheduler(token_budget=512, chunk_size=512, max_num_seqs=1, max_model_len=4096, num_blocks=4096)
+    sched = make_scheduler(token_budget=512, chunk_size=512, max_num_seqs=1, max_model_len=4096, num_blocks=4096,
+                           queue_depth=100_000)
     engine = FakeEngine(sched)
     engine.add(make_request(4000, max_tokens=1, tenant="a"))
     engine.add(make_request(4000, max_tokens=1, tenant="a"))

@@ -6,12 +6,13 @@ steps, with a clock that advances a fixed time per step, so they are exact and f
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
 from cadenza.node.block_manager import KVBlockManager
 from cadenza.node.config import SchedulerConfig
-from cadenza.node.policy import Policy
+from cadenza.node.policy import Policy, default_class_policies
 from cadenza.node.request import Request, SamplingParams
 from cadenza.node.scheduler import Scheduler, SchedulerOutput
 
@@ -28,8 +29,13 @@ class FakeClock:
 
 def make_scheduler(
     token_budget=64, chunk_size=16, max_num_seqs=8, max_model_len=512, num_blocks=256, block_size=4,
-    prefix_caching=True, clock=None, **policy,
+    prefix_caching=True, clock=None, queue_depth=None, **policy,
 ) -> Scheduler:
+    """A scheduler over a fake KV pool. ``queue_depth`` bounds every class's queue (tests that flood
+    queues on purpose; by default the bound derived from ``max_num_seqs`` applies)."""
+    if queue_depth is not None:
+        classes = policy.get("classes") or default_class_policies()
+        policy["classes"] = {name: dataclasses.replace(c, max_queue_depth=queue_depth) for name, c in classes.items()}
     config = SchedulerConfig(token_budget, chunk_size, max_num_seqs, max_model_len, prefix_caching, Policy(**policy))
     return Scheduler(config, KVBlockManager(num_blocks, block_size, prefix_caching), clock=clock or FakeClock())
 
