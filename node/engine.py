@@ -21,6 +21,7 @@ from cadenza.node.config import EngineConfig, SchedulerConfig, resolve_max_model
 from cadenza.node.detokenizer import IncrementalDetokenizer
 from cadenza.node.model_runner import ModelRunner
 from cadenza.node.models.config import ModelConfig
+from cadenza.node.models.generation import SamplingDefaults
 from cadenza.node.request import Request, RequestStatus, SamplingParams
 from cadenza.node.scheduler import Scheduler, SchedulerOutput
 from cadenza.node.tokenizer import Tokenizer
@@ -99,6 +100,7 @@ class Engine:
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
         self.eos_token_ids = frozenset(eos)
+        self.sampling_defaults = SamplingDefaults.from_model_dir(config.model)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step_tokens = 0  # tokens the last step computed (0: nothing was schedulable)
         self.step_time_s: deque[float] = deque(maxlen=1024)  # measured model time of recent steps

@@ -224,6 +224,23 @@ class Tokenizer:
         token count of ``text`` from below (used to refuse oversized prompts before tokenizing)."""
         return max(1, max(len(token) for token in self.hf.get_vocab(with_added_tokens=True)))
 
+    @cached_property
+    def chat_markup_tokens(self) -> int:
+        """Tokens the chat template adds per message, at least (0 when it cannot be measured).
+
+        Measured once: a conversation of two empty user/assistant turns against one of four,
+        halved per message, less two for merges across a message's edges with its content.
+        ``messages × chat_markup_tokens`` bounds a chat prompt's token count from below before
+        anything is rendered, so a request of a hundred thousand tiny messages is refused
+        without rendering them.
+        """
+        turn = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
+        try:
+            one, two = (len(self.encode_chat(turn * k, add_generation_prompt=False)) for k in (1, 2))
+        except ChatTemplateError:
+            return 0
+        return max(0, (two - one) // 2 - 2)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD (see ``IncrementalDetokenizer``)."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -24,7 +24,10 @@ from cadenza.node.engine import Engine
 from cadenza.node.policy import DEFAULT_TENANT, PolicyError, check_class, check_tenant
 from cadenza.node.request import SamplingParams
 from cadenza.node.server.errors import APIError, error_body
-from cadenza.node.server.protocol import ChatCompletionRequest, CompletionRequest, parse
+from cadenza.node.models.generation import SamplingDefaults
+from cadenza.node.server.access_log import ACCESS
+from cadenza.node.server.http import body_timeout, send
+from cadenza.node.server.protocol import ChatCompletionRequest, CompletionRequest, check_sizes, parse
 from cadenza.node.telemetry import Telemetry
 from cadenza.node.tokenizer import ChatTemplateError
 
@@ -49,6 +52,7 @@ class _Call:
     traffic_class: str
     tenant: str
     arrival: float  # time.monotonic() when the HTTP request arrived
+    cache_salt: str | None = None
 
 
 def _class_and_tenant(request: web.Request) -> tuple[str, str]:
@@ -56,7 +60,9 @@ def _class_and_tenant(request: web.Request) -> tuple[str, str]:
     cls = request.headers.get(CLASS_HEADER, request.app[DEFAULT_CLASS])
     tenant = request.headers.get(TENANT_HEADER, DEFAULT_TENANT)
     try:
-        return check_class(cls), check_tenant(tenant)
+        cls, tenant = check_class(cls), check_tenant(tenant)
+        request.get(ACCESS, {}).update({"class": cls, "tenant": tenant})
+        return cls, tenant
     except PolicyError as exc:
         header = CLASS_HEADER if str(exc).startswith("class") else TENANT_HEADER
         raise APIError(400, f"{header}: {str(exc).partition(': ')[2]}", param=header) from None
@@ -66,7 +72,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     engine = _ready_engine(request)
     traffic_class, tenant = _class_and_tenant(request)
-    body = parse(CompletionRequest, await _json(request))
+    body = await _body(request, CompletionRequest, engine.max_model_len)
     _check_model(request, body.model)
     body.check_supported()
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -79,9 +85,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
             vocab = engine.model_config.vocab_size
             if any(not 0 <= t < vocab for t in prompt_ids):
                 raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
-        sampling = _sampling(body, len(prompt_ids), body.max_tokens, engine.max_model_len, default_fill=False)
+        sampling = _sampling(body, len(prompt_ids), body.max_tokens, engine.max_model_len, default_fill=False,
+                             defaults=engine.sampling_defaults)
         call = _Call("text_completion", request_id, prompt_ids, sampling, body.stream, body.include_usage,
-                     traffic_class, tenant, arrival)
+                     traffic_class, tenant, arrival, body.cache_salt)
         return await _respond(request, call)
 
 
@@ -89,21 +96,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     engine = _ready_engine(request)
     traffic_class, tenant = _class_and_tenant(request)
-    body = parse(ChatCompletionRequest, await _json(request))
+    body = await _body(request, ChatCompletionRequest, engine.max_model_len)
     _check_model(request, body.model)
     body.check_supported()
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     with _traced(request, request_id, "chat", body, body.requested_max_tokens, traffic_class, tenant, arrival):
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
-        _refuse_oversized_text(engine, sum(len(m["content"]) for m in messages), "messages")
+        _refuse_oversized_text(engine, sum(len(m["content"]) for m in messages), "messages",
+                               markup_tokens=len(messages) * engine.tokenizer.chat_markup_tokens)
         try:
             prompt_ids = await _off_loop(engine.tokenizer.encode_chat, messages)
         except ChatTemplateError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from None
-        sampling = _sampling(body, len(prompt_ids), body.requested_max_tokens, engine.max_model_len, default_fill=True)
+        sampling = _sampling(body, len(prompt_ids), body.requested_max_tokens, engine.max_model_len, default_fill=True,
+                             defaults=engine.sampling_defaults)
         call = _Call("chat.completion", request_id, prompt_ids, sampling, body.stream, body.include_usage,
-                     traffic_class, tenant, arrival)
+                     traffic_class, tenant, arrival, body.cache_salt)
         return await _respond(request, call)
 
 
@@ -144,11 +153,33 @@ async def _off_loop(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-async def _json(request: web.Request) -> object:
+INLINE_BODY_BYTES = 64 * 2**10  # larger bodies are parsed and validated in a worker thread
+
+
+async def _body(request: web.Request, model: type, max_model_len: int):
+    """The request body, read within the body timeout, parsed and validated as ``model``.
+
+    A body over ``INLINE_BODY_BYTES`` is decoded in a worker thread, so its Python-level
+    validation interleaves with the event loop instead of stalling every stream and probe.
+
+    Raises:
+        APIError: 408 (body too slow), 400 (not JSON, too large a shape, invalid fields).
+    """
+    async with body_timeout(request):
+        raw = await request.read()
+    if len(raw) <= INLINE_BODY_BYTES:
+        return _decode(raw, model, max_model_len)
+    return await _off_loop(_decode, raw, model, max_model_len)
+
+
+def _decode(raw: bytes, model: type, max_model_len: int):
     try:
-        return await request.json(loads=json.loads)
+        data = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, absurd nesting
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if isinstance(data, dict):
+        check_sizes(data, max_model_len)
+    return parse(model, data)
 
 
 def _ready_engine(request: web.Request) -> Engine:
@@ -158,16 +189,17 @@ def _ready_engine(request: web.Request) -> Engine:
     return async_engine.engine  # type: ignore[return-value]
 
 
-def _refuse_oversized_text(engine: Engine, num_chars: int, param: str) -> None:
+def _refuse_oversized_text(engine: Engine, num_chars: int, param: str, markup_tokens: int = 0) -> None:
     """Refuse text that cannot fit ``max_model_len`` whatever it tokenizes to, before spending
-    CPU on tokenizing it: no token covers more than ``max_token_chars`` characters (doubled for
-    normalizers that compose characters)."""
-    limit = engine.max_model_len * engine.tokenizer.max_token_chars * 2
-    if num_chars > limit:
+    CPU on rendering or tokenizing it: no token covers more than ``max_token_chars`` characters
+    (doubled for normalizers that compose characters), and a chat template adds at least
+    ``markup_tokens`` (:attr:`Tokenizer.chat_markup_tokens` per message)."""
+    least = -(-num_chars // (engine.tokenizer.max_token_chars * 2)) + markup_tokens
+    if least > engine.max_model_len:
         raise APIError(
             400,
             f"This model's maximum context length is {engine.max_model_len} tokens; a prompt of "
-            f"{num_chars} characters cannot fit it. Please reduce the length of the prompt.",
+            f"{num_chars} characters in its content cannot fit it. Please reduce the length of the prompt.",
             param=param, code="context_length_exceeded",
         )
 
@@ -177,8 +209,10 @@ def _check_model(request: web.Request, model: str) -> None:
         raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
-def _sampling(body, prompt_len: int, max_tokens: int | None, max_model_len: int, default_fill: bool) -> SamplingParams:
-    """Sampling parameters, refusing a prompt or completion that cannot fit ``max_model_len``."""
+def _sampling(body, prompt_len: int, max_tokens: int | None, max_model_len: int, default_fill: bool,
+              defaults: SamplingDefaults) -> SamplingParams:
+    """Sampling parameters, refusing a prompt or completion that cannot fit ``max_model_len``;
+    fields the request leaves out take the model's ``defaults`` (``generation_config.json``)."""
     room = max_model_len - prompt_len
     if room <= 0 or (max_tokens is not None and max_tokens > room):
         asked = prompt_len + (max_tokens or 0)
@@ -194,9 +228,9 @@ def _sampling(body, prompt_len: int, max_tokens: int | None, max_model_len: int,
         max_tokens = room if default_fill else min(16, room)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=max(body.top_k, 0),  # -1 (vLLM) and 0 both mean off
+        temperature=defaults.temperature if body.temperature is None else body.temperature,
+        top_p=defaults.top_p if body.top_p is None else body.top_p,
+        top_k=defaults.top_k if body.top_k is None else max(body.top_k, 0),  # -1 (vLLM) and 0: off
         seed=body.seed,
         stop=tuple(body.stop),
         stop_token_ids=tuple(body.stop_token_ids),
@@ -209,8 +243,10 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
     model = request.app[MODEL_NAME]
     created = int(time.time())
     stream = async_engine.generate(call.request_id, call.prompt_ids, call.sampling, call.traffic_class, call.tenant,
-                                   arrival_time=call.arrival)
+                                   arrival_time=call.arrival, cache_salt=call.cache_salt)
     chat = call.kind == "chat.completion"
+    access = request.get(ACCESS, {})
+    access["id"] = call.request_id
     if not call.stream:
         text: list[str] = []
         last = None
@@ -218,6 +254,7 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
             async for last in _guard(outputs):
                 text.append(last.text)
         assert last is not None
+        access["tokens"] = f"{last.num_prompt_tokens}+{last.num_output_tokens}"
         choice = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
@@ -252,20 +289,22 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
                 if not response.prepared:
                     await response.prepare(request)
                     if chat:
-                        await _send(response, chunk({"role": "assistant", "content": ""}, None))
+                        await _send(request, response, chunk({"role": "assistant", "content": ""}, None))
                 if last.text or last.finished:
-                    await _send(response, chunk(last.text or None, last.finish_reason))
+                    await _send(request, response, chunk(last.text or None, last.finish_reason))
         except APIError as exc:
             if not response.prepared:
                 raise
             request.app[TELEMETRY].fail_request(call.request_id, exc.code or str(exc.status), exc.message)
-            await _send(response, error_body(exc.status, exc.message, exc.param, exc.code))  # mid-stream
+            await _send(request, response, error_body(exc.status, exc.message, exc.param, exc.code))  # mid-stream
             await response.write_eof()
             return response
+    if last is not None:
+        access["tokens"] = f"{last.num_prompt_tokens}+{last.num_output_tokens}"
     if call.include_usage and last is not None:
-        await _send(response, {"id": call.request_id, "object": chunk_kind, "created": created, "model": model,
+        await _send(request, response, {"id": call.request_id, "object": chunk_kind, "created": created, "model": model,
                                "choices": [], "usage": _usage(last)})
-    await response.write(b"data: [DONE]\n\n")
+    await send(request, response, b"data: [DONE]\n\n")
     await response.write_eof()
     return response
 
@@ -286,8 +325,8 @@ async def _guard(outputs):
         raise APIError(500, str(exc)) from None
 
 
-async def _send(response: web.StreamResponse, body: dict) -> None:
-    await response.write(b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
+async def _send(request: web.Request, response: web.StreamResponse, body: dict) -> None:
+    await send(request, response, b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
 
 
 def _usage(output) -> dict:

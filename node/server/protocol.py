@@ -1,8 +1,16 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic.
 
 Follows the OpenAI API reference for ``/v1/completions`` and ``/v1/chat/completions`` plus the
-vLLM extensions ``top_k``, ``stop_token_ids`` and ``ignore_eos``. A field sent as ``null`` takes
-its default, as the reference allows. Unknown fields are ignored (as vLLM does), so clients that
+vLLM extensions ``top_k``, ``stop_token_ids``, ``ignore_eos`` and ``cache_salt``. A field sent as
+``null`` takes its default, as the reference allows; sampling fields left out take the model's
+``generation_config.json`` defaults (as vLLM does), so they are None here until the server fills
+them in.
+
+Sizes are bounded so that no request shape can cost the engine or the event loop more than its
+tokens do: at most ``MAX_STOP_STRINGS`` stop strings (OpenAI allows 4) of at most
+``MAX_STOP_STRING_CHARS`` characters, ``MAX_STOP_TOKEN_IDS`` stop token ids, ``MAX_MESSAGES``
+messages (OpenAI's limit) with ``MAX_CONTENT_PARTS`` content parts in all; :func:`check_sizes` checks the
+counts on the raw JSON, before anything is validated item by item. Unknown fields are ignored (as vLLM does), so clients that
 send extra metadata keep working; options cadenza cannot honour — ``n`` or ``best_of`` above 1,
 ``logprobs``, ``echo``, ``suffix``, penalties, ``logit_bias``, ``tools``, a ``response_format``
 other than text — are refused with a 400 rather than silently ignored.
@@ -25,6 +33,13 @@ from pydantic import (
 )
 
 from cadenza.node.server.errors import APIError
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 4 * MAX_MESSAGES
+MAX_CACHE_SALT_CHARS = 256
 
 Temperature = Annotated[float, Field(strict=True, ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0)]
@@ -50,13 +65,15 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr = Field(min_length=1)
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: StrictInt = Field(default=0, ge=-1)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: StrictInt | None = Field(default=None, ge=-1)
     seed: Seed | None = None
     stop: StrictStr | list[StrictStr] = Field(default_factory=list)
-    stop_token_ids: list[StrictInt] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list,
+                                                                    max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: StrictBool = False
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
@@ -76,8 +93,12 @@ class _Common(BaseModel):
     @classmethod
     def _stop_strings(cls, v: str | list[str]) -> list[str]:
         stops = [v] if isinstance(v, str) else list(v)
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
         return [_utf8(s, "a stop string") for s in stops]
 
     def check_supported(self) -> None:
@@ -180,7 +201,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     top_logprobs: StrictInt | None = None
@@ -199,6 +220,31 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "tools: tool calling is not supported", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise APIError(400, "response_format: only type 'text' is supported", param="response_format")
+
+
+def check_sizes(body: dict, max_model_len: int) -> None:
+    """Refuse, from the raw JSON and in O(messages), what is too large before it is validated.
+
+    Raises:
+        APIError: 400 for more than ``MAX_MESSAGES`` messages or ``MAX_CONTENT_PARTS`` content
+            parts, and for a prompt of token ids longer than ``max_model_len``
+            (``context_length_exceeded``).
+    """
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        if len(messages) > MAX_MESSAGES:
+            raise APIError(400, f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}", param="messages")
+        parts = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+        if parts > MAX_CONTENT_PARTS:
+            raise APIError(400, f"messages: at most {MAX_CONTENT_PARTS} content parts in all, got {parts}",
+                           param="messages")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        ids = prompt[0] if len(prompt) == 1 and isinstance(prompt[0], list) else prompt
+        if len(ids) > max_model_len and all(isinstance(t, int) for t in ids[:1]):
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                           f"{len(ids)} token ids. Please reduce the length of the prompt.",
+                           param="prompt", code="context_length_exceeded")
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:

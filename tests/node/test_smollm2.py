@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import openai
+import pytest
 
 from server_process import cadenza_server
 
@@ -35,6 +37,7 @@ def test_replicas_starting_together_on_an_empty_cache_convert_once(tmp_path, mon
         time.sleep(0.5)
         model_dir.mkdir(parents=True)
         (model_dir / embedded._STAMP).write_text("{}\n")
+        (model_dir / "generation_config.json").write_text("{}\n")
         return model_dir
 
     monkeypatch.setattr(embedded, "_convert", slow_convert)
@@ -46,3 +49,17 @@ def test_replicas_starting_together_on_an_empty_cache_convert_once(tmp_path, mon
     for t in threads:
         t.join(10)
     assert results == [target] * 3 and len(calls) == 1
+
+
+def test_a_conversion_by_an_older_cadenza_gets_the_model_cards_sampling_defaults(tmp_path, monkeypatch):
+    from cadenza.node import embedded
+    from cadenza.node.models.generation import SamplingDefaults
+
+    monkeypatch.setattr(embedded, "_convert", lambda model_dir: pytest.fail("must not convert again"))
+    model_dir = tmp_path / "models" / "m"
+    model_dir.mkdir(parents=True)
+    (model_dir / embedded._STAMP).write_text("{}\n")
+    (model_dir / "config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}\n')
+    assert embedded.ensure_embedded_model(model_dir) == model_dir
+    assert SamplingDefaults.from_model_dir(model_dir) == SamplingDefaults(temperature=0.2, top_p=0.9)
+    assert json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"] == 2

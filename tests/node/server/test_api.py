@@ -171,6 +171,25 @@ BAD_REQUESTS = {
     "suffix": ("/v1/completions", {**GOOD_COMPLETION, "suffix": "end"}, 400, "suffix"),
     "best-of": ("/v1/completions", {**GOOD_COMPLETION, "best_of": 3}, 400, "best_of"),
     "oversized-prompt-text": ("/v1/completions", {**GOOD_COMPLETION, "prompt": "word " * 200_000}, 400, "prompt"),
+    "too-many-stop-strings": ("/v1/completions", {**GOOD_COMPLETION, "stop": [f"s{i}" for i in range(17)]}, 400,
+                              "stop"),
+    "a-million-stop-strings": ("/v1/completions", {**GOOD_COMPLETION, "stop": ["x"] * 1_000_000}, 400, "stop"),
+    "over-long-stop-string": ("/v1/completions", {**GOOD_COMPLETION, "stop": ["x" * 257]}, 400, "stop"),
+    "too-many-stop-token-ids": ("/v1/completions", {**GOOD_COMPLETION, "stop_token_ids": list(range(257))}, 400,
+                                "stop_token_ids"),
+    "negative-stop-token-id": ("/v1/completions", {**GOOD_COMPLETION, "stop_token_ids": [-1]}, 400,
+                               "stop_token_ids.0"),
+    "too-many-messages": ("/v1/chat/completions",
+                          {**GOOD_CHAT, "messages": [{"role": "user", "content": "x"}] * 2049}, 400, "messages"),
+    "too-many-content-parts": (
+        "/v1/chat/completions",
+        {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 8193}]}, 400,
+        "messages"),
+    "many-tiny-messages-over-max-model-len": (
+        "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": "x"}] * 2000}, 400,
+        "messages"),
+    "million-token-ids": ("/v1/completions", {**GOOD_COMPLETION, "prompt": [5] * 1_000_000}, 400, "prompt"),
+    "empty-cache-salt": ("/v1/completions", {**GOOD_COMPLETION, "cache_salt": ""}, 400, "cache_salt"),
 }
 
 
@@ -333,3 +352,70 @@ async def test_a_failing_step_fails_the_requests_in_flight_and_serving_goes_on(c
     assert engine.block_manager.num_used_blocks == 0
     await assert_still_serving(client)
     assert (await client.get("/health")).status == 200
+
+
+async def test_huge_shapes_are_refused_before_they_are_validated_item_by_item(client, monkeypatch):
+    """A quarter of a million one-character messages: a 400 from the raw JSON's counts, without
+    pydantic validating the messages or the template rendering them."""
+    from cadenza.node.server import protocol
+
+    validated = []
+    original = protocol.parse
+    monkeypatch.setattr("cadenza.node.server.openai_api.parse", lambda model, body: validated.append(1) or
+                        original(model, body))
+    rendered = []
+    monkeypatch.setattr(engine_of(client).tokenizer, "encode_chat", lambda *a, **k: rendered.append(1))
+    body = {**GOOD_CHAT, "messages": [{"role": "user", "content": "x"}] * 250_000}
+    resp = await client.post("/v1/chat/completions", data=json.dumps(body).encode(),
+                             headers={"Content-Type": "application/json"})
+    assert resp.status in (400, 413)
+    assert not validated and not rendered
+    monkeypatch.undo()
+    await assert_still_serving(client)
+
+
+async def test_many_stop_strings_within_the_limit_work(client):
+    stops = [f"zz{i}qq" for i in range(16)]
+    resp = await client.post("/v1/completions", json={**GOOD_COMPLETION, "stop": stops, "stop_token_ids": [0] * 256})
+    assert resp.status == 200, await resp.text()
+
+
+async def test_unset_sampling_fields_take_the_models_generation_config(aiohttp_client, tiny_llama_dir, tmp_path):
+    """temperature 0 in generation_config.json: a request without a temperature is greedy."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5, "top_p": 2.0}))
+    config = EngineConfig(model=str(model), served_model_name=MODEL,
+                          scheduler=SchedulerConfig(token_budget=64, chunk_size=16, max_model_len=MAX_MODEL_LEN),
+                          cache=CacheConfig(block_size=16, num_kv_blocks=64))
+    app = create_app(partial(Engine, config), MODEL)
+    client = await aiohttp_client(app)
+    engine = await app[ENGINE].wait_ready()
+    assert (engine.sampling_defaults.temperature, engine.sampling_defaults.top_k, engine.sampling_defaults.top_p) == (
+        0.0, 5, 1.0)  # the out-of-range top_p is ignored
+    body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 8, "ignore_eos": True}
+    texts = {(await (await client.post("/v1/completions", json={**body, "seed": seed})).json())["choices"][0]["text"]
+             for seed in range(4)}
+    assert len(texts) == 1  # greedy whatever the seed
+    sampled = {(await (await client.post("/v1/completions", json={**body, "seed": seed, "temperature": 1.5,
+                                                                  "top_k": 0})).json())["choices"][0]["text"]
+               for seed in range(4)}
+    assert len(sampled) > 1  # a request's own values win
+
+
+async def test_a_cache_salt_keeps_a_prompt_out_of_other_requests_prefix_cache(client):
+    prompt = list(range(10, 90))  # five full blocks of 16
+    stats = engine_of(client).scheduler.stats
+
+    async def hits(extra) -> int:
+        before = stats.prefix_cache_hit_tokens
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra})
+        assert resp.status == 200, await resp.text()
+        return stats.prefix_cache_hit_tokens - before
+
+    assert await hits({"cache_salt": "tenant-a-secret"}) == 0
+    assert await hits({}) == 0  # the salted copy is invisible without the salt
+    assert await hits({"cache_salt": "tenant-b"}) == 0
+    assert await hits({"cache_salt": "tenant-a-secret"}) == 64
