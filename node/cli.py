@@ -14,13 +14,23 @@ from pathlib import Path
 
 import yaml
 
-from cadenza.node.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from cadenza.node.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+    listen_problem,
+)
 from cadenza.node.embedded import EmbeddedModelError
 from cadenza.node.policy import CLASSES, Policy
+from cadenza.node.server.http import add_http_arguments
 
 logger = logging.getLogger("cadenza")
 
 _GIB = 2**30
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def chunk_size_arg(value: str) -> int | None:
@@ -36,11 +46,24 @@ def chunk_size_arg(value: str) -> int | None:
     return size
 
 
+SERVE_EPILOG = """\
+environment:
+  CADENZA_ADMIN_TOKEN       bearer token that enables GET/PUT /admin/config (off when unset)
+  CADENZA_ADMIN_TOKEN_FILE  file holding that token (a mounted Secret; read on every request)
+  CADENZA_CACHE_DIR         cache folder for the converted embedded model
+                            (default: $XDG_CACHE_HOME/cadenza, else ~/.cache/cadenza)
+  OMP_NUM_THREADS           torch threads, when --threads is not given
+  OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_*  export traces and metrics over OTLP/HTTP
+  CADENZA_ATTENTION_BACKEND overrides --attention-backend auto (torch | triton)
+"""
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine knobs shared by every command that starts an engine."""
     d_sched, d_cache = SchedulerConfig(), CacheConfig()
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--model", help="a local Hugging Face model folder (config.json, *.safetensors, tokenizer.json); "
+                                   "default: the embedded SmolLM2-135M-Instruct")
     g.add_argument("--served-model-name", help="model id clients send (default: the folder name)")
     g.add_argument("--token-budget", type=int, default=d_sched.token_budget, help="tokens per step, decode + prefill")
     g.add_argument("--chunk-size", type=chunk_size_arg, default=d_sched.chunk_size,
@@ -54,10 +77,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-cache-fraction", type=float, default=d_cache.kv_cache_fraction,
                     help="fraction of free GPU memory for the KV cache (default: %(default)s)")
     g.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--device", default="auto", help="auto (cuda when a GPU is visible, else cpu), cpu or cuda[:N]")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="kernels: auto (CADENZA_ATTENTION_BACKEND, else triton on CUDA, torch elsewhere)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of every request that brings no seed of its own")
+    g.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads (default: OMP_NUM_THREADS, else the CPUs this process may use: "
+                        "its affinity mask capped by its cgroup CPU quota)")
     p = parser.add_argument_group("scheduling policy")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d_sched.prefix_caching,
                    help="reuse the KV blocks of identical prompt prefixes")
@@ -80,6 +106,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model = str(ensure_embedded_model())
         args.served_model_name = args.served_model_name or EMBEDDED_MODEL_NAME
     kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * _GIB)
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     policy = Policy()
     if args.policy is not None:
         try:
@@ -92,7 +123,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=model,
         served_model_name=args.served_model_name,
         dtype=args.dtype,
-        device=args.device,
+        device=device,
         attention_backend=args.attention_backend,
         seed=args.seed,
         scheduler=SchedulerConfig(
@@ -116,16 +147,40 @@ def _serve(args: argparse.Namespace) -> int:
     from cadenza.node.engine import Engine
     from cadenza.node.models.config import check_model_folder
     from cadenza.node.server.app import serve
+    from cadenza.node.server.http import http_timeouts_from_args
+    from cadenza.node.threads import apply_threads, choose_threads
 
+    if problem := listen_problem(args.host, args.port):  # before minutes of model loading
+        logger.error("%s", problem)
+        return 1
+    timeouts = http_timeouts_from_args(args)
+    threads = choose_threads(args.threads)
     config = engine_config_from_args(args)
-    check_model_folder(config.model)  # fail now, not in the engine thread, on a bad folder
+    try:
+        check_model_folder(config.model)  # fail now, not in the engine thread, on a bad folder
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{exc}{_model_hint(args.model)}") from None
     if config.device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError(f"device: {config.device} requested but this torch build sees no CUDA device")
+    apply_threads(threads)
     logger.info("serving %s from %s on http://%s:%d/v1", config.model_name, config.model, args.host, args.port)
-    return serve(partial(Engine, config), config.model_name, args.host, args.port, args.default_class)
+    return serve(partial(Engine, config), config.model_name, args.host, args.port, args.default_class,
+                 timeouts=timeouts)
+
+
+def _model_hint(model: str | None) -> str:
+    """How to get a model folder, when ``--model`` looks like a Hugging Face repo id."""
+    if model is None or Path(model).exists():
+        return ""
+    parts = model.split("/")
+    if len(parts) == 2 and all(parts) and not model.startswith((".", "~")):
+        return (f". --model takes a local folder; {model!r} looks like a Hugging Face repo id: download it first, "
+                f"e.g. `hf download {model} --local-dir ~/models/{parts[1]}` (huggingface_hub), then serve "
+                f"`--model ~/models/{parts[1]}`")
+    return ". --model takes a local Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -139,15 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
     from cadenza.node.bench import cli as bench_cli
 
     parser = argparse.ArgumentParser(prog="cadenza", description="Chunked-prefill LLM serving.")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="default: %(default)s")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API")
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API", epilog=SERVE_EPILOG,
+                           formatter_class=_HelpFormatter,
+                           description="Serve a model over an OpenAI-compatible API (/v1/completions, "
+                                       "/v1/chat/completions, /v1/models) with chunked prefill.")
     add_engine_arguments(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--default-class", choices=CLASSES, default="interactive",
-                       help="traffic class of requests without an x-cadenza-class header")
+    net = serve.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    net.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    net.add_argument("--default-class", choices=CLASSES, default="interactive",
+                     help="traffic class of requests without an x-cadenza-class header")
+    add_http_arguments(serve)
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="replay a trace against an OpenAI-compatible endpoint")
@@ -165,7 +225,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     for entry in entry_points(group="cadenza.commands"):  # `operator`, `up` (cadenza.operator)
         entry.load()(sub)
+    for command in sub.choices.values():  # `cadenza serve --log-level DEBUG` works too
+        command.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS,
+                             help="log level (also accepted before the command; default: INFO)")
     return parser
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown for every option; the epilog's layout kept."""
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {value!r}")
+    return port
 
 
 def _enable_triton_interpreter_without_gpu() -> None:

@@ -8,6 +8,7 @@ This module imports no torch: the scheduler and the operator read it too.
 from __future__ import annotations
 
 import dataclasses
+import socket
 from dataclasses import dataclass, field
 
 from cadenza.node.policy import Policy
@@ -195,3 +196,24 @@ def resolve_max_model_len(
         "(raise the KV cache size or lower max_model_len)",
     )
     return requested
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` now (in use, bad address), or None.
+
+    Checked before anything slow starts (loading a model, starting replicas), so that a busy port
+    is a one-line error at once rather than after minutes. Binds with ``SO_REUSEADDR``, as
+    aiohttp's server does, so a port in ``TIME_WAIT`` counts as free.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, OverflowError, UnicodeError) as exc:
+        return f"cannot listen on {host}:{port}: {exc}"
+    family, kind, proto, _name, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc} (another server, or an earlier one?)"
+    return None

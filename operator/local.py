@@ -28,6 +28,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cadenza.node.config import listen_problem as port_problem
 from cadenza.operator.pool import Pool, PoolSpecError
 from cadenza.operator.render import cpu_threads
 
@@ -40,22 +41,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on now (in use, bad address), or None."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, OverflowError) as exc:
-        return f"cannot listen on {host}:{port}: {exc}"
-    family, kind, proto, _name, address = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway's server does
-        try:
-            s.bind(address)
-        except OSError as exc:
-            return f"cannot listen on {host}:{port}: {exc.strerror or exc} (another server, or an earlier pool?)"
-    return None
 
 
 _PR_SET_PDEATHSIG = 1

@@ -9,6 +9,8 @@ Routes:
   is full (for debugging).
 - ``GET /v1/models``: proxied to any replica.
 - any other ``/v1/...``: proxied by traffic class (:mod:`.proxy`).
+- ``/admin/...`` and ``/metrics``: 404 naming the replicas, which each have their own (an admin
+  change is per replica, and each replica's metrics are scraped on its own).
 - anything else: 404 in OpenAI format.
 
 The app owns one :class:`aiohttp.ClientSession` (no total timeout, so streams last as long as
@@ -93,7 +95,18 @@ def create_gateway_app(
     app.router.add_get("/gateway/upstreams", upstreams_view)
     app.router.add_get("/v1/models", proxy.proxy_to_any)
     app.router.add_route("*", "/v1/{tail:.*}", proxy.proxy_by_class)
+    app.router.add_route("*", "/admin/{tail:.*}", per_replica)
+    app.router.add_get("/metrics", per_replica)
     return app
+
+
+async def per_replica(request: web.Request) -> web.Response:
+    """What each replica serves itself: point to them instead of a bare 404."""
+    urls = [f"{u.url}{request.path}" for u in request.app[UPSTREAMS].all()]
+    where = ", ".join(urls) if urls else "(no replica known yet)"
+    what = "metrics" if request.path == "/metrics" else "an admin API"
+    return error_response(404, f"the gateway has no {request.path}: each replica has {what} of its own, at {where}",
+                          code="per_replica")
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:

@@ -57,17 +57,64 @@ def test_bad_chunk_size_says_what_is_expected(tiny_llama_dir):
     assert result.returncode == 2 and "must be a positive integer or 'none'" in result.stderr
 
 
-def test_a_busy_port_is_reported_without_a_traceback(tiny_llama_dir):
+def test_a_busy_port_is_reported_before_the_model_is_even_looked_at(tmp_path):
     import socket
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        cmd = [sys.executable, "-m", "cadenza.node.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port)]
+        cmd = [sys.executable, "-m", "cadenza.node.cli", "serve", "--model", str(tmp_path / "nope"), "--port", str(port)]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "cannot listen on 127.0.0.1" in result.stderr and "Traceback" not in result.stderr
+    assert "config.json" not in result.stderr  # the port was checked first: no model was loaded
+
+
+def test_a_hugging_face_repo_id_as_model_says_how_to_get_a_folder():
+    result = serve("--model", "HuggingFaceTB/SmolLM2-360M-Instruct")
+    assert result.returncode == 2 and "config.json not found" in result.stderr
+    assert "hf download HuggingFaceTB/SmolLM2-360M-Instruct --local-dir" in result.stderr
+
+
+def test_serve_help_shows_every_default_and_the_environment():
+    from cadenza.node.cli import build_parser
+
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for expected in ("--host HOST", "address to listen on", "(default: 127.0.0.1)", "(default: 8000)",
+                     "--seed SEED", "(default: 0)", "--threads N", "(default: 512)", "(default: 256)",
+                     "CADENZA_ADMIN_TOKEN ", "CADENZA_ADMIN_TOKEN_FILE", "CADENZA_CACHE_DIR", "--header-timeout-s"):
+        assert expected in text, expected
+
+
+def test_log_level_is_accepted_after_the_command_too():
+    from cadenza.node.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--log-level", "DEBUG"]).log_level == "DEBUG"
+    assert parser.parse_args(["--log-level", "ERROR", "serve"]).log_level == "ERROR"
+    assert parser.parse_args(["serve"]).log_level == "INFO"
+    assert parser.parse_args(["bench", "--log-level", "WARNING"]).log_level == "WARNING"
+
+
+def test_serve_logs_its_threads_and_whether_the_admin_api_is_on(tiny_llama_dir, tmp_path):
+    from server_process import cadenza_server
+
+    log = tmp_path / "serve.log"
+    with cadenza_server(["--model", str(tiny_llama_dir), "--threads", "1", "--max-model-len", "256"], log,
+                        env={"CADENZA_ADMIN_TOKEN": ""}) as base_url:
+        import json
+        import urllib.request
+
+        body = json.dumps({"model": tiny_llama_dir.name, "prompt": "Hi", "max_tokens": 2}).encode()
+        req = urllib.request.Request(f"{base_url}/completions", body, headers={"Content-Type": "application/json",
+                                                                               "x-cadenza-class": "batch"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 200
+    text = log.read_text()
+    assert "torch intra-op threads: 1 (--threads)" in text
+    assert "admin API off: set CADENZA_ADMIN_TOKEN" in text
+    assert "POST /v1/completions 200 class=batch tenant=default id=cmpl-" in text and "tokens=" in text
 
 
 def test_policy_file_and_flags_reach_the_engine_config(tmp_path, tiny_llama_dir):

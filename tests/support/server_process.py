@@ -22,12 +22,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def cadenza_server(args: list[str], log: Path, ready_timeout: float = 180.0) -> Iterator[str]:
-    """Start ``cadenza serve ARGS`` on a free port; yield its base URL (``.../v1``) once ready."""
+def cadenza_server(args: list[str], log: Path, ready_timeout: float = 180.0,
+                   env: dict[str, str] | None = None) -> Iterator[str]:
+    """Start ``cadenza serve ARGS`` on a free port; yield its base URL (``.../v1``) once ready.
+
+    ``env`` adds to (or, with "" values, clears from) this process's environment."""
     port = free_port()
     cmd = [sys.executable, "-m", "cadenza.node.cli", "serve", "--port", str(port), *args]
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    environ = {k: v for k, v in environ.items() if v != "" or k not in (env or {})}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ)
     try:
         deadline = time.monotonic() + ready_timeout
         while True:

@@ -83,6 +83,15 @@ async def test_unknown_routes_are_a_404_in_openai_format(pool):
     assert set((await resp.json())["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize(("method", "path"), [("GET", "/admin/config"), ("PUT", "/admin/config"), ("GET", "/metrics")])
+async def test_admin_and_metrics_on_the_gateway_point_to_the_replicas(pool, method, path):
+    gateway, inter, batch = pool
+    resp = await gateway.request(method, path, json={"chunk_size": 8} if method == "PUT" else None)
+    assert resp.status == 404
+    message = (await resp.json())["error"]["message"]
+    assert f"{inter.url}{path}" in message and f"{batch.url}{path}" in message
+
+
 async def test_health_is_always_ok_and_ready_needs_a_replica_per_role(pool, start_gateway):
     gateway, inter, _ = pool
     assert (await gateway.get("/health")).status == 200
