@@ -47,3 +47,9 @@ def report(result: dict) -> None:
     """Print the result as the last line: one JSON object with benchmark, ratio, target."""
     assert {"benchmark", "ratio", "target"} <= result.keys()
     print(json.dumps(result, sort_keys=False))
+
+
+def hit_rate(engine) -> float:
+    """Share of the prompt tokens an engine looked up that its prefix cache served (0 when none)."""
+    stats = engine.scheduler.stats
+    return stats.prefix_cache_hit_tokens / stats.prefix_cache_queried_tokens if stats.prefix_cache_queried_tokens else 0.0

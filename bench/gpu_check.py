@@ -118,7 +118,8 @@ def engine_step() -> dict:
     times = {}
     for backend in ("torch", "triton"):
         engine = Engine.from_model(model, device="cuda", dtype="bfloat16", attention_backend=backend,
-                                   token_budget=1024, chunk_size=512, max_num_seqs=64, kv_cache_bytes=4 << 30)
+                                   token_budget=1024, chunk_size=512, max_num_seqs=64, kv_cache_bytes=4 << 30,
+                                   prefix_caching=False)  # every step computes what it says (no cache hits)
         decode = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
         for i in range(32):
             engine.add_request(f"d{i}", [100 + i % 50] * 512, decode)
