@@ -226,9 +226,9 @@ def check_sizes(body: dict, max_model_len: int) -> None:
     """Refuse, from the raw JSON and in O(messages), what is too large before it is validated.
 
     Raises:
-        APIError: 400 for more than ``MAX_MESSAGES`` messages or ``MAX_CONTENT_PARTS`` content
-            parts, and for a prompt of token ids longer than ``max_model_len``
-            (``context_length_exceeded``).
+        APIError: 400 for more than ``MAX_MESSAGES`` messages, ``MAX_CONTENT_PARTS`` content
+            parts, ``MAX_STOP_STRINGS`` stop strings or ``MAX_STOP_TOKEN_IDS`` stop token ids, and
+            for a prompt of token ids longer than ``max_model_len`` (``context_length_exceeded``).
     """
     messages = body.get("messages")
     if isinstance(messages, list):
@@ -238,6 +238,10 @@ def check_sizes(body: dict, max_model_len: int) -> None:
         if parts > MAX_CONTENT_PARTS:
             raise APIError(400, f"messages: at most {MAX_CONTENT_PARTS} content parts in all, got {parts}",
                            param="messages")
+    for field, limit in (("stop", MAX_STOP_STRINGS), ("stop_token_ids", MAX_STOP_TOKEN_IDS)):
+        value = body.get(field)
+        if isinstance(value, list) and len(value) > limit:
+            raise APIError(400, f"{field}: at most {limit} items, got {len(value)}", param=field)
     prompt = body.get("prompt")
     if isinstance(prompt, list):
         ids = prompt[0] if len(prompt) == 1 and isinstance(prompt[0], list) else prompt
