@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # one compile of everything, ~45 s of CPU
+
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 SHARED_MEMORY_LIMIT = {"sm80": 163 * 1024, "sm90": 227 * 1024}  # bytes per block, A100 / H100
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from server_process import free_port
 
 
@@ -31,6 +33,7 @@ def test_engine_that_cannot_start_stops_the_server_with_exit_1(tiny_llama_dir):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # loads the model in a new process
 def test_kv_cache_too_small_for_max_model_len_is_refused(tiny_llama_dir):
     result = serve("--model", str(tiny_llama_dir), "--max-model-len", "1024", "--num-kv-blocks", "4")
     assert result.returncode == 1 and "num_kv_blocks:" in result.stderr
@@ -97,6 +100,7 @@ def test_log_level_is_accepted_after_the_command_too():
     assert parser.parse_args(["bench", "--log-level", "WARNING"]).log_level == "WARNING"
 
 
+@pytest.mark.slow  # a server process
 def test_serve_logs_its_threads_and_whether_the_admin_api_is_on(tiny_llama_dir, tmp_path):
     from server_process import cadenza_server
 

@@ -253,7 +253,8 @@ def chunked_streams(draw: st.DrawFn) -> tuple[list[str], list[str]]:
 
 
 @settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=150, deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
 @given(case=chunked_streams())
 def test_any_chunking_of_the_text_matches_the_reference(

@@ -96,6 +96,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.slow  # a new model, and transformers' and the engine's greedy runs twice each
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_tokens_equal_transformers_across_llama_family_variants(tmp_path, variant):
     model_dir = build_tiny_model(tmp_path / variant, **VARIANTS[variant])

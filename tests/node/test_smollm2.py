@@ -11,6 +11,7 @@ import pytest
 from server_process import cadenza_server
 
 
+@pytest.mark.slow  # a server process with the real 135M model
 def test_embedded_smollm2_answers_that_paris_is_the_capital_of_france(smollm2_dir, tmp_path):
     with cadenza_server([], tmp_path / "serve.log") as base_url:
         client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)

@@ -33,6 +33,7 @@ def torch_tokens(tiny_llama_dir, prompts):
      dict(token_budget=24, chunk_size=16, block_size=8, num_kv_blocks=20)],
     ids=["chunk5", "unchunked", "small-pool"],
 )
+@pytest.mark.slow  # the Triton interpreter on a CPU: seconds per engine step
 def test_triton_backend_generates_the_torch_backend_tokens(tiny_llama_dir, prompts, torch_tokens, knobs):
     engine = Engine.from_model(tiny_llama_dir, max_model_len=128, attention_backend="triton", device=DEVICE, **knobs)
     assert engine.runner.backend.name == "triton"

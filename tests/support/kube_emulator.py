@@ -65,6 +65,15 @@ class KubeEmulator:
 
         return self._run(snapshot(), 5.0)
 
+    def watchers(self, resource: str) -> int:
+        """Watch streams of ``resource`` open now (each sees every change made from now on)."""
+        wanted = kmock.resource(resource)
+
+        async def count():
+            return sum(bus.consumer_count for res, bus in list(self.emulator._buses.items()) if res == wanted)
+
+        return self._run(count(), 5.0)
+
     def write_kubeconfig(self, path: Path) -> Path:
         config = {
             "apiVersion": "v1", "kind": "Config", "current-context": "emulator",

@@ -26,10 +26,12 @@ def cadenza_server(args: list[str], log: Path, ready_timeout: float = 180.0,
                    env: dict[str, str] | None = None) -> Iterator[str]:
     """Start ``cadenza serve ARGS`` on a free port; yield its base URL (``.../v1``) once ready.
 
-    ``env`` adds to (or, with "" values, clears from) this process's environment."""
+    The server takes one torch thread (``OMP_NUM_THREADS=1``) unless ``--threads`` or ``env``
+    says otherwise: tests run side by side, one per core. ``env`` adds to (or, with "" values,
+    clears from) this process's environment."""
     port = free_port()
     cmd = [sys.executable, "-m", "cadenza.node.cli", "serve", "--port", str(port), *args]
-    environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     environ = {k: v for k, v in environ.items() if v != "" or k not in (env or {})}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ)

@@ -40,6 +40,7 @@ RECEIVED = web.AppKey("received", list)
 RECEIVED_HEADERS = web.AppKey("received_headers", list)
 READY_POLLS = web.AppKey("ready_polls", list)
 STALL_S = web.AppKey("stall_s", float)
+FIRST_TOKEN_GATE = web.AppKey("first_token_gate", object)
 KV_BLOCKS_TOTAL = 64
 
 
@@ -58,6 +59,8 @@ async def _stream(request: web.Request) -> web.StreamResponse:
     request.app[RECEIVED_HEADERS].append({
         "path": request.path, "prompt": body.get("prompt") or body["messages"][0]["content"],
         "headers": {k.lower(): v for k, v in request.headers.items()}})
+    if (gate := request.app[FIRST_TOKEN_GATE]) is not None:
+        await gate.wait()
     prefix = request.path.split("/v1/")[0]
     if prefix == "/busy":
         return web.json_response({"error": {"message": "server overloaded", "type": "overloaded"}},
@@ -114,10 +117,13 @@ async def _ready_partial(request: web.Request) -> web.Response:
 READY_HANDLERS = {"cadenza": _ready, "html": _ready_html, "partial": _ready_partial}
 
 
-def make_fake_openai_app(stall_s: float = 0.0, ready: str = "cadenza") -> web.Application:
+def make_fake_openai_app(stall_s: float = 0.0, ready: str = "cadenza",
+                         first_token_gate: asyncio.Event | None = None) -> web.Application:
     """The fake server; ``stall_s`` adds seconds before the first token (for timeouts), ``ready``
-    picks the ``/ready`` answer (``cadenza``, ``missing``, ``html`` or ``partial``)."""
+    picks the ``/ready`` answer (``cadenza``, ``missing``, ``html`` or ``partial``), and every
+    completion waits for ``first_token_gate`` (when given) to be set before it answers."""
     app = web.Application()
+    app[FIRST_TOKEN_GATE] = first_token_gate
     app[RECEIVED] = []
     app[RECEIVED_HEADERS] = []
     app[READY_POLLS] = []

@@ -13,6 +13,8 @@ from cadenza.node.bench.server_samples import (
     OPTIONAL_KEYS, SAMPLE_KEYS, PrefixCacheHits, ServerSampler, parse_sample, prefix_cache_hits,
     ready_url)
 from cadenza.node.bench.trace import TraceRequest
+from fake_time import FakeTime
+from waiting import until
 
 
 def test_the_ready_url_is_the_origin_of_the_base_url():
@@ -79,15 +81,23 @@ async def test_the_sampler_keeps_growing_counters_at_increasing_times(fake_base_
     assert sampler.note is None
 
 
-async def test_a_replay_is_sampled_from_its_start_until_after_its_last_request(
-        fake_base_url, fake_app, fake):
-    sampler = ServerSampler(f"{fake_base_url}/v1", interval_s=0.03)
+async def test_a_replay_is_sampled_from_its_start_until_after_its_last_request(aiohttp_server, fake):
+    gate = asyncio.Event()  # no request gets a token until the sampler has polled twice
+    app = fake.make_app(first_token_gate=gate)
+    base = str((await aiohttp_server(app)).make_url("")).rstrip("/")
+    sampler = ServerSampler(f"{base}/v1", interval_s=0.03)
     trace = [TraceRequest(t, 4, 4) for t in (0.0, 0.05, 0.1)]
-    result = await replay(trace, ["abcd"] * 3, ReplayConfig(f"{fake_base_url}/v1", "fake-model"),
-                          sampler=sampler)
+    replaying = asyncio.ensure_future(replay(trace, ["abcd"] * 3, ReplayConfig(f"{base}/v1", "fake-model"),
+                                             sampler=sampler))
+    try:
+        await until(lambda: len(sampler.samples) >= 2, what="two samples while the replay waits")
+    finally:
+        gate.set()
+    result = await asyncio.wait_for(replaying, 30)
     samples = sampler.samples
-    assert len(samples) >= 3  # every 0.03 s over a replay of more than 0.1 s, then one more
-    assert samples[0]["t"] < result.records[1].start_s  # the first one is taken at the start
+    assert len(samples) >= 3  # those two, then stop()'s
+    first_token = min(r.start_s + r.ttft_ms / 1e3 for r in result.records)
+    assert samples[0]["t"] < samples[1]["t"] < first_token  # sampling began with the replay, not after it
     assert samples[-1]["t"] >= result.duration_s  # the last one is taken after every request ended
     assert samples[-1]["num_running"] == 3  # the fake server reports requests received
     steps = [s["num_steps"] for s in samples]
@@ -145,15 +155,19 @@ def test_the_sampling_interval_must_be_positive():
         ServerSampler("http://h/v1", interval_s=0)
 
 
-async def test_a_slow_answer_skips_the_ticks_it_missed_instead_of_catching_up(aiohttp_server):
+async def test_a_slow_answer_skips_the_ticks_it_missed_instead_of_catching_up(aiohttp_server, monkeypatch):
     from aiohttp import web
 
+    from cadenza.node.bench import server_samples
+
+    clock = FakeTime(stop_at=0.375)  # stops between ticks 7 (0.35 s) and 8 (0.40 s)
+    clock.install(monkeypatch, server_samples)
     polled: list[float] = []
 
     async def ready(request: web.Request) -> web.Response:
-        polled.append(time.perf_counter())
+        polled.append(clock.now)
         if len(polled) == 1:
-            await asyncio.sleep(0.25)  # five ticks of 0.05 s
+            clock.now += 0.25  # five ticks of 0.05 s pass while the first poll is answered
         return web.json_response({k: len(polled) for k in SAMPLE_KEYS})
 
     app = web.Application()
@@ -161,8 +175,10 @@ async def test_a_slow_answer_skips_the_ticks_it_missed_instead_of_catching_up(ai
     server = await aiohttp_server(app)
     sampler = ServerSampler(str(server.make_url("/v1")), interval_s=0.05)
     async with aiohttp.ClientSession() as session:
-        sampler.start(session, time.perf_counter())
-        await asyncio.sleep(0.4)
+        sampler.start(session, clock.perf_counter())
+        await asyncio.wait_for(clock.stopped.wait(), 30)
         await sampler.stop()
-    # The slow poll, ticks 6 and 7 (0.30 s, 0.35 s), stop()'s; catching up would add ticks 1-5.
-    assert 3 <= len(polled) <= 6
+    # The slow poll at tick 0, ticks 6 and 7 (0.30 s, 0.35 s), then stop()'s; catching up would add
+    # ticks 1-5 right after the slow answer.
+    assert [round(t / 0.05) for t in polled] == [0, 6, 7, 7]
+    assert len(sampler.samples) == 4

@@ -3,8 +3,9 @@
 A :class:`FakeReplica` answers like a ``cadenza serve`` process, just enough for the gateway:
 
 - ``POST /v1/completions`` and ``/v1/chat/completions``: with ``"stream": true``, ``chunks`` SSE
-  events ``data: {"replica": NAME, "i": I}`` ``delay_s`` apart, then ``data: [DONE]``; else one
-  JSON body ``{"replica": NAME}``. Every answer carries ``x-request-id: NAME-N``.
+  events ``data: {"replica": NAME, "i": I}`` ``delay_s`` apart (with ``paced``, each event after
+  the first waits for a ``send_next.release()`` instead), then ``data: [DONE]``; else one JSON
+  body ``{"replica": NAME}``. Every answer carries ``x-request-id: NAME-N``.
 - ``GET /v1/models``: a model list naming the replica.
 
 It records what it received (``received``: path, lower-case headers, body) and when it sent each
@@ -35,6 +36,7 @@ class FakeReplica:
     name: str
     chunks: int = 3
     delay_s: float = 0.0
+    paced: bool = False
     mode: str = "ok"
     retry_after: str = "7"
     die_after: int = 2
@@ -44,6 +46,7 @@ class FakeReplica:
     in_flight: int = 0
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    send_next: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -94,7 +97,9 @@ class FakeReplica:
                 if self.mode == "die" and i == self.die_after:
                     request.transport.close()
                     return resp
-                if i:
+                if i and self.paced:
+                    await self.send_next.acquire()
+                elif i:
                     await asyncio.sleep(self.delay_s)
                 self.sent_at.append(time.monotonic())
                 await resp.write(f"data: {json.dumps({'replica': self.name, 'i': i})}\n\n".encode())

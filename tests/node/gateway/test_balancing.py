@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+from waiting import until
+
 BODY = {"model": "fake", "prompt": "hi", "max_tokens": 2}
-
-
-async def wait_until(predicate, timeout_s: float = 2.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 async def test_concurrent_slow_requests_spread_to_the_least_busy_replica(start_replica, start_gateway):
@@ -18,7 +14,7 @@ async def test_concurrent_slow_requests_spread_to_the_least_busy_replica(start_r
     gateway = await start_gateway({"interactive": [a.url, b.url], "batch": [a.url, b.url]})
     a.gate.clear()  # a holds every request it gets: its count stays up
     held = asyncio.create_task(gateway.post("/v1/completions", json=BODY))
-    await wait_until(lambda: a.in_flight + b.in_flight == 1)
+    await until(lambda: a.in_flight + b.in_flight == 1)
     first = a if a.in_flight else b
     other = b if first is a else a
     first.gate.clear()
@@ -44,7 +40,7 @@ async def test_all_replicas_full_is_a_429_with_retry_after_and_calls_nobody(star
     a.gate.clear()
     b.gate.clear()
     held = [asyncio.create_task(gateway.post("/v1/completions", json=BODY)) for _ in range(2)]
-    await wait_until(lambda: a.in_flight == 1 and b.in_flight == 1)
+    await until(lambda: a.in_flight == 1 and b.in_flight == 1)
     calls = a.calls + b.calls
 
     resp = await gateway.post("/v1/completions", json=BODY)

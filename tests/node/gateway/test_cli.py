@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import socket
 import sys
@@ -13,6 +14,7 @@ import aiohttp
 import pytest
 
 from cadenza.node.gateway import cli
+from cadenza.node.gateway.file_source import FileSource
 from cadenza.node.gateway.state import SETTINGS
 from cadenza.node.server.http import HttpTimeouts, http_timeouts_from_args
 
@@ -90,14 +92,16 @@ def free_port() -> int:
 async def test_a_gateway_process_reloads_on_sighup_and_stops_on_sigterm(tmp_path, start_replica):
     replica = await start_replica("r")
     path = tmp_path / "gw.json"
-    path.write_text(json.dumps({"roles": {"interactive": [replica.url]}}))
+    first = json.dumps({"roles": {"interactive": [replica.url]}})
+    second = json.dumps({"roles": {"interactive": [replica.url], "batch": [replica.url]}})
+    path.write_text(first.ljust(len(second)))  # padded to the size of the change below
     port = free_port()
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", MAIN, "--config", str(path), "--port", str(port),
                                                 stderr=asyncio.subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as http:
-            async with asyncio.timeout(15):
+            async with asyncio.timeout(60):
                 while True:
                     try:
                         async with http.get(f"{base}/health") as resp:
@@ -110,9 +114,14 @@ async def test_a_gateway_process_reloads_on_sighup_and_stops_on_sigterm(tmp_path
             async with http.post(f"{base}/v1/completions", json={"prompt": "hi"}) as resp:
                 assert (await resp.json())["replica"] == "r"
 
-            path.write_text(json.dumps({"roles": {"interactive": [replica.url], "batch": [replica.url]}}))
+            # Changed in place with its size and mtime kept, the file's stamp is the same: the
+            # periodic file check cannot notice, so only the SIGHUP can make the gateway re-read it.
+            stamp = path.stat()
+            path.write_text(second)
+            os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+            assert FileSource(path)._current_stamp() == (stamp.st_mtime_ns, stamp.st_size, stamp.st_ino)
             proc.send_signal(signal.SIGHUP)
-            async with asyncio.timeout(1.5):  # sooner than the 2 s file check would notice
+            async with asyncio.timeout(30):
                 while True:
                     async with http.get(f"{base}/ready") as resp:
                         if resp.status == 200:

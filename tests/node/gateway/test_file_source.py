@@ -12,6 +12,7 @@ from cadenza.node.gateway.app import create_gateway_app
 from cadenza.node.gateway.config import GatewayConfigError, load_config, parse_config
 from cadenza.node.gateway.file_source import FileSource
 from cadenza.node.gateway.upstreams import Upstreams
+from waiting import until
 
 BODY = {"model": "fake", "prompt": "hi", "max_tokens": 2}
 
@@ -61,13 +62,16 @@ async def test_a_changed_file_is_picked_up_and_a_broken_one_keeps_the_last_upstr
     write(path, {"interactive": ["http://a:1"], "batch": ["http://b:1"]})
     table = Upstreams()
     source = FileSource(path, interval_s=0.02)
+    reloads = count_reloads(source)
     watching = asyncio.create_task(source.watch(table))
     try:
         await wait_for_urls(table, {"interactive": ["http://a:1"], "batch": ["http://b:1"]})
         write(path, {"interactive": ["http://a:2"], "batch": ["http://b:1"]})
         await wait_for_urls(table, {"interactive": ["http://a:2"], "batch": ["http://b:1"]})
+        before = len(reloads)
         path.write_text("{not json")
-        await asyncio.sleep(0.1)
+        await until(lambda: len(reloads) > before, what="the broken file to be re-read")
+        assert reloads[-1] is False  # read, refused
         assert table.urls() == {"interactive": ["http://a:2"], "batch": ["http://b:1"]}
     finally:
         watching.cancel()
@@ -102,7 +106,18 @@ async def test_the_gateway_routes_to_replicas_added_to_its_config_file(tmp_path,
     assert (await (await gateway.post("/v1/completions", json=BODY)).json())["replica"] == "new"
 
 
-async def wait_for_urls(table: Upstreams, expected: dict, timeout_s: float = 2.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while table.urls() != expected:
-            await asyncio.sleep(0.01)
+async def wait_for_urls(table: Upstreams, expected: dict) -> None:
+    await until(lambda: table.urls() == expected, what=f"the upstreams to become {expected}")
+
+
+def count_reloads(source: FileSource) -> list[bool]:
+    """What each re-read of the file returned (whether the upstreams changed), in order."""
+    results: list[bool] = []
+    original = source.reload
+
+    def reload(upstreams: Upstreams) -> bool:
+        results.append(original(upstreams))
+        return results[-1]
+
+    source.reload = reload
+    return results

@@ -8,7 +8,9 @@ import socket
 import pytest
 from aiohttp import web
 
+from cadenza.node.gateway import health as health_checks
 from cadenza.node.gateway.state import UPSTREAMS
+from waiting import until
 
 BODY = {"model": "fake", "prompt": "hi", "max_tokens": 2}
 
@@ -37,11 +39,19 @@ async def engine_died(request: web.Request) -> web.Response:
     return web.json_response({"error": {"message": "engine is not running"}}, status=503)
 
 
-async def wait_until(predicate, timeout=5.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
+def count_checks(monkeypatch) -> list[str]:
+    """The URL of every health check the gateway has completed, in order."""
+    done: list[str] = []
+    original = health_checks.check
+
+    async def check(session, upstreams, upstream, timeout_s):
+        try:
+            return await original(session, upstreams, upstream, timeout_s)
+        finally:
+            done.append(upstream.url)
+
+    monkeypatch.setattr(health_checks, "check", check)
+    return done
 
 
 async def test_a_hung_replica_fails_its_check_and_gets_no_new_requests(start_replica, start_gateway, hung_url):
@@ -49,12 +59,14 @@ async def test_a_hung_replica_fails_its_check_and_gets_no_new_requests(start_rep
     gateway = await start_gateway({"interactive": [hung_url, good.url], "batch": [good.url]},
                                   health_interval_s=0.2)
     hung, _ = gateway.app[UPSTREAMS].of_role("interactive")
-    await wait_until(lambda: hung.is_down)
-    answers = [await asyncio.wait_for(gateway.post("/v1/completions", json=BODY), 5) for _ in range(6)]
+    await until(lambda: hung.is_down)
+    answers = [await asyncio.wait_for(gateway.post("/v1/completions", json=BODY), 30) for _ in range(6)]
     assert [r.status for r in answers] == [200] * 6 and good.calls == 6
 
 
-async def test_a_dead_replica_comes_back_when_its_check_passes(start_gateway, start_replica, aiohttp_server):
+async def test_a_dead_replica_comes_back_when_its_check_passes(start_gateway, start_replica, aiohttp_server,
+                                                               monkeypatch):
+    checks = count_checks(monkeypatch)
     good = await start_replica("good")
     with socket.socket() as s:  # a port for the replica that will come back
         s.bind(("127.0.0.1", 0))
@@ -62,15 +74,16 @@ async def test_a_dead_replica_comes_back_when_its_check_passes(start_gateway, st
     back = f"http://127.0.0.1:{port}"
     gateway = await start_gateway({"interactive": [back], "batch": [good.url]}, health_interval_s=0.2)
     upstream = gateway.app[UPSTREAMS].of_role("interactive")[0]
-    await wait_until(lambda: upstream.is_down)
+    await until(lambda: upstream.is_down)
     assert (await gateway.get("/ready")).status == 503  # stays so, however long it is dead
-    await asyncio.sleep(0.5)
+    seen = checks.count(back)
+    await until(lambda: checks.count(back) >= seen + 2)  # two more failed checks
     assert (await gateway.get("/ready")).status == 503
 
     app = web.Application()
     app.router.add_get("/health", healthy)
     await aiohttp_server(app, port=port)
-    await wait_until(lambda: not upstream.is_down)
+    await until(lambda: not upstream.is_down)
     assert (await gateway.get("/ready")).status == 200
 
 
@@ -80,7 +93,7 @@ async def test_a_replica_whose_engine_died_answers_503_and_is_down(start_gateway
     server = await aiohttp_server(app)
     url = str(server.make_url("")).rstrip("/")
     gateway = await start_gateway({"interactive": [url], "batch": [url]}, health_interval_s=0.2)
-    await wait_until(lambda: gateway.app[UPSTREAMS].of_role("batch")[0].is_down)
+    await until(lambda: gateway.app[UPSTREAMS].of_role("batch")[0].is_down)
 
 
 async def test_with_live_checks_two_dead_replicas_never_cost_a_later_request(
@@ -101,9 +114,9 @@ async def test_a_request_waiting_on_a_replica_that_hangs_is_retried_when_its_che
     gateway = await start_gateway({"interactive": [hung_url, good.url], "batch": [good.url]},
                                   health_interval_s=0.3)
     hung, good_up = gateway.app[UPSTREAMS].of_role("interactive")
-    await wait_until(lambda: hung.is_down)
+    await until(lambda: hung.is_down)
     gateway.app[UPSTREAMS].answered(hung)  # as if it answered once, then hung: it is picked
     good_up.outstanding += 1  # and preferred over the good one
-    resp = await asyncio.wait_for(gateway.post("/v1/completions", json=BODY), 5)
+    resp = await asyncio.wait_for(gateway.post("/v1/completions", json=BODY), 30)
     good_up.outstanding -= 1
     assert resp.status == 200 and (await resp.json())["replica"] == "good" and hung.is_down

@@ -90,7 +90,7 @@ async def test_the_gateway_is_ready_once_the_slices_list_a_replica_per_role(aioh
                                                                                            interval_s=0.02)))
     assert (await gateway.get("/ready")).status == 503
     api.slices = {"p-interactive": [slice_dict({"10.1.0.1": True})], "p-batch": [slice_dict({"10.1.0.2": True})]}
-    async with asyncio.timeout(2):
+    async with asyncio.timeout(30):
         while (await gateway.get("/ready")).status != 200:
             await asyncio.sleep(0.02)
     view = await (await gateway.get("/gateway/upstreams")).json()

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from functools import partial
 
-import aiohttp
 import pytest
 
 from cadenza.node.config import CacheConfig, EngineConfig, SchedulerConfig
 from cadenza.node.engine import Engine
 from cadenza.node.server.app import create_app
-from cadenza.node.server.openai_api import ENGINE
+from cadenza.node.server.openai_api import ENGINE, TELEMETRY
+from step_gate import StepGate
+from waiting import until
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -280,38 +280,43 @@ def record_outputs(engine: Engine, monkeypatch) -> list[str]:
     return produced
 
 
-def slow_steps(engine: Engine, monkeypatch, seconds: float) -> None:
-    original = engine.runner.execute
+def record_cancellations(client, monkeypatch) -> list[str]:
+    """Request ids whose handler saw its client go away (by then the abort is queued for the engine)."""
+    telemetry = client.app[TELEMETRY]
+    original = telemetry.fail_request
+    cancelled: list[str] = []
 
-    def execute(step):
-        time.sleep(seconds)
-        return original(step)
+    def fail_request(request_id: str, error_type: str, message: str) -> None:
+        if error_type == "cancelled":
+            cancelled.append(request_id)
+        original(request_id, error_type, message)
 
-    monkeypatch.setattr(engine.runner, "execute", execute)
-
-
-async def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
+    monkeypatch.setattr(telemetry, "fail_request", fail_request)
+    return cancelled
 
 
 async def test_client_disconnect_mid_decode_aborts_and_frees_blocks(client, monkeypatch):
     engine = engine_of(client)
     aborts = record_aborts(engine, monkeypatch)
     produced = record_outputs(engine, monkeypatch)
-    slow_steps(engine, monkeypatch, 0.01)
+    cancelled = record_cancellations(client, monkeypatch)
+    gate = StepGate(engine.runner, monkeypatch, delay_s=0.01)  # 200 tokens take seconds: still decoding below
     payload = {**GOOD_COMPLETION, "max_tokens": 200, "ignore_eos": True, "stream": True}
     resp = await client.post("/v1/completions", json=payload)
     received = 0
-    async for line in resp.content:
-        if line.startswith(b"data: "):
-            received += 1
-        if received == 3:
-            break
-    resp.close()  # the client goes away mid-decode
-    await wait_for(lambda: aborts and engine.block_manager.num_used_blocks == 0)
+    try:
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                received += 1
+            if received == 3:
+                break
+        gate.hold()
+        await gate.held()  # mid-decode, and it stays there until the server has seen the disconnect
+        resp.close()  # the client goes away mid-decode
+        await until(lambda: cancelled)
+    finally:
+        gate.release()
+    await until(lambda: aborts and engine.block_manager.num_used_blocks == 0)
     (abort,) = aborts
     assert abort["computed"] >= abort["prompt"] and 3 <= abort["output"] < 200
     count_at_abort = produced.count(abort["id"])
@@ -323,11 +328,20 @@ async def test_client_disconnect_mid_prefill_aborts_before_any_token(client, mon
     engine = engine_of(client)
     aborts = record_aborts(engine, monkeypatch)
     produced = record_outputs(engine, monkeypatch)
-    slow_steps(engine, monkeypatch, 0.05)  # 200-token prompt in chunks of 16: ~0.65 s of prefill
-    payload = {"model": MODEL, "prompt": [5] * 200, "max_tokens": 10}
-    with pytest.raises(asyncio.TimeoutError):
-        await client.post("/v1/completions", json=payload, timeout=aiohttp.ClientTimeout(total=0.2))
-    await wait_for(lambda: aborts and engine.block_manager.num_used_blocks == 0)
+    cancelled = record_cancellations(client, monkeypatch)
+    gate = StepGate(engine.runner, monkeypatch)
+    payload = {"model": MODEL, "prompt": [5] * 200, "max_tokens": 10}  # 13 chunks of 16
+    gate.hold()
+    try:
+        posted = asyncio.ensure_future(client.post("/v1/completions", json=payload))
+        await gate.held()  # its first chunk is in the step
+        posted.cancel()  # the client goes away mid-prefill
+        await until(lambda: cancelled)
+    finally:
+        gate.release()
+    with pytest.raises(asyncio.CancelledError):
+        await posted
+    await until(lambda: aborts and engine.block_manager.num_used_blocks == 0)
     (abort,) = aborts
     assert 0 < abort["computed"] < abort["prompt"] and abort["output"] == 0
     await assert_still_serving(client)

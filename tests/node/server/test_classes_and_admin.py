@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from functools import partial
 
 import pytest
@@ -14,6 +13,8 @@ from cadenza.node.policy import ClassPolicy, Policy, TenantPolicy, default_class
 from cadenza.node.server.admin import TOKEN_ENV, TOKEN_FILE_ENV
 from cadenza.node.server.app import create_app
 from cadenza.node.server.openai_api import ENGINE
+from step_gate import StepGate
+from waiting import until
 
 MODEL = "tiny"
 TOKEN = "s3cret-token"
@@ -64,42 +65,34 @@ async def test_invalid_class_or_tenant_header_is_a_400(client, header, value):
     assert (await client.post("/v1/completions", json=body())).status == 200
 
 
-def slow_steps(client, monkeypatch, seconds: float = 0.02) -> None:
-    runner = client.app[ENGINE].engine.runner
-    original = runner.execute
-
-    def execute(step):
-        time.sleep(seconds)
-        return original(step)
-
-    monkeypatch.setattr(runner, "execute", execute)
-
-
-async def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
+def slow_steps(client, monkeypatch, seconds: float = 0.02) -> StepGate:
+    """Each step takes ``seconds`` more (long requests stay running while a test looks)."""
+    return StepGate(client.app[ENGINE].engine.runner, monkeypatch, delay_s=seconds)
 
 
 async def test_a_full_queue_is_refused_at_once_with_429_and_retry_after(client, monkeypatch):
-    slow_steps(client, monkeypatch)
+    gate = slow_steps(client, monkeypatch)
     sched = client.app[ENGINE].engine.scheduler
     long = body(max_tokens=500, ignore_eos=True)
     busy = [asyncio.ensure_future(client.post("/v1/completions", json=long)) for _ in range(2)]  # both slots
-    await wait_until(lambda: sched.num_running == 2)
+    await until(lambda: sched.num_running == 2)
     queued = asyncio.ensure_future(client.post("/v1/completions", json=long, headers={"x-cadenza-class": "background"}))
-    await wait_until(lambda: len(sched.queues["background"]) == 1)  # the background queue (depth 1) is full
-    started = time.monotonic()
-    resp = await client.post("/v1/completions", json=body(), headers={"x-cadenza-class": "background"})
-    assert resp.status == 429 and time.monotonic() - started < 0.5  # at once, not after a step
+    await until(lambda: len(sched.queues["background"]) == 1)  # the background queue (depth 1) is full
+    gate.hold()
+    try:
+        await gate.held()  # no step can end, so no answer below can have waited for one
+        resp = await asyncio.wait_for(
+            client.post("/v1/completions", json=body(), headers={"x-cadenza-class": "background"}), 30)
+        assert resp.status == 429 and gate.is_held  # at once: answered while the engine was inside a step
+    finally:
+        gate.release()
     assert int(resp.headers["Retry-After"]) >= 1
     error = (await resp.json())["error"]
     assert error["type"] == "rate_limit_error" and error["code"] == "queue_full"
     assert client.app[ENGINE].stats()["rejected"]["queue_full"] == 1  # refused on the HTTP thread, counted
     for task in (*busy, queued):
         task.cancel()
-    await wait_until(lambda: sched.num_running == 0 and sched.num_waiting == 0)
+    await until(lambda: sched.num_running == 0 and sched.num_waiting == 0)
     assert (await client.post("/v1/completions", json=body())).status == 200  # nothing was lost or stuck
 
 
@@ -109,7 +102,7 @@ async def test_a_tenant_over_its_concurrency_quota_gets_429(client, monkeypatch)
     headers = {"x-cadenza-tenant": "capped"}
     slow = asyncio.ensure_future(client.post("/v1/completions", json=body(max_tokens=500, ignore_eos=True),
                                              headers=headers))
-    await wait_until(lambda: sched.tenant_live.get("capped", 0) == 1)
+    await until(lambda: sched.tenant_live.get("capped", 0) == 1)
     resp = await client.post("/v1/completions", json=body(), headers=headers)
     assert resp.status == 429 and (await resp.json())["error"]["code"] == "tenant_concurrency"
     assert (await client.post("/v1/completions", json=body(), headers={"x-cadenza-tenant": "free"})).status == 200
@@ -270,7 +263,7 @@ async def test_a_bug_in_an_engine_command_is_a_500_and_the_engine_goes_on(client
     monkeypatch.setattr(engine, "add_request", add_once_broken)
     resp = await client.post("/v1/completions", json=body())
     assert resp.status == 500 and "AttributeError" in (await resp.json())["error"]["message"]
-    await wait_until(lambda: not engine.scheduler.requests)  # the half-added request was dropped
+    await until(lambda: not engine.scheduler.requests)  # the half-added request was dropped
     assert engine.block_manager.num_used_blocks == 0
     assert (await client.post("/v1/completions", json=body())).status == 200
     assert (await client.get("/health")).status == 200

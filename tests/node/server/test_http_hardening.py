@@ -27,6 +27,7 @@ from cadenza.node.gateway.upstreams import Upstreams
 from cadenza.node.server import admin, http
 from cadenza.node.server.errors import error_middleware
 from cadenza.node.server.runner import run_app
+from waiting import until
 
 SECRET = "sk-cadenza-SECRET-0123456789"
 BOUND_S = 5.0  # the most any test waits for the server to act on a 0.5 s timeout
@@ -120,12 +121,15 @@ def assert_json_error(status: int, headers: dict[str, str], body: bytes, code: s
     return error
 
 
-async def drip(writer: asyncio.StreamWriter, data: bytes, every_s: float = 0.2) -> None:
-    """Send ``data`` one byte at a time, ``every_s`` apart, until done or the server hangs up."""
+async def drip(writer: asyncio.StreamWriter, data: bytes, every_s: float = 0.2, sent: list | None = None) -> None:
+    """Send ``data`` one byte at a time, ``every_s`` apart, until done or the server hangs up;
+    ``sent`` gets one entry per byte written."""
     try:
         for i in range(len(data)):
             writer.write(data[i:i + 1])
             await writer.drain()
+            if sent is not None:
+                sent.append(i)
             await asyncio.sleep(every_s)
     except ConnectionError:
         pass
@@ -186,9 +190,11 @@ async def test_a_slowloris_client_is_cut_after_the_header_timeout_while_others_a
     port = await serve(header_timeout_s=0.5, idle_timeout_s=30)
     reader, writer = await connect(port)
     started = time.monotonic()
-    dripping = asyncio.create_task(drip(writer, b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100))
+    sent: list[int] = []
+    dripping = asyncio.create_task(drip(writer, b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100,
+                                        sent=sent))
     try:
-        await asyncio.sleep(0.1)
+        await until(lambda: sent)  # the slow request has begun
         status, _, body, _ = await request(port, b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert (status, json.loads(body)) == (200, {"pong": True})
         answer = await closed_by_server(reader)

@@ -7,6 +7,8 @@ import pytest
 
 from server_process import cadenza_server
 
+pytestmark = pytest.mark.slow  # one `cadenza serve` process for the module
+
 
 @pytest.fixture(scope="module")
 def client(tiny_llama_dir, tmp_path_factory):
