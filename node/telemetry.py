@@ -21,7 +21,6 @@ publishes, so nothing walks scheduler structures from another thread.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +28,6 @@ from dataclasses import dataclass, field
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
@@ -37,6 +35,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CollectorRegistry, generate_latest
 
 from cadenza.node.engine import RequestOutput
+from cadenza.node.otel import make_resource, otlp_enabled
 from cadenza.node.scheduler import SchedulerOutput
 
 PROVIDER = "cadenza"
@@ -47,26 +46,6 @@ DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 
 TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864]
 STEP_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 _propagator = TraceContextTextMapPropagator()
-
-
-def _otlp_enabled(signal: str) -> bool:
-    choice = os.environ.get(f"OTEL_{signal.upper()}_EXPORTER", "").strip().lower()
-    if choice:
-        return "otlp" in choice.split(",")
-    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
-
-
-def make_resource() -> Resource:
-    """``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` (read by the SDK), ``service.name``
-    defaulting to ``cadenza``, and the pool and replica names when ``CADENZA_POOL`` /
-    ``CADENZA_REPLICA`` are set (the operator sets them)."""
-    attrs: dict[str, str] = {}
-    if not os.environ.get("OTEL_SERVICE_NAME") and "service.name=" not in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
-        attrs["service.name"] = "cadenza"
-    for env, key in (("CADENZA_POOL", "cadenza.pool.name"), ("CADENZA_REPLICA", "cadenza.replica.name")):
-        if value := os.environ.get(env):
-            attrs[key] = value
-    return Resource.create(attrs)
 
 
 @dataclass(slots=True)
@@ -110,7 +89,7 @@ class Telemetry:
         self._stats = stats
         resource = make_resource()
         self.tracer_provider = TracerProvider(resource=resource)
-        if otlp if otlp is not None else _otlp_enabled("traces"):
+        if otlp if otlp is not None else otlp_enabled("traces"):
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             self.tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
@@ -119,7 +98,7 @@ class Telemetry:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
 
         readers = [PrometheusMetricReader(registry=self.registry)]
-        if otlp if otlp is not None else _otlp_enabled("metrics"):
+        if otlp if otlp is not None else otlp_enabled("metrics"):
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
             readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))

@@ -132,7 +132,8 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int) -> tuple[list[Proc
     config = run_dir / "gateway.json"
     config.write_text(json.dumps({"roles": urls, "default_class": "interactive"}, indent=2) + "\n")
     gateway = Process("gateway", [sys.executable, "-m", "cadenza.node.cli", "gateway", "--config", str(config),
-                                  "--host", host, "--port", str(port)], port, run_dir / "gateway.log", host=host)
+                                  "--host", host, "--port", str(port), *pool.gateway_args()], port,
+                      run_dir / "gateway.log", host=host)
     return replicas, gateway
 
 

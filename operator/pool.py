@@ -125,6 +125,12 @@ class Pool:
         except ConfigError as exc:
             raise PoolSpecError(f"role {role.name}: {exc}") from None
 
+    def gateway_args(self) -> list[str]:
+        """``--slo-targets-ms`` with every SLO target of the pool (the gateway's histograms are dense
+        around them), or nothing without SLOs."""
+        targets = sorted({float(v) for slo in (self.spec.get("slo") or {}).values() for v in (slo or {}).values()})
+        return ["--slo-targets-ms", ",".join(f"{t:g}" for t in targets)] if targets else []
+
     @property
     def gpus(self) -> int:
         limits = self.spec.get("resources", {}).get("limits", {})

@@ -223,7 +223,7 @@ def render_gateway(pool: Pool, owner=None) -> list[dict]:
     container = {
         "name": "gateway", "image": pool.spec["image"], "command": ["cadenza"],
         "args": ["gateway", "--kubernetes", "--namespace", pool.namespace, "--pool", pool.name,
-                 "--host", "0.0.0.0", "--port", str(HTTP_PORT)],
+                 "--host", "0.0.0.0", "--port", str(HTTP_PORT), *pool.gateway_args()],
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}},
         "livenessProbe": _probe("/health", periodSeconds=10),

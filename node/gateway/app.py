@@ -9,8 +9,10 @@ Routes:
   is full (for debugging).
 - ``GET /v1/models``: proxied to any replica.
 - any other ``/v1/...``: proxied by traffic class (:mod:`.proxy`).
-- ``/admin/...`` and ``/metrics``: 404 naming the replicas, which each have their own (an admin
-  change is per replica, and each replica's metrics are scraped on its own).
+- ``GET /metrics``: the gateway's own client-side TTFT / ITL histograms per class, Prometheus
+  text (:mod:`.metrics`; each replica's engine metrics are scraped from the replica).
+- ``/admin/...``: 404 naming the replicas, which each have their own (an admin change is per
+  replica).
 - anything else: 404 in OpenAI format.
 
 The app owns one :class:`aiohttp.ClientSession` (no total timeout, so streams last as long as
@@ -31,10 +33,12 @@ from aiohttp import web
 
 from cadenza.node.gateway import health as health_checks
 from cadenza.node.gateway import proxy
+from cadenza.node.gateway.metrics import GatewayMetrics
 from cadenza.node.gateway.state import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_HEALTH_INTERVAL_S,
     DEFAULT_MAX_OUTSTANDING,
+    METRICS,
     SESSION,
     SETTINGS,
     UPSTREAMS,
@@ -64,6 +68,7 @@ def create_gateway_app(
     source: UpstreamSource | None = None,
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S,
+    slo_targets_s: tuple[float, ...] = (),
 ) -> web.Application:
     """Build a gateway in front of the replicas in ``upstreams``.
 
@@ -74,6 +79,7 @@ def create_gateway_app(
         source: keeps ``upstreams`` current while the app runs (started and cancelled with it).
         connect_timeout_s: seconds to connect to a replica before it counts as unreachable.
         health_interval_s: seconds between health checks of every replica (:mod:`.health`); 0: none.
+        slo_targets_s: the pool's SLO targets (seconds); the latency histograms are dense around them.
 
     Serve it with ``web.AppRunner(app, handler_cancellation=True)`` (as :mod:`.cli` does), so a
     client that disconnects while its replica is still silent cancels the upstream request at once;
@@ -85,6 +91,8 @@ def create_gateway_app(
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[SETTINGS] = GatewaySettings(default_class, max_outstanding, connect_timeout_s, health_interval_s)
     app[UPSTREAMS] = upstreams
+    app[METRICS] = GatewayMetrics(slo_targets_s)
+    app.on_cleanup.append(_stop_metrics)
     app.cleanup_ctx.append(_client_session)
     if source is not None:
         app.cleanup_ctx.append(_run_source(source))
@@ -96,16 +104,23 @@ def create_gateway_app(
     app.router.add_get("/v1/models", proxy.proxy_to_any)
     app.router.add_route("*", "/v1/{tail:.*}", proxy.proxy_by_class)
     app.router.add_route("*", "/admin/{tail:.*}", per_replica)
-    app.router.add_get("/metrics", per_replica)
+    app.router.add_get("/metrics", metrics)
     return app
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].prometheus_text(), content_type="text/plain", charset="utf-8")
+
+
+async def _stop_metrics(app: web.Application) -> None:
+    app[METRICS].shutdown()
 
 
 async def per_replica(request: web.Request) -> web.Response:
     """What each replica serves itself: point to them instead of a bare 404."""
     urls = [f"{u.url}{request.path}" for u in request.app[UPSTREAMS].all()]
     where = ", ".join(urls) if urls else "(no replica known yet)"
-    what = "metrics" if request.path == "/metrics" else "an admin API"
-    return error_response(404, f"the gateway has no {request.path}: each replica has {what} of its own, at {where}",
+    return error_response(404, f"the gateway has no {request.path}: each replica has an admin API of its own, at {where}",
                           code="per_replica")
 
 

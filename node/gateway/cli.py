@@ -47,6 +47,16 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _targets(value: str) -> tuple[float, ...]:
+    try:
+        targets = tuple(float(v) / 1e3 for v in value.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds separated by commas, got {value!r}") from None
+    if any(not t > 0 for t in targets):
+        raise argparse.ArgumentTypeError(f"SLO targets must be positive, got {value!r}")
+    return targets
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the gateway's options to ``parser`` (a ``cadenza gateway`` subparser)."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -71,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval", type=float, default=DEFAULT_HEALTH_INTERVAL_S, metavar="SECONDS",
                         help="seconds between health checks (GET /health) of every replica; 0 turns them off "
                              "(default: %(default)s)")
+    parser.add_argument("--slo-targets-ms", type=_targets, default=(), metavar="MS[,MS...]",
+                        help="the pool's SLO targets: the TTFT / ITL histograms at /metrics get dense buckets "
+                             "around each (default: none, coarse buckets only)")
     add_http_arguments(parser)
 
 
@@ -105,7 +118,7 @@ def build_gateway(args: argparse.Namespace) -> tuple[web.Application, UpstreamSo
         max_outstanding = max_outstanding or config.max_outstanding
     app = create_gateway_app(upstreams, default_class or "interactive", max_outstanding or DEFAULT_MAX_OUTSTANDING,
                              source=source, connect_timeout_s=args.connect_timeout,
-                             health_interval_s=args.health_interval)
+                             health_interval_s=args.health_interval, slo_targets_s=args.slo_targets_ms)
     return app, source
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import NamedTuple
 
 import aiohttp
@@ -35,7 +36,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from cadenza.node.gateway.headers import request_headers, response_headers, retry_after_s
-from cadenza.node.gateway.state import SESSION, SETTINGS, UPSTREAMS
+from cadenza.node.gateway.state import METRICS, SESSION, SETTINGS, UPSTREAMS
 from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream
 from cadenza.node.policy import PolicyError, check_class
 from cadenza.node.server.errors import APIError, error_body
@@ -74,7 +75,10 @@ def request_class(request: web.Request) -> str:
 
 async def proxy_by_class(request: web.Request) -> web.StreamResponse:
     """Any ``/v1/...`` request: forwarded to the replicas of its class's role."""
-    role = ROLE_OF_CLASS[request_class(request)]
+    started = time.monotonic()
+    cls = request_class(request)
+    request["cadenza_timed"] = (cls, started)  # the class and arrival, for the latency histograms
+    role = ROLE_OF_CLASS[cls]
     return await forward(request, request.app[UPSTREAMS].of_role(role), f"{role} replica")
 
 
@@ -184,6 +188,9 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse, upstream: U
     """Pass ``resp`` to the client: status, headers, then each chunk as soon as it arrives."""
     out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=response_headers(resp.headers))
     await out.prepare(request)
+    timed = request.get("cadenza_timed")
+    timer = (request.app[METRICS].stream(*timed)
+             if timed and resp.status == 200 and resp.content_type == "text/event-stream" else None)
     while True:
         try:
             chunk = await resp.content.readany()
@@ -193,6 +200,8 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse, upstream: U
             return out
         if not chunk:
             break
+        if timer is not None:
+            timer.chunk(chunk)
         try:
             await send(request, out, chunk)
         except ConnectionError:  # the client went away or stopped reading: closing resp aborts upstream

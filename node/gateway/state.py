@@ -1,4 +1,5 @@
-"""What a gateway app holds: its settings, its upstream table, its HTTP client (typed app keys)."""
+"""What a gateway app holds: its settings, its upstream table, its HTTP client, its latency
+histograms (typed app keys)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from cadenza.node.gateway.metrics import GatewayMetrics
 from cadenza.node.gateway.upstreams import Upstreams
 from cadenza.node.policy import check_class
 
@@ -51,3 +53,4 @@ class GatewaySettings:
 SETTINGS = web.AppKey("gateway_settings", GatewaySettings)
 UPSTREAMS = web.AppKey("gateway_upstreams", Upstreams)
 SESSION = web.AppKey("gateway_session", aiohttp.ClientSession)
+METRICS = web.AppKey("gateway_metrics", GatewayMetrics)

@@ -194,3 +194,13 @@ def test_specs_the_schema_cannot_catch_are_refused():
 
 def test_status_selector_matches_every_engine_pod():
     assert selector_string(pool()) == "serving.cadenza.dev/pool=chat,app.kubernetes.io/component=engine"
+
+
+def test_the_gateway_gets_dense_latency_buckets_around_the_pools_slo_targets():
+    def gateway_args(p):
+        return by_name(render_all(p, OWNER))[("Deployment", "chat-gateway")]["spec"]["template"]["spec"][
+            "containers"][0]["args"]
+
+    assert "--slo-targets-ms" not in gateway_args(pool())
+    args = gateway_args(pool(slo={"interactive": {"ttftP99Ms": 500, "itlP99Ms": 80}, "batch": {"ttftP99Ms": 500}}))
+    assert args[args.index("--slo-targets-ms") + 1] == "80,500"

@@ -66,7 +66,9 @@ def test_defaults_land_where_the_crd_puts_them():
     assert spec["model"]["source"] == {"embedded": True}
     assert spec["engine"] == {}
     assert spec["dedicated"] == {"interactiveReplicas": 1, "engine": {}}  # defaulted, then defaulted inside
-    assert spec["controller"] == {"windowSeconds": 300, "hysteresis": 0.1, "cooldownSeconds": 600, "advisory": False}
+    assert spec["controller"] == {"windowSeconds": 300, "fastWindowSeconds": 30, "minSamples": 200, "hysteresis": 0.1,
+                                  "cooldownSeconds": 600, "flapWindowSeconds": 1800, "retuneFactor": 0.5,
+                                  "staleSeconds": 60, "advisory": False}
     assert "slo" not in spec and "resources" not in spec  # no default, so absent
 
 
@@ -373,3 +375,14 @@ def test_a_file_that_is_not_yaml_is_refused(tmp_path):
     path.write_text("spec: [unclosed\n")
     with pytest.raises(PoolValidationError, match="not valid YAML"):
         load_pools(path)
+
+
+@pytest.mark.parametrize(("controller", "expected"), [
+    ({"fastWindowSeconds": 300, "windowSeconds": 300}, "fastWindowSeconds must be shorter"),
+    ({"bounds": {"chunkSize": {"min": 128, "max": 64}}}, "min must not exceed its max"),
+    ({"retuneFactor": 1.0}, "retuneFactor"),
+    ({"minSamples": 0}, "minSamples"),
+])
+def test_controller_settings_are_checked(controller, expected):
+    with pytest.raises(PoolValidationError, match=expected):
+        validate_pool(pool(mode="auto", controller=controller))

@@ -36,6 +36,7 @@ def test_options_and_their_defaults():
     args = parse("--kubernetes", "--namespace", "ns", "--pool", "chat", "--default-class", "Batch",
                  "--max-outstanding", "16", "--port", "9000")
     assert (args.namespace, args.pool, args.default_class, args.max_outstanding) == ("ns", "chat", "batch", 16)
+    assert parse("--config", "gw.yaml", "--slo-targets-ms", "500,80").slo_targets_ms == (0.5, 0.08)
 
 
 def test_http_timeout_options_reach_the_gateway():
@@ -47,7 +48,9 @@ def test_http_timeout_options_reach_the_gateway():
 
 
 @pytest.mark.parametrize("argv", [(), ("--config", "a", "--kubernetes"), ("--config", "a", "--max-outstanding", "0"),
-                                  ("--config", "a", "--default-class", "urgent")])
+                                  ("--config", "a", "--default-class", "urgent"),
+                                  ("--config", "a", "--slo-targets-ms", "500,x"),
+                                  ("--config", "a", "--slo-targets-ms", "0")])
 def test_bad_options_are_refused_by_the_parser(argv):
     with pytest.raises(SystemExit) as exc:
         parse(*argv)

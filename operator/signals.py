@@ -1,0 +1,282 @@
+"""SLO signals of a pool: per-class latency over a time window, from cumulative histograms.
+
+Gateways record every request's client-side TTFT and every inter-token gap (ITL) in cumulative
+histograms per traffic class (:mod:`cadenza.node.gateway.metrics`). A *window* is the difference of
+two snapshots of those histograms taken ``window`` seconds apart; from it this module estimates
+the p99 (linear interpolation inside the bucket that holds it, as Prometheus' ``histogram_quantile``
+does) and the SLO attainment (the share of observations at or under the target, interpolated the
+same way). The estimate is only as fine as the buckets: the gateway's boundaries are dense around
+each SLO target, so a p99 near the target is within a few per cent of the truth.
+
+Invariants:
+- A window whose data is missing, stale, NaN, not yet covered by snapshots, or holds fewer than
+  ``min_samples`` requests (but more than none: a covered window with no request is a known zero,
+  the class has no traffic) is **unknown** (``ClassWindow.known`` False, with the reason). Unknown
+  means "hold" to the controller, never "no load".
+- A counter that went down (a gateway restarted) restarts the window at the reset: the delta is
+  the newer snapshot alone, never negative.
+
+Pure: snapshots carry their own timestamps; nothing here reads a clock or the network.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+CLASSES = ("interactive", "batch", "background")
+# Prometheus names of the gateway's histograms (OpenTelemetry names with dots as underscores and
+# the unit as a suffix, as the SDK's Prometheus exporter writes them).
+TTFT_METRIC = "cadenza_gateway_time_to_first_token_seconds"
+ITL_METRIC = "cadenza_gateway_inter_token_latency_seconds"
+CLASS_LABEL = "cadenza_traffic_class"
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Cumulative bucket counts of one histogram.
+
+    Attributes:
+        bounds: finite upper bounds, ascending (the ``+Inf`` bucket is implied).
+        counts: cumulative counts, one per bound, then the total (``len(bounds) + 1`` values).
+    """
+
+    bounds: tuple[float, ...]
+    counts: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != len(self.bounds) + 1:
+            raise ValueError(f"{len(self.bounds)} bounds need {len(self.bounds) + 1} counts, got {len(self.counts)}")
+
+    @property
+    def total(self) -> float:
+        return self.counts[-1]
+
+    @property
+    def finite(self) -> bool:
+        return all(math.isfinite(c) for c in self.counts)
+
+    def __add__(self, other: Histogram) -> Histogram:
+        """Sum of two histograms with the same bounds (two gateway pods).
+
+        Raises:
+            ValueError: different bounds.
+        """
+        if other.bounds != self.bounds:
+            raise ValueError("cannot add histograms with different bucket bounds")
+        return Histogram(self.bounds, tuple(a + b for a, b in zip(self.counts, other.counts)))
+
+    def since(self, older: Histogram | None) -> Histogram:
+        """What was observed after ``older`` (itself when ``older`` is None, has other bounds, or
+        is larger anywhere, i.e. the counters were reset in between)."""
+        if older is None or older.bounds != self.bounds or any(o > n for o, n in zip(older.counts, self.counts)):
+            return self
+        return Histogram(self.bounds, tuple(n - o for n, o in zip(self.counts, older.counts)))
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile (0 < q < 1), interpolated linearly inside its bucket; None when empty.
+
+        A quantile in the ``+Inf`` bucket is reported as the largest finite bound (a lower bound
+        of the truth, as Prometheus does).
+        """
+        total = self.total
+        if total <= 0:
+            return None
+        rank = q * total
+        lower_bound, lower_count = 0.0, 0.0
+        for bound, count in zip(self.bounds, self.counts):
+            if count >= rank:
+                width = count - lower_count
+                return lower_bound + (bound - lower_bound) * ((rank - lower_count) / width if width else 1.0)
+            lower_bound, lower_count = bound, count
+        return self.bounds[-1] if self.bounds else None
+
+    def share_at_most(self, x: float) -> float | None:
+        """Share of observations ``<= x``, interpolated inside the bucket holding ``x``; None when empty."""
+        total = self.total
+        if total <= 0:
+            return None
+        lower_bound, lower_count = 0.0, 0.0
+        for bound, count in zip(self.bounds, self.counts):
+            if x <= bound:
+                frac = (x - lower_bound) / (bound - lower_bound) if bound > lower_bound else 1.0
+                return (lower_count + frac * (count - lower_count)) / total
+            lower_bound, lower_count = bound, count
+        return lower_count / total  # x is past the last finite bound: the +Inf bucket counts as over
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The pool's cumulative latency histograms at one time, summed over its gateways.
+
+    Attributes:
+        time: seconds (the injected clock's) when it was scraped.
+        ttft: per class, client-side time to first token (seconds).
+        itl: per class, gaps between consecutive streamed tokens (seconds).
+    """
+
+    time: float
+    ttft: Mapping[str, Histogram] = field(default_factory=dict)
+    itl: Mapping[str, Histogram] = field(default_factory=dict)
+
+
+def parse_gateway_metrics(texts: Iterable[str], time: float) -> Snapshot:
+    """One snapshot from the Prometheus text of every gateway pod of a pool (histograms summed).
+
+    Args:
+        texts: the body of each gateway's ``GET /metrics``.
+        time: when they were scraped.
+
+    Raises:
+        ValueError: a text that is not the Prometheus exposition format.
+    """
+    sums: dict[str, dict[str, Histogram]] = {TTFT_METRIC: {}, ITL_METRIC: {}}
+    for text in texts:
+        for name, by_class in _histograms(text).items():
+            if name in sums:
+                for cls, hist in by_class.items():
+                    sums[name][cls] = sums[name][cls] + hist if cls in sums[name] else hist
+    return Snapshot(time, ttft=sums[TTFT_METRIC], itl=sums[ITL_METRIC])
+
+
+def _histograms(text: str) -> dict[str, dict[str, Histogram]]:
+    buckets: dict[tuple[str, str], dict[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type != "histogram":
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_bucket"):
+                continue
+            cls = sample.labels.get(CLASS_LABEL, "")
+            bound = float(sample.labels["le"])
+            per = buckets.setdefault((family.name, cls), {})
+            per[bound] = per.get(bound, 0.0) + sample.value  # other label sets (model, ...) are summed
+    out: dict[str, dict[str, Histogram]] = {}
+    for (name, cls), per in buckets.items():
+        finite = sorted(b for b in per if math.isfinite(b))
+        counts = tuple(per[b] for b in finite) + (per.get(math.inf, per[finite[-1]] if finite else 0.0),)
+        out.setdefault(_base_name(name), {})[cls] = Histogram(tuple(finite), counts)
+    return out
+
+
+def _base_name(name: str) -> str:
+    return name[: -len("_bucket")] if name.endswith("_bucket") else name
+
+
+@dataclass(frozen=True)
+class ClassWindow:
+    """One class's latency over one window.
+
+    Attributes:
+        known: False when the figures below must not be acted on; ``reason`` says why.
+        requests: requests that got a first token in the window (TTFT observations).
+        ttft_p99_ms / itl_p99_ms: p99 estimates (None when there were no observations).
+        attainment: share of observations within target, the lower of TTFT's and ITL's (None
+            without a target or without observations).
+    """
+
+    known: bool
+    reason: str = ""
+    requests: int = 0
+    ttft_p99_ms: float | None = None
+    itl_p99_ms: float | None = None
+    attainment: float | None = None
+    window_s: float = 0.0
+
+    def over(self, slo: Mapping[str, float], factor: float = 1.0) -> list[str]:
+        """The figures above ``factor`` x their target, as "TTFT p99 812 ms > 500 ms" strings."""
+        out = []
+        for key, name, value in (("ttftP99Ms", "TTFT", self.ttft_p99_ms), ("itlP99Ms", "ITL", self.itl_p99_ms)):
+            target = slo.get(key)
+            if target is not None and value is not None and value > factor * target:
+                out.append(f"{name} p99 {value:.0f} ms > {factor * target:.0f} ms")
+        return out
+
+    def to_status(self) -> dict:
+        doc: dict = {"known": self.known, "requests": self.requests, "windowSeconds": round(self.window_s)}
+        for key, value in (("ttftP99Ms", self.ttft_p99_ms), ("itlP99Ms", self.itl_p99_ms),
+                           ("attainment", self.attainment)):
+            if value is not None:
+                doc[key] = round(value, 4 if key == "attainment" else 1)
+        if self.reason:
+            doc["reason"] = self.reason
+        return doc
+
+
+@dataclass(frozen=True)
+class Signals:
+    """Per class, the fast and the slow window (what :func:`cadenza.operator.controller.decide` reads)."""
+
+    fast: Mapping[str, ClassWindow]
+    slow: Mapping[str, ClassWindow]
+
+
+class SnapshotHistory:
+    """Snapshots of one pool, oldest first, kept for as long as the slow window needs.
+
+    Args:
+        keep_s: how far back to keep snapshots (the slow window plus a scrape interval or two).
+    """
+
+    def __init__(self, keep_s: float) -> None:
+        self.keep_s = keep_s
+        self.snapshots: list[Snapshot] = []
+
+    def add(self, snapshot: Snapshot) -> None:
+        """Append a newer snapshot and forget those no window can need any more."""
+        if self.snapshots and snapshot.time <= self.snapshots[-1].time:
+            raise ValueError("snapshots must be added in time order")
+        self.snapshots.append(snapshot)
+        # Keep the newest snapshot at or before the cut: it is the start of the longest window.
+        cut = snapshot.time - self.keep_s
+        while len(self.snapshots) > 2 and self.snapshots[1].time <= cut:
+            self.snapshots.pop(0)
+
+    def window(self, cls: str, window_s: float, now: float, slo: Mapping[str, float], *, min_samples: int,
+               stale_s: float) -> ClassWindow:
+        """``cls`` over the last ``window_s`` seconds before the newest snapshot.
+
+        Unknown when: no snapshot, the newest older than ``stale_s`` at ``now``, no snapshot old
+        enough to start the window (within 10 % of it), the class's series missing, a NaN, or fewer
+        than ``min_samples`` requests.
+        """
+        if not self.snapshots:
+            return ClassWindow(False, "no scrape yet")
+        newest = self.snapshots[-1]
+        if now - newest.time > stale_s:
+            return ClassWindow(False, f"last scrape {now - newest.time:.0f} s old")
+        start = None
+        for snap in reversed(self.snapshots[:-1]):
+            if newest.time - snap.time >= 0.9 * window_s:
+                start = snap
+                break
+        if start is None:
+            return ClassWindow(False, f"scrapes do not cover {window_s:.0f} s yet")
+        span = newest.time - start.time
+        ttft_now, itl_now = newest.ttft.get(cls), newest.itl.get(cls)
+        if ttft_now is None:
+            return ClassWindow(False, f"no {cls} latency series", window_s=span)
+        if not ttft_now.finite or (itl_now is not None and not itl_now.finite):
+            return ClassWindow(False, "a NaN in the latency series", window_s=span)
+        ttft = ttft_now.since(start.ttft.get(cls))
+        itl = itl_now.since(start.itl.get(cls)) if itl_now is not None else None
+        requests = int(round(ttft.total))
+        ttft_p99, itl_p99 = ttft.quantile(0.99), itl.quantile(0.99) if itl is not None else None
+        shares = [h.share_at_most(slo[key] / 1e3) for key, h in (("ttftP99Ms", ttft), ("itlP99Ms", itl))
+                  if h is not None and slo.get(key) is not None]
+        shares = [s for s in shares if s is not None]
+        # No request at all in a covered window is a known zero (the class has no traffic); a few
+        # are too few to estimate a p99 from.
+        enough = requests == 0 or requests >= min_samples
+        return ClassWindow(
+            known=enough,
+            reason="" if enough else f"{requests} requests < {min_samples} needed",
+            requests=requests,
+            ttft_p99_ms=None if ttft_p99 is None else ttft_p99 * 1e3,
+            itl_p99_ms=None if itl_p99 is None else itl_p99 * 1e3,
+            attainment=min(shares) if shares else None,
+            window_s=span,
+        )
