@@ -33,19 +33,27 @@ class AdmissionError(ValueError):
 
 
 class DrainRate:
-    """Requests leaving a queue per second, over the last ``window`` admissions."""
+    """Requests leaving a queue per second, over the last ``window`` admissions that happened in
+    the last ``horizon_s`` seconds: admissions from before an idle spell say nothing about how fast
+    the queue drains now (counting them made a burst after idle answer ``Retry-After: 300`` for a
+    queue that drained in seconds)."""
 
-    def __init__(self, window: int = 64) -> None:
+    def __init__(self, window: int = 64, horizon_s: float = 30.0) -> None:
         self._times: deque[float] = deque(maxlen=window)
+        self.horizon_s = horizon_s
 
     def record(self, now: float) -> None:
         self._times.append(now)
 
     def per_second(self, now: float) -> float | None:
-        if len(self._times) < 2:
+        """The recent rate, or None with fewer than two admissions inside the horizon."""
+        times = self._times
+        while times and now - times[0] > self.horizon_s:
+            times.popleft()
+        if len(times) < 2:
             return None
-        span = max(now - self._times[0], 1e-3)
-        return len(self._times) / span
+        span = max(now - times[0], 1e-3)
+        return len(times) / span
 
     def retry_after(self, queued: int, now: float) -> int:
         """Seconds until ``queued`` requests ahead have drained (1 to 300)."""

@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cadenza.node.bench import cli as bench_cli
 
     parser = argparse.ArgumentParser(prog="cadenza", description="Chunked-prefill LLM serving.")
-    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="default: %(default)s")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default: %(default)s")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API", epilog=SERVE_EPILOG,
@@ -226,13 +226,20 @@ def build_parser() -> argparse.ArgumentParser:
     for entry in entry_points(group="cadenza.commands"):  # `operator`, `up` (cadenza.operator)
         entry.load()(sub)
     for command in sub.choices.values():  # `cadenza serve --log-level DEBUG` works too
-        command.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS,
+        command.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=argparse.SUPPRESS,
                              help="log level (also accepted before the command; default: INFO)")
     return parser
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown for every option; the epilog's layout kept."""
+    """Defaults shown for every option that has one (once: not where the help already says it,
+    nor ``None``); the epilog's layout kept."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
 
 
 def _port(value: str) -> int:

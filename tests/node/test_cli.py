@@ -88,6 +88,8 @@ def test_serve_help_shows_every_default_and_the_environment():
                      "--seed SEED", "(default: 0)", "--threads N", "(default: 512)", "(default: 256)",
                      "CADENZA_ADMIN_TOKEN ", "CADENZA_ADMIN_TOKEN_FILE", "CADENZA_CACHE_DIR", "--header-timeout-s"):
         assert expected in text, expected
+    assert "(default: None)" not in text  # an option without a default says what happens instead, once
+    assert "default: the model's) (default" not in " ".join(text.split())
 
 
 def test_log_level_is_accepted_after_the_command_too():
@@ -98,6 +100,8 @@ def test_log_level_is_accepted_after_the_command_too():
     assert parser.parse_args(["--log-level", "ERROR", "serve"]).log_level == "ERROR"
     assert parser.parse_args(["serve"]).log_level == "INFO"
     assert parser.parse_args(["bench", "--log-level", "WARNING"]).log_level == "WARNING"
+    assert parser.parse_args(["serve", "--log-level", "debug"]).log_level == "DEBUG"  # any case
+    assert parser.parse_args(["--log-level", "warning", "serve"]).log_level == "WARNING"
 
 
 @pytest.mark.slow  # a server process

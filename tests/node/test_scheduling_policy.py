@@ -527,3 +527,15 @@ def test_class_names_are_case_insensitive():
     assert check_class(" Batch") == "batch" and check_class("INTERACTIVE") == "interactive"
     sched.add_request(req)
     assert req.traffic_class == "batch" and len(sched.queues["batch"]) == 1
+
+
+def test_retry_after_reflects_the_recent_drain_not_admissions_before_an_idle_spell():
+    from cadenza.node.admission import DrainRate
+
+    drain = DrainRate()
+    for t in range(0, 600, 10):  # one admission every 10 s, then idle
+        drain.record(float(t))
+    assert drain.retry_after(20, now=900.0) == 1  # nothing recent: no guess from stale admissions
+    for i in range(20):  # a burst drains at 10 requests/s
+        drain.record(900.0 + i * 0.1)
+    assert drain.retry_after(20, now=902.0) <= 3
