@@ -108,3 +108,18 @@ def serve_args(engine: Mapping[str, Any]) -> list[str]:
         else:
             args += [flag, "none" if value is None else str(value)]
     return args
+
+
+# What a running replica can change through PUT /admin/config (spec.engine keys).
+LIVE_KEYS = ("tokenBudget", "chunkSize", "stepTimeTargetMs", "classes", "tenants")
+_LIVE_DEFAULTS = {"token_budget": 512, "chunk_size": 256}
+
+
+def live_document(engine: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``PUT /admin/config`` body that gives a running replica the live part of ``spec.engine``
+    (token budget and chunk size with the engine's defaults when unset, step-time target, class and
+    tenant policies) — how a role changes in place."""
+    doc: dict[str, Any] = {"token_budget": engine.get("tokenBudget", _LIVE_DEFAULTS["token_budget"]),
+                           "chunk_size": engine.get("chunkSize", _LIVE_DEFAULTS["chunk_size"])}
+    doc.update(policy_document(engine))
+    return doc

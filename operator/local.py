@@ -7,6 +7,10 @@ class to its role on the chosen address. The supervisor waits until every replic
 restarts one that dies (on the same port, with backoff), and on Ctrl-C or SIGTERM stops the
 gateway, then the replicas (SIGTERM, then SIGKILL after a grace period). Logs and the generated
 configuration go to a run folder it prints.
+
+With ``mode: auto`` every replica starts colocated with a per-run admin token, and the same SLO
+controller as the operator's keeps the pool's SLOs by retuning and moving replicas in place
+(:mod:`.local_control`); each decision is logged and the state file shows the shape.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cadenza.node.config import listen_problem as port_problem
+from cadenza.operator.local_control import AdminClient, LocalController, Replica
 from cadenza.operator.pool import Pool, PoolSpecError
 from cadenza.operator.render import cpu_threads
 
@@ -100,8 +106,11 @@ class Process:
             return ""
 
 
-def plan(pool_obj: dict, run_dir: Path, host: str, port: int) -> tuple[list[Process], Process]:
+def plan(pool_obj: dict, run_dir: Path, host: str, port: int, admin_token: str | None = None
+         ) -> tuple[list[Process], Process]:
     """The replicas and the gateway a pool needs, with their configuration files written.
+
+    ``admin_token``, when given, enables every replica's admin API with it (``mode: auto``).
 
     Raises:
         PoolSpecError: a spec that cannot run here (a PVC source needs a cluster).
@@ -117,6 +126,8 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int) -> tuple[list[Proc
     model_args = pool.model_args()
     serve = [sys.executable, "-m", "cadenza.node.cli", "serve", "--host", "127.0.0.1"]
     env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(_threads(pool, total))}
+    if admin_token is not None:
+        env["CADENZA_ADMIN_TOKEN"] = admin_token
     replicas: list[Process] = []
     for role in roles:
         policy = run_dir / f"{role.name}.policy.json"
@@ -130,11 +141,18 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int) -> tuple[list[Proc
     if pool.mode == "colocated":
         urls = {"interactive": [r.url for r in replicas], "batch": [r.url for r in replicas]}
     config = run_dir / "gateway.json"
-    config.write_text(json.dumps({"roles": urls, "default_class": "interactive"}, indent=2) + "\n")
+    write_routes(config, urls)
     gateway = Process("gateway", [sys.executable, "-m", "cadenza.node.cli", "gateway", "--config", str(config),
                                   "--host", host, "--port", str(port), *pool.gateway_args()], port,
                       run_dir / "gateway.log", host=host)
     return replicas, gateway
+
+
+def write_routes(config: Path, urls: dict[str, list[str]]) -> None:
+    """Write the gateway's config file atomically (the gateway never reads half a file)."""
+    tmp = config.with_name(config.name + ".tmp")
+    tmp.write_text(json.dumps({"roles": urls, "default_class": "interactive"}, indent=2) + "\n")
+    tmp.replace(config)
 
 
 def _threads(pool: Pool, replicas: int) -> int:
@@ -146,14 +164,19 @@ def _threads(pool: Pool, replicas: int) -> int:
     return min(given, share) if given is not None else share
 
 
-def _write_state(path: Path | None, replicas: list[Process], gateway: Process) -> None:
+def _write_state(path: Path | None, replicas: list[Process], gateway: Process,
+                 controller: LocalController | None = None) -> None:
     if path is None:
         return
+    roles = controller.status()["shape"] if controller is not None else {}
     state = {
         "gateway": {"url": gateway.url, "pid": gateway.proc.pid if gateway.proc else None},
-        "replicas": [{"name": r.name, "role": r.role, "url": r.url, "pid": r.proc.pid if r.proc else None,
-                      "restarts": r.restarts, "log": str(r.log)} for r in replicas],
+        "replicas": [{"name": r.name, "role": roles.get(r.name, r.role), "url": r.url,
+                      "pid": r.proc.pid if r.proc else None, "restarts": r.restarts, "log": str(r.log)}
+                     for r in replicas],
     }
+    if controller is not None:
+        state["controller"] = controller.status()
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(state, indent=2) + "\n")
     tmp.replace(path)
@@ -183,8 +206,10 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
         print(f"cadenza up: {problem}", file=sys.stderr)
         return 1
     run_dir = Path(tempfile.mkdtemp(prefix=f"cadenza-up-{name}-"))
+    auto = pool_obj["spec"].get("mode") == "auto"
+    token = secrets.token_hex(16) if auto else None
     try:
-        replicas, gateway = plan(pool_obj, run_dir, host, port)
+        replicas, gateway = plan(pool_obj, run_dir, host, port, admin_token=token)
     except PoolSpecError as exc:
         shutil.rmtree(run_dir, ignore_errors=True)
         print(f"cadenza up: {exc}", file=sys.stderr)
@@ -215,11 +240,21 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
         if failed is not None:
             print(f"cadenza up: the gateway did not start (log: {gateway.log}):\n{gateway.tail()}", file=sys.stderr)
             return 1
-        _write_state(state_file, replicas, gateway)
+        controller = _controller(pool_obj, replicas, gateway, run_dir, token) if auto else None
+        _write_state(state_file, replicas, gateway, controller)
         if not stop["now"]:
-            logger.info("pool %s: serving on %s/v1 (%d replicas ready)", name, gateway.url, len(replicas))
+            logger.info("pool %s: serving on %s/v1 (%d replicas ready%s)", name, gateway.url, len(replicas),
+                        ", SLO controller on" if controller else "")
+        next_tick = time.monotonic()
         while not stop["now"]:
-            _supervise(everyone, replicas, gateway, state_file)
+            _supervise(everyone, replicas, gateway, state_file, controller)
+            if controller is not None and time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + controller.interval_s
+                try:
+                    controller.tick()
+                except Exception:  # noqa: BLE001 - a controller bug must not take the pool down
+                    logger.exception("controller: evaluation failed; holding")
+                _write_state(state_file, replicas, gateway, controller)
             time.sleep(0.5)
         return 0
     finally:
@@ -230,6 +265,17 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
             signal.signal(sig, handler)
 
 
+def _controller(pool_obj: dict, replicas: list[Process], gateway: Process, run_dir: Path,
+                token: str) -> LocalController:
+    pool = Pool(pool_obj["metadata"]["name"], pool_obj["metadata"].get("namespace", "default"), pool_obj["spec"])
+
+    def route(urls: dict[str, list[str]]) -> None:
+        write_routes(run_dir / "gateway.json", urls)
+        gateway.stop(signal.SIGHUP)  # re-read now, not at the next poll
+
+    return LocalController(pool, [Replica(r.name, r.url) for r in replicas], gateway.url, route, AdminClient(token))
+
+
 def _exited_soon(p: Process, within_s: float = 1.0) -> bool:
     try:
         p.proc.wait(timeout=within_s)
@@ -238,7 +284,8 @@ def _exited_soon(p: Process, within_s: float = 1.0) -> bool:
         return False
 
 
-def _supervise(everyone: list[Process], replicas: list[Process], gateway: Process, state_file: Path | None) -> None:
+def _supervise(everyone: list[Process], replicas: list[Process], gateway: Process, state_file: Path | None,
+               controller: LocalController | None = None) -> None:
     now = time.monotonic()
     for p in everyone:
         if p.proc is None or p.proc.poll() is None:
@@ -251,7 +298,7 @@ def _supervise(everyone: list[Process], replicas: list[Process], gateway: Proces
             p.restarts += 1
             p.restart_at = 0.0
             p.start()
-            _write_state(state_file, replicas, gateway)
+            _write_state(state_file, replicas, gateway, controller)
 
 
 def _shutdown(everyone: list[Process], stop: dict) -> None:
