@@ -111,7 +111,7 @@ def serve_args(engine: Mapping[str, Any]) -> list[str]:
 
 
 # What a running replica can change through PUT /admin/config (spec.engine keys).
-LIVE_KEYS = ("tokenBudget", "chunkSize", "stepTimeTargetMs", "classes", "tenants")
+LIVE_KEYS = ("tokenBudget", "chunkSize", "maxNumSeqs", "stepTimeTargetMs", "classes", "tenants")
 _LIVE_DEFAULTS = {"token_budget": 512, "chunk_size": 256}
 
 
@@ -121,5 +121,7 @@ def live_document(engine: Mapping[str, Any]) -> dict[str, Any]:
     tenant policies) — how a role changes in place."""
     doc: dict[str, Any] = {"token_budget": engine.get("tokenBudget", _LIVE_DEFAULTS["token_budget"]),
                            "chunk_size": engine.get("chunkSize", _LIVE_DEFAULTS["chunk_size"])}
+    if "maxNumSeqs" in engine:
+        doc["max_num_seqs"] = engine["maxNumSeqs"]
     doc.update(policy_document(engine))
     return doc

@@ -386,3 +386,9 @@ def test_a_file_that_is_not_yaml_is_refused(tmp_path):
 def test_controller_settings_are_checked(controller, expected):
     with pytest.raises(PoolValidationError, match=expected):
         validate_pool(pool(mode="auto", controller=controller))
+
+
+def test_dedicated_engine_holds_only_live_settings():
+    validate_pool(pool(mode="auto", replicas=2, dedicated={"engine": {"chunkSize": 32, "stepTimeTargetMs": 50}}))
+    with pytest.raises(PoolValidationError, match="can change"):
+        validate_pool(pool(mode="auto", replicas=2, dedicated={"engine": {"maxModelLen": 1024}}))
