@@ -5,8 +5,12 @@
   (once the new roles are ready), and report status (``observedGeneration``, ``mode``, replicas per role, ``Ready`` /
   ``Progressing`` / ``Degraded`` conditions) with an Event for each change;
 - a timer refreshes status as rollouts progress, finishes mode shifts (make-before-break: the old
-  role's Deployment is retired once the new roles are ready) and repairs drift (a deleted child
-  comes back);
+  role's Deployment is retired once the new roles are ready), repairs drift (a deleted child
+  comes back) and, for a pool with SLOs, scrapes its gateways' latency histograms into
+  ``status.latency``, the ``SLOMet`` condition and the controller's advisory decision
+  (:mod:`.observe`);
+- the handlers of one pool never run at the same time (a lock per pool): a timer tick holding
+  the old spec cannot undo what an update handler just applied;
 - delete removes every child by name (owner references let a real cluster collect them too).
 
 An invalid spec is a ``Degraded`` condition and a Warning event, then ``kopf.PermanentError``: no
@@ -21,12 +25,16 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
+import urllib.request
+from collections import defaultdict
 from typing import Any
 
 import kopf
 import kubernetes
 
 from cadenza.operator import kube, render
+from cadenza.operator.observe import PoolObserver
 from cadenza.operator.pool import Pool, PoolSpecError
 from cadenza.operator.validate import PoolValidationError, validate_pool
 
@@ -35,6 +43,9 @@ RETRY_DELAY_S = 10  # the first retry after a transient API failure; doubles eac
 MAX_RETRY_DELAY_S = 300
 REFUSED_RETRY_DELAY_S = 60
 RESYNC_S = float(os.environ.get("CADENZA_OPERATOR_RESYNC_S", "15"))
+SCRAPE_TIMEOUT_S = 2.0
+_locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)  # pool uid -> its handlers' lock
+_observer = PoolObserver()
 
 
 def retry_delay(retry: int) -> float:
@@ -111,7 +122,8 @@ def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: loggi
         kopf.warn(body, reason="InvalidSpec", message=message[:1000])
         raise kopf.PermanentError(f"invalid ServingPool: {message}") from None
     try:
-        _converge(body, meta, pool, roles, patch, logger)
+        with _locks[_uid(meta)]:
+            _converge(body, meta, pool, roles, patch, logger)
     except kube.Transient as exc:
         raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
     except kube.Refused as exc:
@@ -121,8 +133,26 @@ def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: loggi
         raise kopf.TemporaryError(message, delay=REFUSED_RETRY_DELAY_S) from None
 
 
+def _uid(meta: kopf.Meta) -> str:
+    return meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
+
+
+def _observe(body: kopf.Body, meta: kopf.Meta, pool: Pool) -> dict:
+    """Scrape the pool's ready gateways and let :mod:`.observe` read them (None texts: none answered)."""
+    texts = []
+    for pod in kube.list_pods(pool.namespace, {render.POOL_LABEL: pool.name, render.COMPONENT_LABEL: "gateway"}):
+        if not pod["ready"] or not pod["ip"]:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{pod['ip']}:{pod['port']}/metrics", timeout=SCRAPE_TIMEOUT_S) as resp:
+                texts.append(resp.read().decode())
+        except (OSError, ValueError):
+            continue  # that gateway is not counted this time
+    return _observer.observe(_uid(meta), pool.spec, texts or None, body.get("status", {}))
+
+
 def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.Patch,
-              logger: logging.Logger) -> None:
+              logger: logging.Logger, slo: dict | None = None) -> None:
     """Apply every object, retire the Deployments of roles the mode no longer runs, report status.
 
     A mode shift is make-before-break: while an old role's Deployment still exists and a new
@@ -150,7 +180,7 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
                 logger.info("deleted Deployment %s (mode %s)", name, pool.mode)
                 kopf.info(body, reason="Deleted", message=f"Deployment {name}: role not run in mode {pool.mode}")
         retiring = []
-    patch.status.update(_status(body, pool, roles, shift=(waiting, retiring)))
+    patch.status.update(_status(body, pool, roles, shift=(waiting, retiring), slo=slo))
 
 
 def _role_ready(pool: Pool, role) -> bool:
@@ -165,7 +195,9 @@ def resync(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: logging.
     created again (an unchanged one costs a read, no write)."""
     try:
         pool = _pool(body)
-        _converge(body, meta, pool, pool.roles(), patch, logger)
+        with _locks[_uid(meta)]:
+            slo = _observe(body, meta, pool) if pool.spec.get("slo") else None
+            _converge(body, meta, pool, pool.roles(), patch, logger, slo)
     except (PoolValidationError, PoolSpecError, kube.Refused):
         return  # reported by reconcile (which retries a refusal); nothing to follow
     except kube.Transient as exc:
@@ -176,6 +208,7 @@ def resync(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: logging.
 def cleanup(body: kopf.Body, logger: logging.Logger, retry: int = 0, **_: Any) -> None:
     """Delete every object the pool may own (garbage collection would, but not every server has it)."""
     pool = Pool(body.metadata.name, body.metadata.namespace, dict(body.spec))
+    _observer.forget(body.metadata.get("uid") or "")
     try:
         for _api_version, kind, name in render.every_child(pool):
             if kube.delete(kind, name, pool.namespace):
@@ -193,9 +226,10 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _condition(body: kopf.Body, kind: str, status: bool, reason: str, message: str) -> dict:
-    """A condition, keeping ``lastTransitionTime`` unless its status flips."""
-    value = "True" if status else "False"
+def _condition(body: kopf.Body, kind: str, status: bool | str, reason: str, message: str) -> dict:
+    """A condition, keeping ``lastTransitionTime`` unless its status flips (``status``: a bool, or
+    ``"True"`` / ``"False"`` / ``"Unknown"``)."""
+    value = status if isinstance(status, str) else ("True" if status else "False")
     previous = next((c for c in body.get("status", {}).get("conditions", []) if c.get("type") == kind), {})
     changed = previous.get("status") != value
     cond = {"type": kind, "status": value, "reason": reason, "message": message,
@@ -205,8 +239,10 @@ def _condition(body: kopf.Body, kind: str, status: bool, reason: str, message: s
     return cond
 
 
-def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str]] = ([], [])) -> dict:
-    """Status from the Deployments; ``shift``: (new roles not ready yet, old Deployments kept)."""
+def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str]] = ([], []),
+            slo: dict | None = None) -> dict:
+    """Status from the Deployments; ``shift``: (new roles not ready yet, old Deployments kept);
+    ``slo``: what :mod:`.observe` read this time (else the last ``SLOMet`` condition is kept)."""
     per_role, desired, ready, updated = {}, 0, 0, 0
     for role in roles:
         state = kube.deployment_status(f"{pool.name}-{role.name}", pool.namespace) or {}
@@ -237,6 +273,16 @@ def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str
             _condition(body, "Degraded", False, "AsExpected", "the spec is valid and applied"),
         ],
     }
+    previous = body.get("status", {})
+    # A merge patch merges maps: a role the mode no longer runs must be removed by name.
+    for stale in set(previous.get("roles") or {}) - set(per_role):
+        per_role[stale] = None
+    if slo is not None:
+        status["latency"] = slo["latency"]
+        status["controller"] = slo["controller"]
+        status["conditions"].append(_condition(body, "SLOMet", *slo["sloMet"]))
+    elif kept := next((c for c in previous.get("conditions", []) if c.get("type") == "SLOMet"), None):
+        status["conditions"].append(dict(kept))
     if body.metadata.get("generation") is not None:
         status["observedGeneration"] = body.metadata["generation"]
     return status

@@ -166,3 +166,32 @@ def deployment_status(name: str, namespace: str) -> dict[str, Any] | None:
         "readyReplicas": (status.ready_replicas if status else None) or 0,
         "updatedReplicas": (status.updated_replicas if status else None) or 0,
     }
+
+
+def list_pods(namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+    """Pods of ``namespace`` carrying every label in ``labels``: name, labels, pod IP, the port
+    named ``http`` of their first container (8000 when none is named), and whether they are Ready.
+
+    The selector is also applied here, on the answer: a server that ignores it returns no stranger.
+
+    Raises:
+        Transient, Refused: as :func:`apply`.
+    """
+    selector = ",".join(f"{k}={v}" for k, v in labels.items())
+    try:
+        pods = kubernetes.client.CoreV1Api().list_namespaced_pod(namespace, label_selector=selector).items
+    except Exception as exc:
+        raise _failure("Pod", selector, exc) from exc
+    out = []
+    for pod in pods:
+        have = (pod.metadata.labels or {}) if pod.metadata else {}
+        if any(have.get(k) != v for k, v in labels.items()):
+            continue
+        port = 8000
+        for container in (pod.spec.containers if pod.spec and pod.spec.containers else [])[:1]:
+            port = next((p.container_port for p in container.ports or [] if p.name == "http"), port)
+        status = pod.status
+        ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or [])) if status else False
+        out.append({"name": pod.metadata.name, "labels": have, "ip": status.pod_ip if status else None,
+                    "port": port, "ready": ready})
+    return out

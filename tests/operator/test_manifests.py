@@ -162,15 +162,17 @@ def granted(group: str, resource: str) -> set[str]:
         ("events.k8s.io", "events", {"create", "patch"}),
         ("apiextensions.k8s.io", "customresourcedefinitions", {"list", "watch"}),
         ("", "namespaces", {"list", "watch"}),
+        ("", "pods", {"get", "list"}),  # the gateway pods, to scrape their latency histograms
     ],
 )
 def test_operator_holds_what_it_needs(group, resource, verbs):
     assert verbs <= granted(group, resource)
 
 
-def test_operator_cannot_touch_secrets_pods_or_escalate():
-    for group, resource in [("", "secrets"), ("", "pods"), ("rbac.authorization.k8s.io", "clusterroles")]:
+def test_operator_cannot_touch_secrets_change_pods_or_escalate():
+    for group, resource in [("", "secrets"), ("rbac.authorization.k8s.io", "clusterroles")]:
         assert not granted(group, resource)
+    assert granted("", "pods") == {"get", "list"}  # read only
     verbs = {verb for rule in find("ClusterRole", "cadenza-operator")["rules"] for verb in rule["verbs"]}
     assert not verbs & {"escalate", "bind", "impersonate", "update", "deletecollection"}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import kmock
 import kubernetes
 import pytest
@@ -233,3 +235,91 @@ def test_a_spec_only_the_engine_can_refuse_is_reported_not_retried(api):
         wait_for(lambda: condition(get_pool("bad"), "Degraded")["status"] == "False", what="not degraded")
     assert runner.exit_code == 0, runner.output
     assert runner.output.count("invalid ServingPool") == 1  # a permanent error: reported once, not retried
+
+
+class ScriptedGateway:
+    """A gateway's /metrics on a loopback port, fed by the real histograms with chosen latencies."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        from cadenza.node.gateway.metrics import GatewayMetrics
+
+        self.metrics = GatewayMetrics([0.05, 0.5])
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the stdlib's name
+                body = outer.metrics.prometheus_text()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def record(self, cls: str, ttft_s: float, itl_s: float, n: int) -> None:
+        for _ in range(n):
+            self.metrics.ttft.record(ttft_s, {"cadenza.traffic_class": cls})
+            self.metrics.itl.record(itl_s, {"cadenza.traffic_class": cls})
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def gateway_pod(port: int) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "chat-gateway-0", "namespace": "default",
+                         "labels": {"serving.cadenza.dev/pool": "chat", "app.kubernetes.io/component": "gateway"}},
+            "spec": {"containers": [{"name": "gateway", "image": "x", "ports": [{"name": "http", "containerPort": port}]}]},
+            "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def test_an_auto_pool_reports_its_latency_and_slo_from_its_gateways(api):
+    gateway = ScriptedGateway()
+    slo = {"interactive": {"ttftP99Ms": 500, "itlP99Ms": 50}}
+    controller = {"fastWindowSeconds": 5, "windowSeconds": 10, "minSamples": 5, "staleSeconds": 30}
+    try:
+        with KopfRunner(OPERATOR, timeout=90) as runner:
+            operator_watching(api)
+            core = kubernetes.client.CoreV1Api()
+            core.create_namespaced_pod("default", gateway_pod(gateway.port))
+            core.patch_namespaced_pod_status("chat-gateway-0", "default", {"status": gateway_pod(0)["status"]})
+            custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL,
+                                                     pool_body(mode="auto", slo=slo, controller=controller))
+            stop = threading.Event()
+
+            def feed(itl_s: float):
+                while not stop.wait(0.5):
+                    gateway.record("interactive", 0.2, itl_s, 20)
+
+            def slo_met():
+                return (condition(get_pool(), "SLOMet") or {}).get("status")
+
+            feeder = threading.Thread(target=feed, args=(0.2,), daemon=True)  # ITL 200 ms > 50 ms: a breach
+            feeder.start()
+            wait_for(lambda: slo_met() == "False", 60, "SLOMet False from the gateway's histograms")
+            pool = get_pool()
+            cond = condition(pool, "SLOMet")
+            assert "interactive" in cond["message"] and "ITL p99" in cond["message"]
+            latency = pool["status"]["latency"]
+            assert latency["itlP99Ms"] > 50 and latency["requests"] >= 5 and latency["windowSeconds"] == 10
+            memory = pool["status"]["controller"]
+            assert memory["lastDecision"]["acted"] is False and "advisory" in memory["actuation"]
+            assert memory["lastDecision"]["action"] in ("retune", "hold", "reshape")
+            stop.set()
+            feeder.join()
+            stop.clear()
+            feeder = threading.Thread(target=feed, args=(0.01,), daemon=True)  # now well within
+            feeder.start()
+            wait_for(lambda: slo_met() == "True", 60, "SLOMet True once it recovers")
+            stop.set()
+        assert runner.exception is None
+    finally:
+        gateway.close()

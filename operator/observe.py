@@ -1,0 +1,104 @@
+"""What the operator reads of a pool's SLOs each resync: its gateways' latency histograms, turned
+into ``status.latency``, the ``SLOMet`` condition and the controller's (advisory) decision.
+
+In a cluster the controller does not act yet — the in-place actuator (pod role labels, live
+settings through each pod's admin API) is ``cadenza up``'s only so far — so every decision here is
+computed and recorded as advisory, whatever ``spec.controller.advisory`` says, and
+``status.controller`` says so. The history it keeps (``status.controller``) is read back each time,
+so a restarted operator continues where the last one stopped; the snapshots of the windows live
+in memory and are rebuilt within a slow window after a restart (until then the figures are
+unknown, which holds).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from cadenza.operator.controller import ControllerSpec, History, Shape, decide
+from cadenza.operator.engine_args import live_document
+from cadenza.operator.signals import CLASSES, Signals, SnapshotHistory, parse_gateway_metrics
+
+ACTUATION = "advisory only: moving replicas in a cluster is not implemented yet (cadenza up does it)"
+
+
+class PoolObserver:
+    """The windows of every pool this operator watches, by pool uid."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._histories: dict[str, SnapshotHistory] = {}
+
+    def observe(self, uid: str, spec: Mapping[str, Any], metrics_texts: list[str] | None,
+                status: Mapping[str, Any]) -> dict[str, Any]:
+        """Record one scrape (None: the gateways could not be read) and return the status fields:
+        ``latency``, ``controller`` and the ``SLOMet`` condition as ``(status, reason, message)``
+        under the key ``sloMet``."""
+        now = self.clock()
+        cspec = replace(ControllerSpec.from_pool_spec(spec), advisory=True)
+        history = self._histories.setdefault(uid, SnapshotHistory(keep_s=cspec.slow_window_s + 120))
+        if metrics_texts is not None:
+            try:
+                history.add(parse_gateway_metrics(metrics_texts, now))
+            except ValueError:
+                pass  # unparseable or out of order: the windows go stale, which holds
+        signals = Signals(*(
+            {cls: history.window(cls, seconds, now, cspec.slo.get(cls) or {}, min_samples=cspec.min_samples,
+                                 stale_s=cspec.stale_s) for cls in CLASSES}
+            for seconds in (cspec.fast_window_s, cspec.slow_window_s)))
+        memory = dict(status.get("controller") or {})
+        engine = spec.get("engine") or {}
+        knobs = {k: live_document(engine).get(k) for k in ("token_budget", "chunk_size")}
+        knobs["step_time_target_ms"] = engine.get("stepTimeTargetMs")
+        decision = decide(signals, Shape(int(spec.get("replicas", 1))), knobs, History.from_status(memory), cspec, now)
+        return {
+            "latency": latency_status(signals, cspec),
+            "controller": {**decision.history.to_status(), "actuation": ACTUATION,
+                           "lastDecision": {"action": decision.action, "reason": decision.reason, "acted": False}},
+            "sloMet": slo_condition(signals, cspec),
+        }
+
+    def forget(self, uid: str) -> None:
+        self._histories.pop(uid, None)
+
+
+def latency_status(signals: Signals, spec: ControllerSpec) -> dict[str, Any]:
+    """``status.latency``: interactive's slow-window figures on top (the printer columns), every
+    class with an SLO or traffic under ``classes``."""
+    out: dict[str, Any] = {}
+    inter = signals.slow.get("interactive")
+    if inter is not None and inter.known:
+        for key, value in (("ttftP99Ms", inter.ttft_p99_ms), ("itlP99Ms", inter.itl_p99_ms),
+                           ("attainment", inter.attainment)):
+            if value is not None:
+                out[key] = round(value, 4 if key == "attainment" else 1)
+        out["requests"] = inter.requests
+    out["windowSeconds"] = int(spec.slow_window_s)
+    classes = {cls: w.to_status() for cls, w in signals.slow.items() if cls in spec.slo or (w.known and w.requests)}
+    if classes:
+        out["classes"] = classes
+    return out
+
+
+def slo_condition(signals: Signals, spec: ControllerSpec) -> tuple[str, str, str]:
+    """``SLOMet``: True when every class with an SLO and traffic is within it over the slow window,
+    False naming the first that is not (and its figure), Unknown naming why."""
+    if not spec.slo:
+        return "Unknown", "NoSLO", "spec.slo sets no target"
+    missed = []
+    unknown = []
+    for cls in CLASSES:
+        if cls not in spec.slo:
+            continue
+        window = signals.slow.get(cls)
+        if window is None or not window.known:
+            unknown.append(f"{cls}: {window.reason if window else 'no signal'}")
+        elif over := window.over(spec.slo[cls]):
+            missed.append(f"{cls} {over[0]}")
+    if missed:
+        return "False", "SLOMissed", "; ".join(missed)
+    if unknown:
+        return "Unknown", "SignalsUnknown", "; ".join(unknown)
+    return "True", "SLOMet", f"every class within its SLO over {spec.slow_window_s:.0f} s"
