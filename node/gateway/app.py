@@ -3,8 +3,9 @@
 Routes:
 
 - ``GET /health``: liveness, always 200 while the process serves.
-- ``GET /ready``: 200 while every role has a replica that is known and not down (its last
-  request or health check reached it), else 503 (OpenAI format).
+- ``GET /ready``: 200 while some role has a replica that is known and not down (its last
+  request or health check reached it), naming the roles that cannot serve; 503 (OpenAI format)
+  only when none can.
 - ``GET /gateway/upstreams``: per role, every replica with its requests in flight and whether it
   is full (for debugging).
 - ``GET /v1/models``: proxied to any replica.
@@ -163,19 +164,23 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 with the replica count per role (known, and ``up``) while every role has one up; else 503."""
+    """200 while some role has a replica up, with the replicas known and up per role and the roles
+    that cannot serve now (``unavailable``); 503 only when no role can.
+
+    A role without a replica (an ``auto`` pool whose replicas are all colocated has no interactive
+    one... or a dedicated pool mid-rollout) must not take the gateway out of its Service: the
+    classes that can be served still are, and a request of the others gets its own 503.
+    """
     upstreams = request.app[UPSTREAMS]
     counts = {role: len(urls) for role, urls in upstreams.urls().items()}
-    missing = [role for role in ROLES if not counts.get(role)]
-    if missing:
-        return error_response(503, f"no replica known for role(s): {', '.join(missing)}", code="no_upstream",
-                              headers={"Retry-After": "1"})
-    down = [role for role in ROLES if not upstreams.reachable(role)]
-    if down:
-        return error_response(503, f"every replica of role(s) {', '.join(down)} is down (not reachable, or "
-                              "failing its health check)", code="upstreams_unreachable", headers={"Retry-After": "1"})
-    up = {role: len(upstreams.reachable(role)) for role in ROLES}
-    return web.json_response({"status": "ready", "replicas": counts, "up": up})
+    up = {role: len(upstreams.reachable(role)) if counts.get(role) else 0 for role in ROLES}
+    unavailable = {role: ("no replica known" if not counts.get(role) else "every replica down")
+                   for role in ROLES if not up[role]}
+    if len(unavailable) == len(ROLES):
+        detail = "; ".join(f"{role}: {why}" for role, why in unavailable.items())
+        code = "no_upstream" if all(not counts.get(r) for r in ROLES) else "upstreams_unreachable"
+        return error_response(503, f"no role can serve ({detail})", code=code, headers={"Retry-After": "1"})
+    return web.json_response({"status": "ready", "replicas": counts, "up": up, "unavailable": unavailable})
 
 
 async def upstreams_view(request: web.Request) -> web.Response:

@@ -107,11 +107,17 @@ async def test_dead_replicas_are_avoided_so_later_requests_reach_the_live_one(
     assert ready.status == 200 and (await ready.json())["up"] == {"interactive": 1, "batch": 1}
 
 
-async def test_the_gateway_is_not_ready_while_every_replica_of_a_role_is_down(
+async def test_a_role_whose_replicas_are_all_down_is_named_and_the_others_keep_the_gateway_ready(
         start_replica, start_gateway, dead_url):
     good = await start_replica("good")
     gateway = await start_gateway({"interactive": [dead_url], "batch": [good.url]})
     assert (await gateway.get("/ready")).status == 200  # nothing has failed yet
     assert (await gateway.post("/v1/completions", json=BODY)).status == 502
     resp = await gateway.get("/ready")
+    assert resp.status == 200 and (await resp.json())["unavailable"] == {"interactive": "every replica down"}
+    assert (await gateway.post("/v1/completions", json=BODY, headers={"x-cadenza-class": "batch"})).status == 200
+
+    only_dead = await start_gateway({"interactive": [dead_url], "batch": [dead_url]})
+    assert (await only_dead.post("/v1/completions", json=BODY)).status == 502
+    resp = await only_dead.get("/ready")
     assert resp.status == 503 and (await resp.json())["error"]["code"] == "upstreams_unreachable"

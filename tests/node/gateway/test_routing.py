@@ -92,7 +92,7 @@ async def test_admin_on_the_gateway_points_to_the_replicas(pool, method, path):
     assert f"{inter.url}{path}" in message and f"{batch.url}{path}" in message
 
 
-async def test_health_is_always_ok_and_ready_needs_a_replica_per_role(pool, start_gateway):
+async def test_health_is_always_ok_and_ready_needs_a_role_that_can_serve(pool, start_gateway):
     gateway, inter, _ = pool
     assert (await gateway.get("/health")).status == 200
     resp = await gateway.get("/ready")
@@ -100,9 +100,11 @@ async def test_health_is_always_ok_and_ready_needs_a_replica_per_role(pool, star
 
     half = await start_gateway({"interactive": [inter.url]})
     assert (await half.get("/health")).status == 200
-    resp = await half.get("/ready")
-    assert resp.status == 503
-    assert "batch" in (await resp.json())["error"]["message"]
+    resp = await half.get("/ready")  # interactive can be served: ready, naming what cannot
+    assert resp.status == 200 and (await resp.json())["unavailable"] == {"batch": "no replica known"}
+    none = await start_gateway({})
+    resp = await none.get("/ready")
+    assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_upstream"
     resp = await half.post("/v1/completions", json=BODY, headers={"x-cadenza-class": "batch"})
     assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_upstream"
 
