@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cadenza.node.config import listen_problem as port_problem
-from cadenza.operator.local_control import AdminClient, LocalController, Replica
+from cadenza.operator.actuator import Actuator
+from cadenza.operator.local_control import local_actuator
 from cadenza.operator.pool import Pool, PoolSpecError
 from cadenza.operator.render import cpu_threads
 
@@ -165,10 +166,10 @@ def _threads(pool: Pool, replicas: int) -> int:
 
 
 def _write_state(path: Path | None, replicas: list[Process], gateway: Process,
-                 controller: LocalController | None = None) -> None:
+                 controller: Actuator | None = None) -> None:
     if path is None:
         return
-    roles = controller.status()["shape"] if controller is not None else {}
+    roles = controller.state.roles if controller is not None else {}
     state = {
         "gateway": {"url": gateway.url, "pid": gateway.proc.pid if gateway.proc else None},
         "replicas": [{"name": r.name, "role": roles.get(r.name, r.role), "url": r.url,
@@ -266,14 +267,14 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
 
 
 def _controller(pool_obj: dict, replicas: list[Process], gateway: Process, run_dir: Path,
-                token: str) -> LocalController:
+                token: str) -> Actuator:
     pool = Pool(pool_obj["metadata"]["name"], pool_obj["metadata"].get("namespace", "default"), pool_obj["spec"])
 
     def route(urls: dict[str, list[str]]) -> None:
         write_routes(run_dir / "gateway.json", urls)
         gateway.stop(signal.SIGHUP)  # re-read now, not at the next poll
 
-    return LocalController(pool, [Replica(r.name, r.url) for r in replicas], gateway.url, route, AdminClient(token))
+    return local_actuator(pool, {r.name: r.url for r in replicas}, gateway.url, route, token)
 
 
 def _exited_soon(p: Process, within_s: float = 1.0) -> bool:
@@ -285,7 +286,7 @@ def _exited_soon(p: Process, within_s: float = 1.0) -> bool:
 
 
 def _supervise(everyone: list[Process], replicas: list[Process], gateway: Process, state_file: Path | None,
-               controller: LocalController | None = None) -> None:
+               controller: Actuator | None = None) -> None:
     now = time.monotonic()
     for p in everyone:
         if p.proc is None or p.proc.poll() is None:

@@ -89,15 +89,15 @@ def test_auto_pool_retunes_then_dedicates_then_merges_back_with_no_failed_reques
     try:
         first = wait_for(state, 180, "the pool to be ready")
         pids = {r["name"]: r["pid"] for r in first["replicas"]}
-        assert set(first["controller"]["shape"].values()) == {"colocated"}
+        assert set(first["controller"]["roles"].values()) == {"colocated"}
         with Load(url) as load:
             retuned = wait_for(lambda: (s := state())["controller"]["knobs"]["chunk_size"] < 16 and s, 120,
                                "a retune (chunk size shrinks)")
-            assert retuned["controller"]["shape"] == first["controller"]["shape"]  # rung 1 first
-            dedicated = wait_for(lambda: "interactive" in (s := state())["controller"]["shape"].values() and s, 180,
+            assert retuned["controller"]["roles"] == first["controller"]["roles"]  # rung 1 first
+            dedicated = wait_for(lambda: "interactive" in (s := state())["controller"]["roles"].values() and s, 180,
                                  "a replica dedicated to interactive")
             assert dedicated["controller"]["knobs"]["chunk_size"] == 4  # only once rung 1 sat at its bound
-            roles = dedicated["controller"]["shape"]
+            roles = dedicated["controller"]["roles"]
             assert sorted(roles.values()) == ["colocated", "interactive"]  # batch keeps a replica
             # The interactive replica runs the interactive settings, applied live; batch does not reach it.
             inter = next(r for r in dedicated["replicas"] if roles[r["name"]] == "interactive")
@@ -106,9 +106,9 @@ def test_auto_pool_retunes_then_dedicates_then_merges_back_with_no_failed_reques
                 stream(url, "batch", max_tokens=2)
             assert _class_admitted(inter["url"], "batch") == before_batch
         assert load.ok > 0 and not load.failed, load.failed[:3]
-        merged = wait_for(lambda: set((s := state())["controller"]["shape"].values()) == {"colocated"} and s, 120,
+        merged = wait_for(lambda: set((s := state())["controller"]["roles"].values()) == {"colocated"} and s, 120,
                           "the replica to be given back once the load stopped")
-        decisions = [d["action"] for d in merged["controller"]["controller"]["decisions"]]
+        decisions = [d["action"] for d in merged["controller"]["decisions"]]
         assert "retune" in decisions and "reshape" in decisions
         # In place: no replica was restarted or replaced.
         assert {r["name"]: r["pid"] for r in merged["replicas"]} == pids
@@ -122,7 +122,7 @@ def test_auto_pool_retunes_then_dedicates_then_merges_back_with_no_failed_reques
                 up.kill()
             log.close()
     text = (tmp_path / "up.log").read_text()
-    assert "controller: retune" in text and "controller: reshape" in text
+    assert "controller tiny: retune" in text and "controller tiny: reshape" in text
 
 
 def _class_admitted(replica_url: str, cls: str) -> int:
