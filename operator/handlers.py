@@ -25,8 +25,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import secrets
 import threading
-import urllib.request
 from collections import defaultdict
 from typing import Any
 
@@ -34,7 +34,9 @@ import kopf
 import kubernetes
 
 from cadenza.operator import kube, render
-from cadenza.operator.observe import PoolObserver
+from cadenza.operator.actuator import Actuator, AdminClient, State, spec_knobs
+from cadenza.operator.k8s_roles import PodBackend, scrape_gateways
+from cadenza.operator.observe import PoolObserver, latency_status, slo_condition
 from cadenza.operator.pool import Pool, PoolSpecError
 from cadenza.operator.validate import PoolValidationError, validate_pool
 
@@ -43,7 +45,7 @@ RETRY_DELAY_S = 10  # the first retry after a transient API failure; doubles eac
 MAX_RETRY_DELAY_S = 300
 REFUSED_RETRY_DELAY_S = 60
 RESYNC_S = float(os.environ.get("CADENZA_OPERATOR_RESYNC_S", "15"))
-SCRAPE_TIMEOUT_S = 2.0
+_actuators: dict[str, Actuator] = {}  # pool uid -> the controller loop of a mode auto pool
 _locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)  # pool uid -> its handlers' lock
 _observer = PoolObserver()
 
@@ -138,17 +140,40 @@ def _uid(meta: kopf.Meta) -> str:
 
 
 def _observe(body: kopf.Body, meta: kopf.Meta, pool: Pool) -> dict:
-    """Scrape the pool's ready gateways and let :mod:`.observe` read them (None texts: none answered)."""
-    texts = []
-    for pod in kube.list_pods(pool.namespace, {render.POOL_LABEL: pool.name, render.COMPONENT_LABEL: "gateway"}):
-        if not pod["ready"] or not pod["ip"]:
-            continue
-        try:
-            with urllib.request.urlopen(f"http://{pod['ip']}:{pod['port']}/metrics", timeout=SCRAPE_TIMEOUT_S) as resp:
-                texts.append(resp.read().decode())
-        except (OSError, ValueError):
-            continue  # that gateway is not counted this time
-    return _observer.observe(_uid(meta), pool.spec, texts or None, body.get("status", {}))
+    """A pool that is not ``auto``: its gateways' latency and the controller's advice, recorded."""
+    return _observer.observe(_uid(meta), pool.spec, scrape_gateways(pool), body.get("status", {}))
+
+
+def _admin_token(meta: kopf.Meta, pool: Pool) -> str:
+    owner = {"name": meta["name"], "uid": meta["uid"]} if meta.get("uid") else None
+    return kube.ensure_secret_token(render.admin_secret_meta(pool, owner), secrets.token_hex(16))
+
+
+def _control(body: kopf.Body, meta: kopf.Meta, pool: Pool, logger: logging.Logger) -> dict:
+    """One tick of a ``mode: auto`` pool's controller (:mod:`.actuator` over its pods); the status
+    fields it reports. The loop's state is read back from ``status.controller`` when this operator
+    has none (it restarted), so the shape, knobs, cooldown and a drain in progress carry over."""
+    uid = _uid(meta)
+    actuator = _actuators.get(uid)
+    if actuator is None:
+        state = State.from_status(body.get("status", {}).get("controller"), spec_knobs(pool.spec))
+        actuator = _actuators[uid] = Actuator(pool, PodBackend(pool), AdminClient(_admin_token(meta, pool)), state)
+    else:
+        actuator.update(pool)
+    try:
+        decision = actuator.tick()
+    except (kube.Transient, kube.Refused) as exc:
+        logger.warning("controller: %s", exc)
+        decision = None
+    if decision is not None and decision.act:
+        kopf.info(body, reason=decision.action.capitalize(), message=decision.reason[:1000])
+    signals = actuator.signals(actuator.clock())
+    shape = actuator.shape(actuator.backend.replicas()) if decision is not None else None
+    out = {"latency": latency_status(signals, actuator.spec), "controller": actuator.status(),
+           "sloMet": slo_condition(signals, actuator.spec)}
+    if shape is not None:
+        out["shape"] = {"colocated": shape.colocated, "interactive": shape.interactive}
+    return out
 
 
 def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.Patch,
@@ -163,6 +188,8 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
     Raises:
         kube.Transient, kube.Refused: as :func:`kube.apply`.
     """
+    if pool.mode == "auto":
+        _admin_token(meta, pool)  # before the pods that mount it
     retiring = [name for name in render.stale_deployments(pool, roles)
                 if kube.deployment_status(name, pool.namespace) is not None]
     waiting = [role.name for role in roles if not _role_ready(pool, role)] if retiring else []
@@ -196,7 +223,10 @@ def resync(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: logging.
     try:
         pool = _pool(body)
         with _locks[_uid(meta)]:
-            slo = _observe(body, meta, pool) if pool.spec.get("slo") else None
+            if pool.mode == "auto":
+                slo = _control(body, meta, pool, logger)
+            else:
+                slo = _observe(body, meta, pool) if pool.spec.get("slo") else None
             _converge(body, meta, pool, pool.roles(), patch, logger, slo)
     except (PoolValidationError, PoolSpecError, kube.Refused):
         return  # reported by reconcile (which retries a refusal); nothing to follow
@@ -209,6 +239,7 @@ def cleanup(body: kopf.Body, logger: logging.Logger, retry: int = 0, **_: Any) -
     """Delete every object the pool may own (garbage collection would, but not every server has it)."""
     pool = Pool(body.metadata.name, body.metadata.namespace, dict(body.spec))
     _observer.forget(body.metadata.get("uid") or "")
+    _actuators.pop(body.metadata.get("uid") or "", None)
     try:
         for _api_version, kind, name in render.every_child(pool):
             if kube.delete(kind, name, pool.namespace):
@@ -280,6 +311,8 @@ def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str
     if slo is not None:
         status["latency"] = slo["latency"]
         status["controller"] = slo["controller"]
+        if "shape" in slo:
+            status["shape"] = slo["shape"]
         status["conditions"].append(_condition(body, "SLOMet", *slo["sloMet"]))
     elif kept := next((c for c in previous.get("conditions", []) if c.get("type") == "SLOMet"), None):
         status["conditions"].append(dict(kept))

@@ -14,6 +14,7 @@ the caller retries with backoff; anything else the API refuses is :class:`Refuse
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -42,6 +43,7 @@ def _apis(kind: str):
         "Deployment": (apps, "namespaced_deployment"),
         "Service": (core, "namespaced_service"),
         "ConfigMap": (core, "namespaced_config_map"),
+        "Secret": (core, "namespaced_secret"),
         "ServiceAccount": (core, "namespaced_service_account"),
         "PodDisruptionBudget": (policy, "namespaced_pod_disruption_budget"),
         "Role": (rbac, "namespaced_role"),
@@ -195,3 +197,43 @@ def list_pods(namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
         out.append({"name": pod.metadata.name, "labels": have, "ip": status.pod_ip if status else None,
                     "port": port, "ready": ready})
     return out
+
+
+def ensure_secret_token(meta: dict[str, Any], new_token: str) -> str:
+    """The ``token`` of the Secret ``meta`` names, creating it (with ``meta``: labels, owner) and
+    ``new_token`` if it is missing. Its content is never rewritten: replicas read it at start-up.
+
+    Raises:
+        Transient, Refused: as :func:`apply`; Refused also for a Secret without a ``token`` key.
+    """
+    core = kubernetes.client.CoreV1Api()
+    name, namespace = meta["name"], meta["namespace"]
+    try:
+        try:
+            secret = core.read_namespaced_secret(name, namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            core.create_namespaced_secret(namespace, {"apiVersion": "v1", "kind": "Secret", "metadata": meta,
+                                                      "type": "Opaque",
+                                                      "data": {"token": base64.b64encode(new_token.encode()).decode()}})
+            return new_token
+    except Exception as exc:
+        raise _failure("Secret", name, exc) from exc
+    data = secret.data or {}
+    if "token" not in data:
+        raise Refused(f"Secret {name} has no 'token' key")
+    return base64.b64decode(data["token"]).decode()
+
+
+def patch_pod_labels(name: str, namespace: str, labels: dict[str, str | None]) -> None:
+    """Set (or, with None, remove) labels of a pod — a merge patch of ``metadata.labels`` only.
+
+    Raises:
+        Transient, Refused: as :func:`apply` (a pod that is gone is Refused).
+    """
+    try:
+        kubernetes.client.CoreV1Api().patch_namespaced_pod(name, namespace, {"metadata": {"labels": labels}},
+                                                           _content_type=MERGE_PATCH)
+    except Exception as exc:
+        raise _failure("Pod", name, exc) from exc

@@ -139,7 +139,7 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int, admin_token: str |
             replicas.append(Process(f"{role.name}-{i}", cmd, port_i, run_dir / f"{role.name}-{i}.log",
                                     role=role.name, env=env))
     urls = {role: [r.url for r in replicas if r.role == role] for role in ("interactive", "batch")}
-    if pool.mode == "colocated":
+    if pool.mode in ("colocated", "auto"):  # auto: every replica starts colocated
         urls = {"interactive": [r.url for r in replicas], "batch": [r.url for r in replicas]}
     config = run_dir / "gateway.json"
     write_routes(config, urls)

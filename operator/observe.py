@@ -1,10 +1,10 @@
 """What the operator reads of a pool's SLOs each resync: its gateways' latency histograms, turned
-into ``status.latency``, the ``SLOMet`` condition and the controller's (advisory) decision.
+into ``status.latency``, the ``SLOMet`` condition and the controller's decision.
 
-In a cluster the controller does not act yet — the in-place actuator (pod role labels, live
-settings through each pod's admin API) is ``cadenza up``'s only so far — so every decision here is
-computed and recorded as advisory, whatever ``spec.controller.advisory`` says, and
-``status.controller`` says so. The history it keeps (``status.controller``) is read back each time,
+For a pool that is not ``mode: auto`` (a fixed shape) the decision is advice only: it is recorded
+as advisory, whatever ``spec.controller.advisory`` says, and ``status.controller`` says so. An
+``auto`` pool is run by :mod:`.actuator` instead; :func:`latency_status` and :func:`slo_condition`
+serve both. The history it keeps (``status.controller``) is read back each time,
 so a restarted operator continues where the last one stopped; the snapshots of the windows live
 in memory and are rebuilt within a slow window after a restart (until then the figures are
 unknown, which holds).
@@ -21,7 +21,7 @@ from cadenza.operator.controller import ControllerSpec, History, Shape, decide
 from cadenza.operator.engine_args import live_document
 from cadenza.operator.signals import CLASSES, Signals, SnapshotHistory, parse_gateway_metrics
 
-ACTUATION = "advisory only: moving replicas in a cluster is not implemented yet (cadenza up does it)"
+ACTUATION = "advisory only: the pool's mode is fixed (mode auto lets the controller act)"
 
 
 class PoolObserver:

@@ -3,10 +3,12 @@
 Both renderers — Kubernetes objects (:mod:`.render`) and local processes (:mod:`.local`) — work
 from this view, so a pool means the same thing in a cluster and on a laptop.
 
-Roles: ``colocated`` mode (and ``auto``, until the SLO controller decides otherwise) runs one role,
-``colocated``, whose replicas serve every class. ``dedicated`` runs ``interactive`` replicas (the
-base engine settings with ``dedicated.engine`` on top) and ``batch`` replicas (the base settings)
-for batch and background traffic.
+Roles: ``colocated`` mode runs one role, ``colocated``, whose replicas serve every class.
+``dedicated`` runs ``interactive`` replicas (the base engine settings with ``dedicated.engine`` on
+top) and ``batch`` replicas (the base settings) for batch and background traffic. ``auto`` runs one
+workload, ``auto``, whose pods start with the base settings and no routing; the SLO controller
+gives each pod its role (colocated or interactive) in place — labels and live settings — and
+only then routes to it (:mod:`.actuator`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from cadenza.node.config import ConfigError
 from cadenza.operator.engine_args import engine_config, policy_document, serve_args
 
 MODEL_MOUNT = "/models"
-DEFAULT_CLASS = {"colocated": "interactive", "interactive": "interactive", "batch": "batch"}
+DEFAULT_CLASS = {"colocated": "interactive", "interactive": "interactive", "batch": "batch", "auto": "interactive"}
 
 
 class PoolSpecError(ValueError):
@@ -65,8 +67,8 @@ class Pool:
 
     @property
     def mode(self) -> str:
-        """The mode in force: ``auto`` runs as ``colocated`` until the SLO controller exists."""
-        return "dedicated" if self.spec.get("mode") == "dedicated" else "colocated"
+        """``colocated`` | ``dedicated`` | ``auto``."""
+        return self.spec.get("mode") if self.spec.get("mode") in ("dedicated", "auto") else "colocated"
 
     @property
     def model_name(self) -> str:
@@ -94,6 +96,8 @@ class Pool:
         base = dict(self.spec.get("engine", {}))
         if self.mode == "colocated":
             roles = [Role("colocated", replicas, base)]
+        elif self.mode == "auto":
+            roles = [Role("auto", replicas, base)]
         else:
             dedicated = self.spec.get("dedicated", {})
             interactive = int(dedicated.get("interactiveReplicas", 1))

@@ -27,10 +27,15 @@ from cadenza.operator.pool import MODEL_MOUNT, Pool, Role
 
 GROUP, VERSION, KIND = "serving.cadenza.dev", "v1alpha1", "ServingPool"
 POOL_LABEL, ROLE_LABEL = "serving.cadenza.dev/pool", "serving.cadenza.dev/role"
+# mode auto: the workload label (in the Deployment's selector) and the routing labels the SLO
+# controller sets on each pod once its role's settings are applied (never in the selector).
+WORKLOAD_LABEL = "serving.cadenza.dev/workload"
+SERVES_INTERACTIVE, SERVES_BATCH = "serving.cadenza.dev/serves-interactive", "serving.cadenza.dev/serves-batch"
+ADMIN_TOKEN_DIR = "/var/run/cadenza-admin"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 CONFIG_HASH = "serving.cadenza.dev/config-hash"
 HTTP_PORT = 8000
-ALL_ROLES = ("colocated", "interactive", "batch")
+ALL_ROLES = ("colocated", "interactive", "batch", "auto")
 _SECURE_CONTAINER = {
     "runAsNonRoot": True, "runAsUser": 65532, "readOnlyRootFilesystem": True,
     "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
@@ -53,6 +58,17 @@ def engine_selector(pool: Pool, role: str | None = None) -> dict[str, str]:
     if role:
         sel[ROLE_LABEL] = role
     return sel
+
+
+def admin_secret_name(pool: Pool) -> str:
+    """The Secret holding the pool's admin token (mode auto; created by the operator)."""
+    return f"{pool.name}-admin"
+
+
+def admin_secret_meta(pool: Pool, owner: Mapping[str, str] | None) -> dict:
+    """Metadata of the admin token Secret (its data is random, so the operator creates it once
+    instead of rendering it)."""
+    return _meta(pool, admin_secret_name(pool), "engine", owner)
 
 
 def selector_string(pool: Pool) -> str:
@@ -140,6 +156,11 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
     ]
     if (threads := cpu_threads(pool)) is not None:
         env.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
+    auto = role.name == "auto"
+    if auto:  # the SLO controller reaches each pod's admin API with the pool's token
+        volumes.append({"name": "admin-token", "secret": {"secretName": admin_secret_name(pool), "defaultMode": 0o440}})
+        mounts.append({"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True})
+        env.append({"name": "CADENZA_ADMIN_TOKEN_FILE", "value": f"{ADMIN_TOKEN_DIR}/token"})
     container = {
         "name": "engine", "image": pool.spec["image"], "command": ["cadenza"], "args": args,
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],
@@ -152,12 +173,16 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
         "securityContext": _SECURE_CONTAINER,
     }
     pod_labels = labels(pool, "engine", role.name)
+    selector = engine_selector(pool, role.name)
+    if auto:  # the role label changes on a live pod, so it cannot be in the selector
+        pod_labels = {**labels(pool, "engine", "colocated"), WORKLOAD_LABEL: "auto"}
+        selector = {**engine_selector(pool), WORKLOAD_LABEL: "auto"}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(pool, f"{pool.name}-{role.name}", "engine", owner, role.name),
         "spec": {
             "replicas": role.replicas,
-            "selector": {"matchLabels": engine_selector(pool, role.name)},
+            "selector": {"matchLabels": selector},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": _rollout(pool)},
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": {CONFIG_HASH: role.config_hash(model_args)}},
@@ -190,11 +215,15 @@ def render_services(pool: Pool, owner=None, narrow: bool = True) -> list[dict]:
     """The engine-wide, per-class and gateway Services (selectors follow the mode; with
     ``narrow=False`` the class Services select every engine pod, whatever the mode)."""
     dedicated = pool.mode == "dedicated" and narrow
+    interactive = engine_selector(pool, "interactive" if dedicated else None)
+    batch = engine_selector(pool, "batch" if dedicated else None)
+    if pool.mode == "auto" and narrow:  # routed by the labels the controller sets on each pod
+        interactive = {**engine_selector(pool), SERVES_INTERACTIVE: "true"}
+        batch = {**engine_selector(pool), SERVES_BATCH: "true"}
     return [
         _service(pool, pool.name, "engine", engine_selector(pool), owner),
-        _service(pool, f"{pool.name}-interactive", "engine",
-                 engine_selector(pool, "interactive" if dedicated else None), owner),
-        _service(pool, f"{pool.name}-batch", "engine", engine_selector(pool, "batch" if dedicated else None), owner),
+        _service(pool, f"{pool.name}-interactive", "engine", interactive, owner),
+        _service(pool, f"{pool.name}-batch", "engine", batch, owner),
         _service(pool, f"{pool.name}-gateway", "gateway", {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}, owner),
     ]
 
@@ -280,7 +309,7 @@ def every_child(pool: Pool) -> list[tuple[str, str, str]]:
     return [
         ("apps/v1", "Deployment", f"{n}-gateway"), *[("apps/v1", "Deployment", f"{n}-{r}") for r in ALL_ROLES],
         ("v1", "Service", n), ("v1", "Service", f"{n}-interactive"), ("v1", "Service", f"{n}-batch"),
-        ("v1", "Service", f"{n}-gateway"), ("v1", "ConfigMap", f"{n}-engine"),
+        ("v1", "Service", f"{n}-gateway"), ("v1", "ConfigMap", f"{n}-engine"), ("v1", "Secret", f"{n}-admin"),
         ("policy/v1", "PodDisruptionBudget", f"{n}-engine"),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", f"{n}-gateway"),
         ("rbac.authorization.k8s.io/v1", "Role", f"{n}-gateway"), ("v1", "ServiceAccount", f"{n}-gateway"),

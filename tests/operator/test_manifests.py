@@ -162,17 +162,18 @@ def granted(group: str, resource: str) -> set[str]:
         ("events.k8s.io", "events", {"create", "patch"}),
         ("apiextensions.k8s.io", "customresourcedefinitions", {"list", "watch"}),
         ("", "namespaces", {"list", "watch"}),
-        ("", "pods", {"get", "list"}),  # the gateway pods, to scrape their latency histograms
+        ("", "pods", {"get", "list", "patch"}),  # scrape gateways; relabel engine pods (in-place roles)
+        ("", "secrets", {"create", "get", "delete"}),  # the admin token of a mode auto pool
     ],
 )
 def test_operator_holds_what_it_needs(group, resource, verbs):
     assert verbs <= granted(group, resource)
 
 
-def test_operator_cannot_touch_secrets_change_pods_or_escalate():
-    for group, resource in [("", "secrets"), ("rbac.authorization.k8s.io", "clusterroles")]:
-        assert not granted(group, resource)
-    assert granted("", "pods") == {"get", "list"}  # read only
+def test_operator_cannot_read_every_secret_make_pods_or_escalate():
+    assert not granted("rbac.authorization.k8s.io", "clusterroles")
+    assert granted("", "pods") == {"get", "list", "patch"}  # labels only: never create or delete a pod
+    assert granted("", "secrets") == {"create", "get", "delete"}  # no list or watch of other Secrets
     verbs = {verb for rule in find("ClusterRole", "cadenza-operator")["rules"] for verb in rule["verbs"]}
     assert not verbs & {"escalate", "bind", "impersonate", "update", "deletecollection"}
 

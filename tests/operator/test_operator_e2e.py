@@ -281,7 +281,7 @@ def gateway_pod(port: int) -> dict:
             "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
-def test_an_auto_pool_reports_its_latency_and_slo_from_its_gateways(api):
+def test_a_pool_with_slos_reports_its_latency_and_slo_from_its_gateways(api):
     gateway = ScriptedGateway()
     slo = {"interactive": {"ttftP99Ms": 500, "itlP99Ms": 50}}
     controller = {"fastWindowSeconds": 5, "windowSeconds": 10, "minSamples": 5, "staleSeconds": 30}
@@ -292,7 +292,7 @@ def test_an_auto_pool_reports_its_latency_and_slo_from_its_gateways(api):
             core.create_namespaced_pod("default", gateway_pod(gateway.port))
             core.patch_namespaced_pod_status("chat-gateway-0", "default", {"status": gateway_pod(0)["status"]})
             custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL,
-                                                     pool_body(mode="auto", slo=slo, controller=controller))
+                                                     pool_body(slo=slo, controller=controller))
             stop = threading.Event()
 
             def feed(itl_s: float):
@@ -323,3 +323,125 @@ def test_an_auto_pool_reports_its_latency_and_slo_from_its_gateways(api):
         assert runner.exception is None
     finally:
         gateway.close()
+
+
+class ScriptedEngine:
+    """An engine pod's admin API and /ready on a loopback port: records every PUT /admin/config."""
+
+    def __init__(self, config: dict) -> None:
+        import http.server
+        import json
+
+        self.config, self.puts, self.batch_running = dict(config), [], 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _send(self, doc):
+                body = json.dumps(doc).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):  # noqa: N802
+                if self.path == "/ready":
+                    zero = {"running": 0, "waiting": 0}
+                    self._send({"status": "ready", "classes": {
+                        "interactive": zero, "batch": {"running": outer.batch_running, "waiting": 0},
+                        "background": zero}})
+                else:
+                    assert self.headers["Authorization"].startswith("Bearer ")
+                    self._send(outer.config)
+
+            def do_PUT(self):  # noqa: N802
+                doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.puts.append(doc)
+                outer.config.update(doc)
+                self._send(outer.config)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def engine_pod(name: str, port: int) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default",
+                         "labels": {"serving.cadenza.dev/pool": "chat", "app.kubernetes.io/component": "engine",
+                                    "serving.cadenza.dev/workload": "auto", "serving.cadenza.dev/role": "colocated"}},
+            "spec": {"containers": [{"name": "engine", "image": "x", "ports": [{"name": "http", "containerPort": port}]}]},
+            "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def pod_labels(name: str) -> dict:
+    return kubernetes.client.CoreV1Api().read_namespaced_pod(name, "default").metadata.labels or {}
+
+
+def test_an_auto_pool_moves_a_replica_in_place_and_back_across_an_operator_restart(api):
+    from cadenza.operator import handlers
+
+    gateway = ScriptedGateway()
+    engines = {n: ScriptedEngine({"token_budget": 256, "chunk_size": 64, "step_time_target_ms": None})
+               for n in ("chat-auto-a", "chat-auto-b")}
+    spec = dict(mode="auto", slo={"interactive": {"ttftP99Ms": 500, "itlP99Ms": 50}},
+                dedicated={"engine": {"chunkSize": 32, "maxNumSeqs": 16}},
+                controller={"fastWindowSeconds": 5, "windowSeconds": 10, "minSamples": 5, "staleSeconds": 30,
+                            "cooldownSeconds": 0, "dwellSeconds": 10, "bounds": {"chunkSize": {"min": 16, "max": 64}}})
+    stop, itl = threading.Event(), {"s": 0.2}  # ITL 200 ms against a 50 ms target: a breach
+
+    def feed():
+        while not stop.wait(0.5):
+            gateway.record("interactive", 0.2, itl["s"], 20)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    core = kubernetes.client.CoreV1Api()
+    try:
+        feeder.start()
+        with KopfRunner(OPERATOR, timeout=120) as runner:
+            operator_watching(api)
+            for pod in (gateway_pod(gateway.port), *(engine_pod(n, e.port) for n, e in engines.items())):
+                core.create_namespaced_pod("default", pod)
+                core.patch_namespaced_pod_status(pod["metadata"]["name"], "default", {"status": pod["status"]})
+            custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, pool_body(**spec))
+            wait_for(lambda: names(api, "v1/secrets") == {"chat-admin"}, what="the admin token Secret")
+            # Settings first, then routing: each pod gets both class labels once it runs the colocated settings.
+            wait_for(lambda: all(pod_labels(n).get("serving.cadenza.dev/serves-batch") == "true" for n in engines),
+                     what="both pods routed")
+            # Rung 1 first: chunk size shrinks on every colocated pod, through its admin API.
+            wait_for(lambda: all(e.config["chunk_size"] == 16 for e in engines.values()), 60, "retuned to the bound")
+            moved = wait_for(lambda: next((n for n in engines if pod_labels(n).get("serving.cadenza.dev/role")
+                                           == "interactive"), None), 60, "a pod dedicated to interactive")
+            labels = pod_labels(moved)
+            assert "serving.cadenza.dev/serves-batch" not in labels
+            assert labels["serving.cadenza.dev/serves-interactive"] == "true"
+            assert engines[moved].puts[-1]["chunk_size"] == 32 and engines[moved].puts[-1]["max_num_seqs"] == 16
+            pool = wait_for(lambda: (p := get_pool())["status"].get("shape") == {"colocated": 1, "interactive": 1}
+                            and p, what="status.shape")
+            assert pool["status"]["controller"]["roles"][moved] == "interactive"
+            assert condition(pool, "SLOMet")["status"] == "False"
+        assert runner.exception is None
+
+        # The operator restarts (its memory is gone); the recorded shape holds, then recovery merges back.
+        handlers._actuators.clear()
+        itl["s"] = 0.01
+        with KopfRunner(OPERATOR, timeout=120) as runner:
+            operator_watching(api)
+            wait_for(lambda: pod_labels(moved).get("serving.cadenza.dev/role") == "colocated", 90,
+                     "the pod given back once every class is clear")
+            assert pod_labels(moved)["serving.cadenza.dev/serves-batch"] == "true"
+            assert engines[moved].config["chunk_size"] == 16  # the colocated knobs, carried across the restart
+            wait_for(lambda: get_pool()["status"].get("shape") == {"colocated": 2, "interactive": 0}, what="merged")
+        assert runner.exception is None
+        assert names(api, "v1/pods") == {"chat-gateway-0", *engines}  # no pod created or deleted
+    finally:
+        stop.set()
+        gateway.close()
+        for e in engines.values():
+            e.close()

@@ -83,12 +83,26 @@ def test_dedicated_mode_splits_roles_with_interactive_overrides():
     assert objs[("Service", "chat-interactive")]["spec"]["selector"]["serving.cadenza.dev/role"] == "interactive"
     assert objs[("Service", "chat-batch")]["spec"]["selector"]["serving.cadenza.dev/role"] == "batch"
     assert set(objs[("ConfigMap", "chat-engine")]["data"]) == {"interactive.policy.json", "batch.policy.json"}
-    assert stale_deployments(p, p.roles()) == ["chat-colocated"]
+    assert stale_deployments(p, p.roles()) == ["chat-colocated", "chat-auto"]
 
 
-def test_auto_mode_runs_colocated_until_the_slo_controller_exists():
+def test_auto_mode_is_one_workload_whose_pods_get_roles_and_routing_in_place():
     objs = by_name(render_all(pool(mode="auto"), OWNER))
-    assert ("Deployment", "chat-colocated") in objs and ("Deployment", "chat-interactive") not in objs
+    assert [k for k in objs if k[0] == "Deployment"] == [("Deployment", "chat-auto"), ("Deployment", "chat-gateway")]
+    dep = objs[("Deployment", "chat-auto")]
+    selector = dep["spec"]["selector"]["matchLabels"]
+    assert "serving.cadenza.dev/role" not in selector  # relabelling a pod's role keeps it in its ReplicaSet
+    template = dep["spec"]["template"]["metadata"]["labels"]
+    assert template["serving.cadenza.dev/role"] == "colocated" and all(template[k] == v for k, v in selector.items())
+    # A new pod is routed nothing until the controller has applied its role's settings.
+    assert not any(k.startswith("serving.cadenza.dev/serves-") for k in template)
+    assert objs[("Service", "chat-interactive")]["spec"]["selector"]["serving.cadenza.dev/serves-interactive"] == "true"
+    assert objs[("Service", "chat-batch")]["spec"]["selector"]["serving.cadenza.dev/serves-batch"] == "true"
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "CADENZA_ADMIN_TOKEN_FILE", "value": "/var/run/cadenza-admin/token"} in container["env"]
+    volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "admin-token")
+    assert volume["secret"]["secretName"] == "chat-admin"
+    assert "CADENZA_ADMIN_TOKEN_FILE" not in str(by_name(render_all(pool(), OWNER))[("Deployment", "chat-colocated")])
 
 
 def test_changing_a_knob_rolls_only_the_roles_it_affects():

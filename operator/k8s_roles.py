@@ -1,0 +1,67 @@
+"""Hybrid mode in a cluster: the :class:`~.actuator.Actuator` over the pods of a ``mode: auto`` pool.
+
+- Replicas are the pool's engine pods (``serving.cadenza.dev/workload: auto``), reached at their
+  pod IP on the container port named ``http``.
+- A role is the pod label ``serving.cadenza.dev/role``; routing is the labels
+  ``serving.cadenza.dev/serves-interactive`` / ``serves-batch``, which the per-class Services
+  select, so the gateways (following those Services' EndpointSlices) route by them. A role change
+  patches labels — the Deployment's selector does not hold them, so no pod is created or deleted.
+- Settings go through each pod's ``PUT /admin/config`` with the pool's token, read from the Secret
+  the operator created and mounted into the pods.
+- The gateways' ``/metrics`` are scraped at their pod IPs.
+
+The actuator's :class:`~.actuator.State` is stored in ``status.controller`` by the handler, so an
+operator that restarts comes back to the same shape, knobs, cooldown and drain.
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.request
+
+from cadenza.operator import kube, render
+from cadenza.operator.actuator import Replica
+from cadenza.operator.pool import Pool
+
+logger = logging.getLogger(__name__)
+SCRAPE_TIMEOUT_S = 2.0
+
+
+class PodBackend:
+    """The engine and gateway pods of one pool."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def replicas(self) -> list[Replica]:
+        pods = kube.list_pods(self.pool.namespace, {render.POOL_LABEL: self.pool.name,
+                                                    render.COMPONENT_LABEL: "engine", render.WORKLOAD_LABEL: "auto"})
+        return [Replica(p["name"], f"http://{p['ip']}:{p['port']}", ready=bool(p["ready"] and p["ip"]),
+                        routed_interactive=p["labels"].get(render.SERVES_INTERACTIVE) == "true",
+                        routed_batch=p["labels"].get(render.SERVES_BATCH) == "true")
+                for p in sorted(pods, key=lambda p: p["name"])]
+
+    def scrape(self) -> list[str] | None:
+        return scrape_gateways(self.pool)
+
+    def route(self, replica: Replica, role: str, interactive: bool, batch: bool) -> None:
+        kube.patch_pod_labels(replica.name, self.pool.namespace, {
+            render.ROLE_LABEL: role,
+            render.SERVES_INTERACTIVE: "true" if interactive else None,
+            render.SERVES_BATCH: "true" if batch else None,
+        })
+        replica.routed_interactive, replica.routed_batch = interactive, batch
+
+
+def scrape_gateways(pool: Pool) -> list[str] | None:
+    """``/metrics`` of every ready gateway pod of ``pool``; None when none answered."""
+    texts = []
+    for pod in kube.list_pods(pool.namespace, {render.POOL_LABEL: pool.name, render.COMPONENT_LABEL: "gateway"}):
+        if not pod["ready"] or not pod["ip"]:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{pod['ip']}:{pod['port']}/metrics", timeout=SCRAPE_TIMEOUT_S) as resp:
+                texts.append(resp.read().decode())
+        except (OSError, ValueError):
+            continue  # that gateway is not counted this time
+    return texts or None
