@@ -37,7 +37,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cadenza.operator.controller import DEDICATE, ControllerSpec, Decision, History, Shape, decide
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
+
+from cadenza.operator.controller import DEDICATE, ControllerSpec, Decision, History, Shape, rfc3339, decide
 from cadenza.operator.engine_args import live_document
 from cadenza.operator.pool import Pool
 from cadenza.operator.signals import CLASSES, Signals, SnapshotHistory, parse_gateway_metrics
@@ -109,11 +112,16 @@ class State:
     knobs: dict[str, Any] = field(default_factory=dict)
     roles: dict[str, str] = field(default_factory=dict)
     draining: tuple[str, float] | None = None
+    last_retune: dict[str, Any] | None = None  # time, from, to, reason, signals
+    last_shift: dict[str, Any] | None = None
 
     def to_status(self) -> dict[str, Any]:
         doc = {**self.history.to_status(), "knobs": dict(self.knobs), "roles": dict(self.roles)}
         if self.draining:
             doc["draining"] = {"replica": self.draining[0], "since": self.draining[1]}
+        for key, value in (("lastRetuneDetail", self.last_retune), ("lastShiftDetail", self.last_shift)):
+            if value:
+                doc[key] = value
         return doc
 
     @classmethod
@@ -126,8 +134,9 @@ class State:
         draining = None
         if drain and isinstance(drain.get("replica"), str) and isinstance(drain.get("since"), int | float):
             draining = (drain["replica"], float(drain["since"]))
+        details = [d if isinstance(d := doc.get(k), Mapping) else None for k in ("lastRetuneDetail", "lastShiftDetail")]
         return cls(History.from_status(doc), {**knobs, **{k: stored[k] for k in LIVE_KNOBS if k in stored}},
-                   roles, draining)
+                   roles, draining, *details)
 
 
 class Actuator:
@@ -142,8 +151,9 @@ class Actuator:
     """
 
     def __init__(self, pool: Pool, backend: Backend, admin: AdminClient, state: State | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, tracer: Tracer | None = None) -> None:
         self.pool, self.backend, self.admin, self.clock = pool, backend, admin, clock
+        self.tracer = tracer or trace.get_tracer("cadenza.controller")
         self.spec = ControllerSpec.from_pool_spec(pool.spec)
         self.snapshots = SnapshotHistory(keep_s=self.spec.slow_window_s + 120)
         self.state = state or State(knobs=spec_knobs(pool.spec))
@@ -186,8 +196,37 @@ class Actuator:
                    "" if decision.act or decision.action == "hold" else " (not acted on: advisory or frozen)")
         self._last_kind = kind
         if decision.act:
-            self._carry_out(decision, replicas, now)
+            signals = self._figures(now)
+            with self.tracer.start_as_current_span("cadenza.controller.act", attributes={
+                    "cadenza.pool.name": self.pool.name, "cadenza.controller.action": decision.action,
+                    "cadenza.controller.move": decision.move or "", "cadenza.controller.reason": decision.reason,
+                    **{f"cadenza.signal.{k}": v for k, v in signals.items() if v is not None}}):
+                self._record(decision, replicas, signals, now)
+                self._carry_out(decision, replicas, now)
         return decision
+
+    def _figures(self, now: float) -> dict[str, Any]:
+        """The slow-window figures the decision read, for the record (per class with an SLO)."""
+        out: dict[str, Any] = {}
+        for cls, window in self.signals(now).slow.items():
+            if cls in self.spec.slo and window.known:
+                out[f"{cls}.ttft_p99_ms"] = None if window.ttft_p99_ms is None else round(window.ttft_p99_ms, 1)
+                out[f"{cls}.itl_p99_ms"] = None if window.itl_p99_ms is None else round(window.itl_p99_ms, 1)
+        return out
+
+    def _record(self, decision: Decision, replicas: list[Replica], signals: dict, now: float) -> None:
+        entry = {"time": rfc3339(now), "reason": decision.reason,
+                 "signals": {k: v for k, v in signals.items() if v is not None}}
+        if decision.action == "retune":
+            self.state.last_retune = {**entry, "from": {k: self.state.knobs.get(k) for k in decision.knobs},
+                                      "to": dict(decision.knobs)}
+        else:
+            shape = self.shape(replicas)
+            after = (shape.colocated - 1, shape.interactive + 1) if decision.move == DEDICATE else (
+                shape.colocated + 1, shape.interactive - 1)
+            self.state.last_shift = {**entry, "move": decision.move,
+                                     "from": {"colocated": shape.colocated, "interactive": shape.interactive},
+                                     "to": {"colocated": after[0], "interactive": after[1]}}
 
     def signals(self, now: float) -> Signals:
         def windows(seconds: float) -> dict:

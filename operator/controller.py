@@ -130,9 +130,9 @@ class History:
                            ("lastReshape", self.last_reshape), ("boundSince", self.bound_since),
                            ("clearSince", self.clear_since), ("frozenUntil", self.frozen_until)):
             if value is not None:
-                doc[key] = _rfc3339(value)
+                doc[key] = rfc3339(value)
         if self.reshapes:
-            doc["reshapes"] = [{"time": _rfc3339(t), "move": move} for t, move in self.reshapes]
+            doc["reshapes"] = [{"time": rfc3339(t), "move": move} for t, move in self.reshapes]
         if self.log:
             doc["decisions"] = [dict(entry) for entry in self.log]
         return doc
@@ -258,7 +258,7 @@ class _Holder:
         return self.history.frozen_until is not None and self.now < self.history.frozen_until
 
     def log(self, history: History, entry: dict) -> History:
-        entry = {"time": _rfc3339(self.now), **entry}
+        entry = {"time": rfc3339(self.now), **entry}
         return replace(history, log=(*history.log, entry)[-MAX_LOG:])
 
 
@@ -370,7 +370,8 @@ def _expire(history: History, spec: ControllerSpec, now: float) -> History:
     return replace(history, reshapes=reshapes, frozen_until=frozen)
 
 
-def _rfc3339(t: float) -> str:
+def rfc3339(t: float) -> str:
+    """``t`` (epoch seconds) as an RFC 3339 UTC timestamp, to the second."""
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 

@@ -32,6 +32,12 @@ from typing import Any
 
 import kopf
 import kubernetes
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from cadenza.node.otel import make_resource, otlp_enabled
 
 from cadenza.operator import kube, render
 from cadenza.operator.actuator import Actuator, AdminClient, State, spec_knobs
@@ -93,6 +99,21 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.reconnect_backoff = 1.0
     settings.posting.level = logging.INFO
     settings.posting.enabled = os.environ.get("CADENZA_OPERATOR_EVENTS", "true").lower() != "false"
+    _tracing()
+
+
+def _tracing() -> None:
+    """A span per controller evaluation that acted, exported over OTLP when the standard ``OTEL_*``
+    variables ask for it (service ``cadenza-operator`` unless ``OTEL_SERVICE_NAME`` says otherwise)."""
+    if not otlp_enabled("traces") or isinstance(trace.get_tracer_provider(), TracerProvider):
+        return
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    resource = make_resource().merge(Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME",
+                                                                                     "cadenza-operator")}))
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
 
 
 def _pool(body: kopf.Body) -> Pool:
@@ -170,7 +191,11 @@ def _control(body: kopf.Body, meta: kopf.Meta, pool: Pool, logger: logging.Logge
     signals = actuator.signals(actuator.clock())
     shape = actuator.shape(actuator.backend.replicas()) if decision is not None else None
     out = {"latency": latency_status(signals, actuator.spec), "controller": actuator.status(),
-           "sloMet": slo_condition(signals, actuator.spec)}
+           "sloMet": slo_condition(signals, actuator.spec),
+           "flapping": bool(actuator.last and actuator.last.flapping)}
+    for key, detail in (("lastRetune", actuator.state.last_retune), ("lastShift", actuator.state.last_shift)):
+        if detail:
+            out[key] = detail
     if shape is not None:
         out["shape"] = {"colocated": shape.colocated, "interactive": shape.interactive}
     return out
@@ -311,8 +336,14 @@ def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str
     if slo is not None:
         status["latency"] = slo["latency"]
         status["controller"] = slo["controller"]
-        if "shape" in slo:
-            status["shape"] = slo["shape"]
+        for key in ("shape", "lastRetune", "lastShift"):
+            if key in slo:
+                status[key] = slo[key]
+        if "flapping" in slo:
+            status["conditions"].append(_condition(
+                body, "Flapping", slo["flapping"], "ReshapingFrozen" if slo["flapping"] else "Stable",
+                "two reversals inside the flap window: reshaping frozen, decisions advisory until it passes"
+                if slo["flapping"] else "no reversal of direction inside the flap window"))
         status["conditions"].append(_condition(body, "SLOMet", *slo["sloMet"]))
     elif kept := next((c for c in previous.get("conditions", []) if c.get("type") == "SLOMet"), None):
         status["conditions"].append(dict(kept))

@@ -74,7 +74,8 @@ def test_kernels_import_nothing_of_cadenza_outside_kernels():
 
 
 def test_operator_imports_only_the_node_config_and_policy():
-    allowed = {"cadenza.node.config", "cadenza.node.policy"}
+    # config and policy: the engine's own checks; otel: how every cadenza process reads OTEL_*.
+    allowed = {"cadenza.node.config", "cadenza.node.policy", "cadenza.node.otel"}
     for py in (ROOT / "operator").rglob("*.py"):
         for name in imports_of(py):
             if name.startswith("cadenza.node"):
