@@ -6,7 +6,8 @@ reaches the world only through a :class:`Backend`: pods with labels in a cluster
 (:mod:`.k8s_roles`), processes behind a gateway config file under ``cadenza up``
 (:mod:`.local_control`). Each :meth:`Actuator.tick`:
 
-1. records a scrape of the pool's gateways;
+1. records a scrape of the pool's gateways (or, with ``spec.controller.prometheus``, reads the
+   windows from a Prometheus-compatible API instead);
 2. gives every ready replica its role's live settings (``GET /admin/config``, ``PUT`` what
    differs), and only then routes it: interactive to every replica, batch and background to
    colocated ones — so a replica that restarted, or a new pod, serves nothing with wrong settings;
@@ -43,7 +44,7 @@ from opentelemetry.trace import Tracer
 from cadenza.operator.controller import DEDICATE, ControllerSpec, Decision, History, Shape, rfc3339, decide
 from cadenza.operator.engine_args import live_document
 from cadenza.operator.pool import Pool
-from cadenza.operator.signals import CLASSES, Signals, SnapshotHistory, parse_gateway_metrics
+from cadenza.operator.signals import CLASSES, Signals, signal_source
 
 logger = logging.getLogger("cadenza.controller")
 LIVE_KNOBS = ("token_budget", "chunk_size", "step_time_target_ms")
@@ -155,7 +156,7 @@ class Actuator:
         self.pool, self.backend, self.admin, self.clock = pool, backend, admin, clock
         self.tracer = tracer or trace.get_tracer("cadenza.controller")
         self.spec = ControllerSpec.from_pool_spec(pool.spec)
-        self.snapshots = SnapshotHistory(keep_s=self.spec.slow_window_s + 120)
+        self.source = signal_source(pool.spec, backend.scrape, keep_s=self.spec.slow_window_s + 120)
         self.state = state or State(knobs=spec_knobs(pool.spec))
         self.drain_timeout_s = float((pool.spec.get("controller") or {}).get("drainTimeoutSeconds", DRAIN_TIMEOUT_S))
         self.last: Decision | None = None
@@ -176,12 +177,7 @@ class Actuator:
         """Scrape, give replicas their settings and routing, advance a drain or decide and act.
         Never raises for a replica or gateway that does not answer: that part waits a tick."""
         now = self.clock()
-        texts = self.backend.scrape()
-        if texts is not None:
-            try:
-                self.snapshots.add(parse_gateway_metrics(texts, now))
-            except ValueError as exc:
-                logger.debug("%s: gateway metrics not used: %s", self.pool.name, exc)
+        self.source.record(now)
         replicas = self.backend.replicas()
         self._assign_roles(replicas)
         self._reconcile(replicas)
@@ -230,7 +226,7 @@ class Actuator:
 
     def signals(self, now: float) -> Signals:
         def windows(seconds: float) -> dict:
-            return {cls: self.snapshots.window(cls, seconds, now, self.spec.slo.get(cls) or {},
+            return {cls: self.source.window(cls, seconds, now, self.spec.slo.get(cls) or {},
                                                min_samples=self.spec.min_samples, stale_s=self.spec.stale_s)
                     for cls in CLASSES}
 

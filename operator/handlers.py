@@ -162,7 +162,7 @@ def _uid(meta: kopf.Meta) -> str:
 
 def _observe(body: kopf.Body, meta: kopf.Meta, pool: Pool) -> dict:
     """A pool that is not ``auto``: its gateways' latency and the controller's advice, recorded."""
-    return _observer.observe(_uid(meta), pool.spec, scrape_gateways(pool), body.get("status", {}))
+    return _observer.observe(_uid(meta), pool.spec, lambda: scrape_gateways(pool), body.get("status", {}))
 
 
 def _admin_token(meta: kopf.Meta, pool: Pool) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 from cadenza.operator.controller import ControllerSpec, History, Shape, decide
 from cadenza.operator.engine_args import live_document
-from cadenza.operator.signals import CLASSES, Signals, SnapshotHistory, parse_gateway_metrics
+from cadenza.operator.signals import CLASSES, ScrapeSource, Signals, signal_source
 
 ACTUATION = "advisory only: the pool's mode is fixed (mode auto lets the controller act)"
 
@@ -29,23 +29,24 @@ class PoolObserver:
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
-        self._histories: dict[str, SnapshotHistory] = {}
+        self._sources: dict[str, tuple[Any, Any]] = {}
 
-    def observe(self, uid: str, spec: Mapping[str, Any], metrics_texts: list[str] | None,
+    def observe(self, uid: str, spec: Mapping[str, Any], scrape: Callable[[], list[str] | None],
                 status: Mapping[str, Any]) -> dict[str, Any]:
-        """Record one scrape (None: the gateways could not be read) and return the status fields:
-        ``latency``, ``controller`` and the ``SLOMet`` condition as ``(status, reason, message)``
-        under the key ``sloMet``."""
+        """Record one reading (``scrape`` returns the gateways' ``/metrics``, None when none
+        answered) and return the status fields: ``latency``, ``controller`` and the ``SLOMet``
+        condition as ``(status, reason, message)`` under the key ``sloMet``."""
         now = self.clock()
         cspec = replace(ControllerSpec.from_pool_spec(spec), advisory=True)
-        history = self._histories.setdefault(uid, SnapshotHistory(keep_s=cspec.slow_window_s + 120))
-        if metrics_texts is not None:
-            try:
-                history.add(parse_gateway_metrics(metrics_texts, now))
-            except ValueError:
-                pass  # unparseable or out of order: the windows go stale, which holds
+        key = repr((spec.get("controller") or {}).get("prometheus"))
+        if uid not in self._sources or self._sources[uid][0] != key:
+            self._sources[uid] = (key, signal_source(spec, scrape, keep_s=cspec.slow_window_s + 120))
+        source = self._sources[uid][1]
+        if isinstance(source, ScrapeSource):
+            source.scrape = scrape  # the pool's gateways as this resync sees them
+        source.record(now)
         signals = Signals(*(
-            {cls: history.window(cls, seconds, now, cspec.slo.get(cls) or {}, min_samples=cspec.min_samples,
+            {cls: source.window(cls, seconds, now, cspec.slo.get(cls) or {}, min_samples=cspec.min_samples,
                                  stale_s=cspec.stale_s) for cls in CLASSES}
             for seconds in (cspec.fast_window_s, cspec.slow_window_s)))
         memory = dict(status.get("controller") or {})
@@ -61,7 +62,7 @@ class PoolObserver:
         }
 
     def forget(self, uid: str) -> None:
-        self._histories.pop(uid, None)
+        self._sources.pop(uid, None)
 
 
 def latency_status(signals: Signals, spec: ControllerSpec) -> dict[str, Any]:

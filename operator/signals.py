@@ -21,8 +21,11 @@ Pure: snapshots carry their own timestamps; nothing here reads a clock or the ne
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Iterable, Mapping
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -263,20 +266,111 @@ class SnapshotHistory:
             return ClassWindow(False, "a NaN in the latency series", window_s=span)
         ttft = ttft_now.since(start.ttft.get(cls))
         itl = itl_now.since(start.itl.get(cls)) if itl_now is not None else None
-        requests = int(round(ttft.total))
-        ttft_p99, itl_p99 = ttft.quantile(0.99), itl.quantile(0.99) if itl is not None else None
-        shares = [h.share_at_most(slo[key] / 1e3) for key, h in (("ttftP99Ms", ttft), ("itlP99Ms", itl))
-                  if h is not None and slo.get(key) is not None]
-        shares = [s for s in shares if s is not None]
-        # No request at all in a covered window is a known zero (the class has no traffic); a few
-        # are too few to estimate a p99 from.
-        enough = requests == 0 or requests >= min_samples
-        return ClassWindow(
-            known=enough,
-            reason="" if enough else f"{requests} requests < {min_samples} needed",
-            requests=requests,
-            ttft_p99_ms=None if ttft_p99 is None else ttft_p99 * 1e3,
-            itl_p99_ms=None if itl_p99 is None else itl_p99 * 1e3,
-            attainment=min(shares) if shares else None,
-            window_s=span,
-        )
+        return _window_of(ttft, itl, slo, min_samples, span)
+
+class ScrapeSource:
+    """Signals from scraping the pool's gateways (the default: no extra dependency).
+
+    Args:
+        scrape: returns the ``/metrics`` text of every reachable gateway, or None.
+        keep_s: how long snapshots are kept (the slow window and a margin).
+    """
+
+    def __init__(self, scrape: Callable[[], list[str] | None], keep_s: float) -> None:
+        self.scrape, self.history = scrape, SnapshotHistory(keep_s)
+
+    def record(self, now: float) -> None:
+        texts = self.scrape()
+        if texts is not None:
+            try:
+                self.history.add(parse_gateway_metrics(texts, now))
+            except ValueError:
+                pass  # unparseable or out of order: the windows go stale, which holds
+
+    def window(self, cls: str, window_s: float, now: float, slo: Mapping[str, float], *, min_samples: int,
+               stale_s: float) -> ClassWindow:
+        return self.history.window(cls, window_s, now, slo, min_samples=min_samples, stale_s=stale_s)
+
+
+class PrometheusSource:
+    """Signals from a Prometheus-compatible query API (``spec.controller.prometheus``), for pools
+    whose gateways export over OTLP to a metrics backend, or are scraped by one.
+
+    Each window is one instant query per histogram:
+    ``sum by (le) (increase(NAME_bucket{cadenza_traffic_class="CLS", SELECTOR}[WINDOWs]))``,
+    whose buckets go through the same :class:`Histogram` estimate as a scrape. Unknown when the
+    query fails, returns no series or NaN, or counts fewer than ``min_samples`` requests (none at
+    all over a window is a known zero only when the series exists).
+
+    Args:
+        url: the API root (``http://prometheus:9090``; ``/api/v1/query`` is appended).
+        selector: extra label matchers that pick this pool's gateways, e.g. ``job="chat-gateway"``.
+        get: ``get(url, params) -> JSON`` (an HTTP GET; injected in tests).
+    """
+
+    def __init__(self, url: str, selector: str = "", get: Callable[[str, dict], dict] | None = None) -> None:
+        self.url, self.selector = url.rstrip("/"), selector.strip().strip("{}").strip()
+        self.get = get or _http_get_json
+
+    def record(self, now: float) -> None:
+        """Nothing to keep: the backend holds the history."""
+
+    def _histogram(self, name: str, cls: str, window_s: float, now: float) -> Histogram | None:
+        matchers = f'{CLASS_LABEL}="{cls}"' + (f", {self.selector}" if self.selector else "")
+        query = f"sum by (le) (increase({name}_bucket{{{matchers}}}[{max(1, round(window_s))}s]))"
+        doc = self.get(f"{self.url}/api/v1/query", {"query": query, "time": f"{now:.3f}"})
+        if doc.get("status") != "success":
+            raise ValueError(doc.get("error") or "query failed")
+        per = {float(r["metric"]["le"]): float(r["value"][1]) for r in doc["data"]["result"] if "le" in r["metric"]}
+        if not per:
+            return None
+        finite = sorted(b for b in per if math.isfinite(b))
+        return Histogram(tuple(finite), tuple(per[b] for b in finite) + (per.get(math.inf, 0.0),))
+
+    def window(self, cls: str, window_s: float, now: float, slo: Mapping[str, float], *, min_samples: int,
+               stale_s: float) -> ClassWindow:
+        try:
+            ttft = self._histogram(TTFT_METRIC, cls, window_s, now)
+            itl = self._histogram(ITL_METRIC, cls, window_s, now)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return ClassWindow(False, f"prometheus: {exc}")
+        if ttft is None:
+            return ClassWindow(False, f"prometheus has no {cls} latency series")
+        if not ttft.finite or (itl is not None and not itl.finite):
+            return ClassWindow(False, "a NaN in the latency series")
+        return _window_of(ttft, itl, slo, min_samples, window_s)
+
+
+def _window_of(ttft: Histogram, itl: Histogram | None, slo: Mapping[str, float], min_samples: int,
+               span: float) -> ClassWindow:
+    """The figures of one window's histograms (shared by both sources)."""
+    requests = int(round(ttft.total))
+    ttft_p99, itl_p99 = ttft.quantile(0.99), itl.quantile(0.99) if itl is not None else None
+    shares = [h.share_at_most(slo[key] / 1e3) for key, h in (("ttftP99Ms", ttft), ("itlP99Ms", itl))
+              if h is not None and slo.get(key) is not None]
+    shares = [s for s in shares if s is not None]
+    # No request at all in a covered window is a known zero (the class has no traffic); a few
+    # are too few to estimate a p99 from.
+    enough = requests == 0 or requests >= min_samples
+    return ClassWindow(
+        known=enough,
+        reason="" if enough else f"{requests} requests < {min_samples} needed",
+        requests=requests,
+        ttft_p99_ms=None if ttft_p99 is None else ttft_p99 * 1e3,
+        itl_p99_ms=None if itl_p99 is None else itl_p99 * 1e3,
+        attainment=min(shares) if shares else None,
+        window_s=span,
+    )
+
+
+def signal_source(spec: Mapping, scrape: Callable[[], list[str] | None], keep_s: float):
+    """The source ``spec.controller.prometheus`` asks for, else scraping the gateways."""
+    prometheus = (spec.get("controller") or {}).get("prometheus") or {}
+    if prometheus.get("url"):
+        return PrometheusSource(prometheus["url"], prometheus.get("selector", ""))
+    return ScrapeSource(scrape, keep_s)
+
+
+def _http_get_json(url: str, params: dict) -> dict:
+    with urllib.request.urlopen(f"{url}?{urllib.parse.urlencode(params)}", timeout=5) as resp:
+        return json.loads(resp.read())
