@@ -129,8 +129,9 @@ def _probe(path: str, **timing: int) -> dict:
 
 def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
     model_args = pool.model_args()
+    grace, drain = termination(pool)
     args = ["serve", "--host", "0.0.0.0", "--port", str(HTTP_PORT), *role.serve_args(model_args),
-            "--policy", f"/etc/cadenza/{role.name}.policy.json"]
+            "--policy", f"/etc/cadenza/{role.name}.policy.json", "--shutdown-timeout-s", str(max(1, grace - drain - 5))]
     if pool.gpus:
         args += ["--device", "cuda"]
     volumes = [{"name": "config", "configMap": {"name": f"{pool.name}-engine"}},
@@ -170,6 +171,9 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
         "startupProbe": _probe("/health", periodSeconds=5, failureThreshold=120),
         "livenessProbe": _probe("/health", periodSeconds=10, failureThreshold=6),
         "readinessProbe": _probe("/ready", periodSeconds=5, failureThreshold=2),
+        # While this sleeps the pod is still serving but no longer ready: every gateway drops it
+        # (EndpointSlice ready false) before SIGTERM makes the server stop listening.
+        "lifecycle": {"preStop": {"sleep": {"seconds": drain}}},
         "securityContext": _SECURE_CONTAINER,
     }
     pod_labels = labels(pool, "engine", role.name)
@@ -188,12 +192,19 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
                 "metadata": {"labels": pod_labels, "annotations": {CONFIG_HASH: role.config_hash(model_args)}},
                 "spec": {
                     "containers": [container], "volumes": volumes,
-                    "terminationGracePeriodSeconds": 60,  # streams in flight finish on SIGTERM
+                    "terminationGracePeriodSeconds": grace,  # the drain delay, then streams finish
                     "securityContext": {"runAsNonRoot": True, "fsGroup": 65532},
                 },
             },
         },
     }
+
+
+def termination(pool: Pool) -> tuple[int, int]:
+    """``(terminationGracePeriodSeconds, preStop drain delay)`` of engine pods: ``spec.termination``
+    (defaults 600 and 10). The server's shutdown timeout is what is left, less 5 s of margin."""
+    t = pool.spec.get("termination") or {}
+    return int(t.get("gracePeriodSeconds", 600)), int(t.get("drainDelaySeconds", 10))
 
 
 def _rollout(pool: Pool) -> dict:

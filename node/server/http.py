@@ -105,6 +105,8 @@ class HttpTimeouts:
         idle_timeout_s: from a response to the next request on a keep-alive connection.
         body_timeout_s: for reading a whole request body (:func:`body_timeout`).
         send_timeout_s: for one write of a streamed response to make progress (:func:`send`).
+        shutdown_timeout_s: on SIGTERM, how long requests in flight (streams included) may take to
+            finish after the server stops listening; then they are cancelled.
 
     Raises:
         ConfigError: a value that is not a positive finite number; the message names the field.
@@ -114,9 +116,10 @@ class HttpTimeouts:
     idle_timeout_s: float = 75.0
     body_timeout_s: float = 60.0
     send_timeout_s: float = 60.0
+    shutdown_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "idle_timeout_s", "body_timeout_s", "send_timeout_s"):
+        for name in ("header_timeout_s", "idle_timeout_s", "body_timeout_s", "send_timeout_s", "shutdown_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool)
                     and math.isfinite(value) and value > 0):
@@ -186,7 +189,8 @@ def _seconds(value: str) -> float:
 
 
 def add_http_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--header-timeout-s``, ``--idle-timeout-s``, ``--body-timeout-s`` and ``--send-timeout-s``."""
+    """Add ``--header-timeout-s``, ``--idle-timeout-s``, ``--body-timeout-s``, ``--send-timeout-s``
+    and ``--shutdown-timeout-s``."""
     group = parser.add_argument_group("HTTP connection timeouts")
     group.add_argument("--header-timeout-s", type=_seconds, default=_DEFAULTS.header_timeout_s, metavar="SECONDS",
                        help="a request's line and headers must arrive within this many seconds of its first byte "
@@ -198,6 +202,9 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a request body must arrive within this many seconds, else 408 (default: %(default)s)")
     group.add_argument("--send-timeout-s", type=_seconds, default=_DEFAULTS.send_timeout_s, metavar="SECONDS",
                        help="drop a streaming client that reads nothing for this many seconds (default: %(default)s)")
+    group.add_argument("--shutdown-timeout-s", type=_seconds, default=_DEFAULTS.shutdown_timeout_s, metavar="SECONDS",
+                       help="on SIGTERM, stop listening and let requests in flight finish for up to this many "
+                            "seconds; keep it above the longest generation (default: %(default)s)")
 
 
 def http_timeouts_from_args(args: argparse.Namespace) -> HttpTimeouts:
@@ -206,7 +213,8 @@ def http_timeouts_from_args(args: argparse.Namespace) -> HttpTimeouts:
     Raises:
         ConfigError: a value that is not a positive finite number.
     """
-    return HttpTimeouts(args.header_timeout_s, args.idle_timeout_s, args.body_timeout_s, args.send_timeout_s)
+    return HttpTimeouts(args.header_timeout_s, args.idle_timeout_s, args.body_timeout_s, args.send_timeout_s,
+                        args.shutdown_timeout_s)
 
 
 # --- the runner, server and per-connection protocol -------------------------------------------------
@@ -225,7 +233,8 @@ class _AppRunner(web.AppRunner):
     __slots__ = ("_timeouts",)
 
     def __init__(self, app: web.Application, timeouts: HttpTimeouts, **kwargs: Any) -> None:
-        super().__init__(app, keepalive_timeout=timeouts.idle_timeout_s, **kwargs)
+        super().__init__(app, keepalive_timeout=timeouts.idle_timeout_s, shutdown_timeout=timeouts.shutdown_timeout_s,
+                         **kwargs)
         self._timeouts = timeouts
 
     async def _make_server(self) -> web.Server:

@@ -218,3 +218,13 @@ def test_the_gateway_gets_dense_latency_buckets_around_the_pools_slo_targets():
     assert "--slo-targets-ms" not in gateway_args(pool())
     args = gateway_args(pool(slo={"interactive": {"ttftP99Ms": 500, "itlP99Ms": 80}, "batch": {"ttftP99Ms": 500}}))
     assert args[args.index("--slo-targets-ms") + 1] == "80,500"
+
+
+def test_engine_pods_leave_the_routing_before_sigterm_and_streams_get_the_grace_period():
+    container = engine(by_name(render_all(pool(termination={"gracePeriodSeconds": 900, "drainDelaySeconds": 12}),
+                                          OWNER)), "colocated")
+    assert container["lifecycle"]["preStop"] == {"sleep": {"seconds": 12}}
+    args = container["args"]
+    assert args[args.index("--shutdown-timeout-s") + 1] == "883"  # 900 - 12 - 5
+    spec = by_name(render_all(pool(), OWNER))[("Deployment", "chat-colocated")]["spec"]["template"]["spec"]
+    assert spec["terminationGracePeriodSeconds"] == 600

@@ -65,6 +65,7 @@ def test_defaults_land_where_the_crd_puts_them():
     assert spec["image"] == "ghcr.io/cadenza-serving/cadenza:0.1.0"
     assert spec["model"]["source"] == {"embedded": True}
     assert spec["engine"] == {}
+    assert spec["termination"] == {"gracePeriodSeconds": 600, "drainDelaySeconds": 10}
     assert spec["dedicated"] == {"interactiveReplicas": 1, "engine": {}}  # defaulted, then defaulted inside
     assert spec["controller"] == {"windowSeconds": 300, "fastWindowSeconds": 30, "minSamples": 200, "hysteresis": 0.1,
                                   "cooldownSeconds": 600, "flapWindowSeconds": 1800, "retuneFactor": 0.5,
@@ -392,3 +393,8 @@ def test_dedicated_engine_holds_only_live_settings():
     validate_pool(pool(mode="auto", replicas=2, dedicated={"engine": {"chunkSize": 32, "stepTimeTargetMs": 50}}))
     with pytest.raises(PoolValidationError, match="can change"):
         validate_pool(pool(mode="auto", replicas=2, dedicated={"engine": {"maxModelLen": 1024}}))
+
+
+def test_termination_needs_room_for_the_drain_delay():
+    with pytest.raises(PoolValidationError, match="must exceed drainDelaySeconds"):
+        validate_pool(pool(termination={"gracePeriodSeconds": 12, "drainDelaySeconds": 10}))
