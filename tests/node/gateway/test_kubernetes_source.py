@@ -136,3 +136,70 @@ async def test_the_default_lister_asks_the_api_for_the_service_slices(aiohttp_se
     assert table.urls() == {"interactive": ["http://10.2.0.1:8123"], "batch": ["http://10.2.0.1:8123"]}
     assert sorted(asked) == [("serving", "kubernetes.io/service-name=chat-batch", "Bearer s3cret"),
                              ("serving", "kubernetes.io/service-name=chat-interactive", "Bearer s3cret")]
+
+
+def test_terminating_endpoints_are_not_routed_to():
+    s = {"ports": [{"name": "http", "port": 8000}], "endpoints": [
+        {"addresses": ["10.0.0.1"], "conditions": {"ready": True, "serving": True, "terminating": False}},
+        {"addresses": ["10.0.0.2"], "conditions": {"ready": True, "serving": True, "terminating": True}}]}
+    assert endpoint_urls([s]) == ["http://10.0.0.1:8000"]
+
+
+class FakeWatch:
+    """``watch_slices``: events pushed by the test, per service, until it ends the watch."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self.queues: dict[str, queue.Queue] = {}
+        self.started: list[str] = []
+        self._queue = queue.Queue
+
+    def push(self, service: str, kind: str, obj) -> None:
+        self.queues.setdefault(service, self._queue()).put((kind, obj))
+
+    def __call__(self, namespace: str, service: str):
+        self.started.append(service)
+        q = self.queues.setdefault(service, self._queue())
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            yield item
+
+
+async def test_a_watch_applies_slice_changes_at_once_not_at_the_next_poll():
+    named = lambda name, ready: {"metadata": {"name": name}, **slice_dict(ready)}  # noqa: E731
+    api = FakeAPI({"p-interactive": [named("s1", {"10.1.0.1": True})], "p-batch": [named("b1", {"10.2.0.1": True})]})
+    watcher = FakeWatch()
+    upstreams = Upstreams()
+    source = KubernetesSource("ns", "p", api, interval_s=3600, watch_slices=watcher)  # polling would take an hour
+    task = asyncio.create_task(source.watch(upstreams))
+    try:
+        async with asyncio.timeout(10):
+            while len(watcher.started) < 2:
+                await asyncio.sleep(0.01)
+        assert upstreams.urls()["interactive"] == ["http://10.1.0.1:8000"]
+        # A second pod becomes ready, then the first starts terminating (its preStop drain).
+        watcher.push("p-interactive", "MODIFIED", named("s1", {"10.1.0.1": True, "10.1.0.3": True}))
+        async with asyncio.timeout(10):
+            while upstreams.urls()["interactive"] != ["http://10.1.0.1:8000", "http://10.1.0.3:8000"]:
+                await asyncio.sleep(0.01)
+        watcher.push("p-interactive", "MODIFIED", named("s1", {"10.1.0.1": False, "10.1.0.3": True}))
+        async with asyncio.timeout(10):
+            while upstreams.urls()["interactive"] != ["http://10.1.0.3:8000"]:
+                await asyncio.sleep(0.01)
+        watcher.push("p-batch", "DELETED", named("b1", {}))
+        async with asyncio.timeout(10):
+            while upstreams.urls()["batch"]:
+                await asyncio.sleep(0.01)
+        assert upstreams.urls()["interactive"] == ["http://10.1.0.3:8000"]  # the other role untouched
+        calls = len(api.calls)
+        watcher.queues["p-batch"].put(None)  # the watch ends (the server's timeout)
+        async with asyncio.timeout(10):
+            while len(api.calls) == calls:  # a fresh list follows
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        for q in watcher.queues.values():
+            q.put(None)
