@@ -45,6 +45,7 @@ bench: model
 	$(BIN)/python -m bench.throughput_vs_hf
 	$(BIN)/python -m bench.classes
 	$(BIN)/python -m bench.telemetry_overhead
+	$(BIN)/python -m bench.hybrid
 
 # On a machine with a CUDA GPU: native kernel tests, attention bandwidth/throughput, engine step.
 gpu-check: $(DEV_STAMP) model

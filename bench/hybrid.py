@@ -1,0 +1,254 @@
+"""Hybrid mode against the two static shapes: ``python -m bench.hybrid``.
+
+``cadenza up`` with two replicas of SmolLM2-135M-Instruct (one core each) on a bursty workload
+from the Azure 2023 traces: steady conversation traffic as ``interactive`` (the conversation
+trace, slowed 3x, lengths /8) plus bursts of long code-trace prompts as ``batch`` (six prompts of
+the code trace, /2 and capped at 1,024 tokens, every 60 s). Three runs, same workload, one after
+the other: static ``colocated`` (both replicas mix all classes), static ``dedicated`` (one
+interactive replica, one batch replica) and ``auto`` (the SLO controller, windows of 10 s / 30 s).
+
+Per run: per 15 s window the interactive TTFT / ITL p99 and whether the interactive SLO held
+(both under target, at least 5 requests), the share of windows that held, batch output
+throughput, goodput (requests/s meeting every SLO), the controller's actions and failed requests.
+Targets: no failed request in any run; ``auto`` holds the interactive SLO in at least as many
+windows as the better static shape (``ratio`` = auto share / best static share, target >= 1) with
+batch throughput >= 90 % of colocated's; at most 2 reshapes per burst. A figure of the windows
+(with the controller's actions) is written to ``docs/img/hybrid.png`` with ``--plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from bench.common import CONV_TRACE, ROOT, machine, pct, prompt_ids, report
+from cadenza.node.bench.trace import load_trace, scale_trace
+from cadenza.node.embedded import ensure_embedded_model
+
+CODE_TRACE = ROOT / "data" / "traces" / "azure2023" / "AzureLLMInferenceTrace_code.csv"
+DURATION_S, WINDOW_S, BURST_EVERY_S, BURST_SIZE, TIME_SCALE = 180.0, 15.0, 60.0, 6, 3.0
+SLO = {"interactive": {"ttftP99Ms": 3000, "itlP99Ms": 400}, "batch": {"ttftP99Ms": 120000}}
+MIN_WINDOW_REQUESTS = 5
+
+
+@dataclass
+class Job:
+    at: float
+    cls: str
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    cls: str
+    start: float
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    end: float = 0.0
+    error: str | None = None
+
+
+def workload(model) -> list[Job]:
+    conv, _ = scale_trace(load_trace(CONV_TRACE), time_scale=TIME_SCALE, length_scale=1 / 8, max_input_len=256,
+                          max_output_len=48, duration_s=DURATION_S)
+    code, _ = scale_trace(load_trace(CODE_TRACE), length_scale=1 / 2, max_input_len=1024, max_output_len=32,
+                          num_requests=BURST_SIZE * 3)
+    bursts = [(10.0 + BURST_EVERY_S * (i // BURST_SIZE) + 0.5 * (i % BURST_SIZE), r) for i, r in enumerate(code)]
+    bursts = [(t, r) for t, r in bursts if t < DURATION_S]
+    lengths = [r.input_len for r in conv] + [r.input_len for _, r in bursts]
+    prompts = prompt_ids(model, lengths, seed=11)
+    jobs = [Job(r.arrival_s, "interactive", prompts[i], max(8, r.output_len)) for i, r in enumerate(conv)]
+    jobs += [Job(t, "batch", prompts[len(conv) + i], max(8, r.output_len)) for i, (t, r) in enumerate(bursts)]
+    return sorted(jobs, key=lambda j: j.at)
+
+
+def pool_yaml(mode: str) -> dict:
+    spec = {
+        "model": {"name": "SmolLM2-135M-Instruct"}, "replicas": 2, "mode": mode,
+        "engine": {"tokenBudget": 512, "chunkSize": 256, "maxModelLen": 2048},
+        "dedicated": {"interactiveReplicas": 1, "engine": {"chunkSize": 64}},
+        "slo": SLO,
+        "controller": {"fastWindowSeconds": 10, "windowSeconds": 30, "minSamples": 4, "cooldownSeconds": 60,
+                       "dwellSeconds": 30, "staleSeconds": 20, "bounds": {"chunkSize": {"min": 32, "max": 256}}},
+    }
+    return {"apiVersion": "serving.cadenza.dev/v1alpha1", "kind": "ServingPool",
+            "metadata": {"name": f"bench-{mode}", "namespace": "default"}, "spec": spec}
+
+
+async def one(session: aiohttp.ClientSession, url: str, job: Job, t0: float) -> Result:
+    await asyncio.sleep(max(0.0, t0 + job.at - time.monotonic()))
+    res = Result(job.cls, time.monotonic())
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    try:
+        async with session.post(f"{url}/v1/completions", json=body, headers={"x-cadenza-class": job.cls}) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}"
+                return res
+            last = None
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                now = time.monotonic()
+                if res.ttft is None:
+                    res.ttft = now - res.start
+                elif last is not None:
+                    res.gaps.append(now - last)
+                last = now
+                res.tokens += 1
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        res.error = repr(exc)
+    res.end = time.monotonic()
+    return res
+
+
+async def drive(url: str, jobs: list[Job]) -> tuple[list[Result], float]:
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(one(session, url, j, t0) for j in jobs))
+    return list(results), t0
+
+
+def run_pool(mode: str, jobs: list[Job], workdir: Path) -> dict:
+    port = _free_port()
+    pool_file, state = workdir / f"{mode}.yaml", workdir / f"{mode}.state.json"
+    pool_file.write_text(yaml.safe_dump(pool_yaml(mode)))
+    log = open(workdir / f"{mode}.log", "w")
+    up = subprocess.Popen([sys.executable, "-m", "cadenza.node.cli", "up", str(pool_file), "--port", str(port),
+                           "--state-file", str(state)], stdout=log, stderr=subprocess.STDOUT,
+                          env={**os.environ, "TMPDIR": str(workdir)})
+    try:
+        deadline = time.monotonic() + 300
+        while not state.exists():
+            if up.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"cadenza up ({mode}) did not start: {(workdir / f'{mode}.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        results, t0 = asyncio.run(drive(f"http://127.0.0.1:{port}", jobs))
+        controller = json.loads(state.read_text()).get("controller", {})
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=120)
+        log.close()
+    return summarize(mode, results, t0, controller)
+
+
+def summarize(mode: str, results: list[Result], t0: float, controller: dict) -> dict:
+    inter = SLO["interactive"]
+    windows = []
+    n = int(DURATION_S // WINDOW_S)
+    for w in range(n):
+        lo, hi = t0 + w * WINDOW_S, t0 + (w + 1) * WINDOW_S
+        mine = [r for r in results if r.cls == "interactive" and lo <= r.start < hi and r.ttft is not None]
+        ttft = pct([r.ttft for r in mine], 99) * 1e3 if mine else None
+        gaps = [g for r in mine for g in r.gaps]
+        itl = pct(gaps, 99) * 1e3 if gaps else None
+        held = (len(mine) >= MIN_WINDOW_REQUESTS and ttft is not None and ttft <= inter["ttftP99Ms"]
+                and (itl is None or itl <= inter["itlP99Ms"]))
+        windows.append({"start_s": w * WINDOW_S, "requests": len(mine), "ttft_p99_ms": ttft and round(ttft, 1),
+                        "itl_p99_ms": itl and round(itl, 1), "slo_met": held})
+    batch = [r for r in results if r.cls == "batch" and r.error is None]
+    span = (max(r.end for r in batch) - min(r.start for r in batch)) if batch else 0.0
+    good = sum(1 for r in results if r.error is None and r.ttft is not None and r.ttft * 1e3 <= SLO[r.cls]["ttftP99Ms"]
+               and (r.cls != "interactive" or not r.gaps or pct(r.gaps, 99) * 1e3 <= inter["itlP99Ms"]))
+    actions = [d for d in controller.get("decisions", []) if d.get("acted")]
+    return {
+        "mode": mode,
+        "windows": windows,
+        "slo_windows_share": round(sum(w["slo_met"] for w in windows) / len(windows), 3),
+        "batch_output_tokens_per_s": round(sum(r.tokens for r in batch) / span, 2) if span else 0.0,
+        "goodput_req_per_s": round(good / DURATION_S, 3),
+        "failed": sum(1 for r in results if r.error is not None),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "actions": [{"time": a["time"], "action": a["action"], "move": a.get("move"), "reason": a["reason"]}
+                    for a in actions],
+        "reshapes": sum(1 for a in actions if a["action"] == "reshape"),
+    }
+
+
+def plot(runs: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.2 * len(runs)), sharex=True)
+    for ax, (mode, run) in zip(axes, runs.items()):
+        xs = [w["start_s"] + WINDOW_S / 2 for w in run["windows"]]
+        ax.bar(xs, [w["itl_p99_ms"] or 0 for w in run["windows"]], width=WINDOW_S * 0.8,
+               color=["tab:green" if w["slo_met"] else "tab:red" for w in run["windows"]])
+        ax.axhline(SLO["interactive"]["itlP99Ms"], ls="--", color="k", lw=1)
+        for b in range(int(DURATION_S // BURST_EVERY_S)):
+            ax.axvline(10 + b * BURST_EVERY_S, color="tab:orange", lw=1, alpha=0.6)
+        ax.set_ylabel(f"{mode}\nITL p99 (ms)")
+        ax.set_title(f"{mode}: interactive SLO held in {run['slo_windows_share']:.0%} of windows", fontsize=9)
+    axes[-1].set_xlabel("time (s); orange: batch bursts; green/red: interactive SLO held / missed")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plot", action="store_true", help="write docs/img/hybrid.png")
+    args = parser.parse_args()
+    model = ensure_embedded_model()
+    jobs = workload(model)
+    n_batch = sum(j.cls == "batch" for j in jobs)
+    print(f"workload: {len(jobs) - n_batch} interactive + {n_batch} batch requests over {DURATION_S:.0f} s "
+          f"(bursts of {BURST_SIZE} long code prompts every {BURST_EVERY_S:.0f} s); SLO {SLO['interactive']}")
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="bench-hybrid-") as tmp:
+        for mode in ("colocated", "dedicated", "auto"):
+            runs[mode] = run_pool(mode, jobs, Path(tmp))
+            r = runs[mode]
+            print(f"{mode:>9}: windows (TTFT p99 / ITL p99 ms): "
+                  + " ".join(f"{w['ttft_p99_ms']}/{w['itl_p99_ms']}{'' if w['slo_met'] else '!'}" for w in r["windows"]))
+            print(f"{mode:>9}: SLO held in {r['slo_windows_share']:.0%} of windows; batch "
+                  f"{r['batch_output_tokens_per_s']} tok/s; goodput {r['goodput_req_per_s']} req/s; "
+                  f"failed {r['failed']}; actions {[(a['action'], a['move']) for a in r['actions']]}")
+    best_static = max(runs["colocated"]["slo_windows_share"], runs["dedicated"]["slo_windows_share"])
+    ratio = runs["auto"]["slo_windows_share"] / best_static if best_static else float("inf")
+    batch_ratio = (runs["auto"]["batch_output_tokens_per_s"] / runs["colocated"]["batch_output_tokens_per_s"]
+                   if runs["colocated"]["batch_output_tokens_per_s"] else 0.0)
+    bursts = int(DURATION_S // BURST_EVERY_S)
+    if args.plot:
+        plot(runs, ROOT / "docs" / "img" / "hybrid.png")
+    report({
+        "benchmark": "hybrid",
+        "ratio": round(ratio, 3),
+        "target": 1.0,
+        "batch_throughput_ratio": round(batch_ratio, 3),
+        "batch_throughput_target": 0.9,
+        "failed": {m: r["failed"] for m, r in runs.items()},
+        "reshapes_per_burst": round(runs["auto"]["reshapes"] / bursts, 2),
+        "runs": {m: {k: v for k, v in r.items() if k != "windows"} | {"windows": r["windows"]} for m, r in runs.items()},
+        "pass": ratio >= 1 and batch_ratio >= 0.9 and not any(r["failed"] for r in runs.values())
+        and runs["auto"]["reshapes"] <= 2 * bursts,
+        "machine": machine(),
+    })
+
+
+if __name__ == "__main__":
+    main()
