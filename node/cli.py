@@ -22,6 +22,7 @@ from cadenza.node.config import (
     EngineConfig,
     SchedulerConfig,
     listen_problem,
+    port_argument,
 )
 from cadenza.node.embedded import EmbeddedModelError
 from cadenza.node.policy import CLASSES, Policy
@@ -204,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     net = serve.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    net.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    net.add_argument("--port", type=port_argument, default=8000, help="port to listen on")
     net.add_argument("--default-class", choices=CLASSES, default="interactive",
                      help="traffic class of requests without an x-cadenza-class header")
     add_http_arguments(serve)
@@ -240,16 +241,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         if "default" in text or action.default is None:
             return text
         return super()._get_help_string(action)
-
-
-def _port(value: str) -> int:
-    try:
-        port = int(value)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {value!r}")
-    return port
 
 
 def _enable_triton_interpreter_without_gpu() -> None:

@@ -198,6 +198,23 @@ def resolve_max_model_len(
     return requested
 
 
+def port_argument(value: str) -> int:
+    """An ``argparse`` type for a TCP port (``cadenza serve``, ``cadenza up``).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer from 1 to 65535.
+    """
+    import argparse
+
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {value!r}")
+    return port
+
+
 def listen_problem(host: str, port: int) -> str | None:
     """Why a server could not listen on ``host:port`` now (in use, bad address), or None.
 

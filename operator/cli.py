@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from cadenza.node.config import port_argument
+
 
 def register_operator(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("operator", help="run the ServingPool operator (kopf)")
@@ -44,21 +46,11 @@ def register_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("pool_file", type=Path, metavar="POOL.yaml", help="a ServingPool manifest")
     p.add_argument("--pool", help="which ServingPool of the file (default: the only one)")
     p.add_argument("--host", default="127.0.0.1", help="gateway address (default %(default)s)")
-    p.add_argument("--port", type=_port, default=8000, help="gateway port, 1-65535 (default %(default)s)")
+    p.add_argument("--port", type=port_argument, default=8000, help="gateway port, 1-65535 (default %(default)s)")
     p.add_argument("--state-file", type=Path,
                    help="write replica ports and pids here (JSON) while the pool runs; removed when it stops")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for replicas to load")
     p.set_defaults(func=run_up)
-
-
-def _port(value: str) -> int:
-    try:
-        port = int(value)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {value!r}")
-    return port
 
 
 def run_up(args: argparse.Namespace) -> int:
