@@ -44,7 +44,7 @@ from opentelemetry.trace import Tracer
 from cadenza.operator.controller import DEDICATE, ControllerSpec, Decision, History, Shape, rfc3339, decide
 from cadenza.operator.engine_args import live_document
 from cadenza.operator.pool import Pool
-from cadenza.operator.signals import CLASSES, Signals, signal_source
+from cadenza.operator.signals import Signals, read_signals, signal_source
 
 logger = logging.getLogger("cadenza.controller")
 LIVE_KNOBS = ("token_budget", "chunk_size", "step_time_target_ms")
@@ -160,6 +160,7 @@ class Actuator:
         self.state = state or State(knobs=spec_knobs(pool.spec))
         self.drain_timeout_s = float((pool.spec.get("controller") or {}).get("drainTimeoutSeconds", DRAIN_TIMEOUT_S))
         self.last: Decision | None = None
+        self.last_shape: Shape | None = None  # replicas per role at the last tick
         self._last_kind = ""
 
     def update(self, pool: Pool) -> None:
@@ -180,6 +181,7 @@ class Actuator:
         self.source.record(now)
         replicas = self.backend.replicas()
         self._assign_roles(replicas)
+        self.last_shape = self.shape(replicas)
         self._reconcile(replicas)
         if self.state.draining is not None:
             self._advance_drain(replicas, now)
@@ -225,12 +227,9 @@ class Actuator:
                                      "to": {"colocated": after[0], "interactive": after[1]}}
 
     def signals(self, now: float) -> Signals:
-        def windows(seconds: float) -> dict:
-            return {cls: self.source.window(cls, seconds, now, self.spec.slo.get(cls) or {},
-                                               min_samples=self.spec.min_samples, stale_s=self.spec.stale_s)
-                    for cls in CLASSES}
-
-        return Signals(windows(self.spec.fast_window_s), windows(self.spec.slow_window_s))
+        spec = self.spec
+        return read_signals(self.source, now, spec.slo, spec.fast_window_s, spec.slow_window_s,
+                            min_samples=spec.min_samples, stale_s=spec.stale_s)
 
     def shape(self, replicas: list[Replica]) -> Shape:
         roles = [self.state.roles.get(r.name, COLOCATED) for r in replicas]

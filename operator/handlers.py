@@ -189,7 +189,7 @@ def _control(body: kopf.Body, meta: kopf.Meta, pool: Pool, logger: logging.Logge
     if decision is not None and decision.act:
         kopf.info(body, reason=decision.action.capitalize(), message=decision.reason[:1000])
     signals = actuator.signals(actuator.clock())
-    shape = actuator.shape(actuator.backend.replicas()) if decision is not None else None
+    shape = actuator.last_shape if decision is not None else None
     out = {"latency": latency_status(signals, actuator.spec), "controller": actuator.status(),
            "sloMet": slo_condition(signals, actuator.spec),
            "flapping": bool(actuator.last and actuator.last.flapping)}

@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from cadenza.operator.actuator import spec_knobs
 from cadenza.operator.controller import ControllerSpec, History, Shape, decide
-from cadenza.operator.engine_args import live_document
-from cadenza.operator.signals import CLASSES, ScrapeSource, Signals, signal_source
+from cadenza.operator.signals import CLASSES, ScrapeSource, Signals, read_signals, signal_source
 
 ACTUATION = "advisory only: the pool's mode is fixed (mode auto lets the controller act)"
 
@@ -45,15 +45,11 @@ class PoolObserver:
         if isinstance(source, ScrapeSource):
             source.scrape = scrape  # the pool's gateways as this resync sees them
         source.record(now)
-        signals = Signals(*(
-            {cls: source.window(cls, seconds, now, cspec.slo.get(cls) or {}, min_samples=cspec.min_samples,
-                                 stale_s=cspec.stale_s) for cls in CLASSES}
-            for seconds in (cspec.fast_window_s, cspec.slow_window_s)))
+        signals = read_signals(source, now, cspec.slo, cspec.fast_window_s, cspec.slow_window_s,
+                               min_samples=cspec.min_samples, stale_s=cspec.stale_s)
         memory = dict(status.get("controller") or {})
-        engine = spec.get("engine") or {}
-        knobs = {k: live_document(engine).get(k) for k in ("token_budget", "chunk_size")}
-        knobs["step_time_target_ms"] = engine.get("stepTimeTargetMs")
-        decision = decide(signals, Shape(int(spec.get("replicas", 1))), knobs, History.from_status(memory), cspec, now)
+        decision = decide(signals, Shape(int(spec.get("replicas", 1))), spec_knobs(spec), History.from_status(memory),
+                          cspec, now)
         return {
             "latency": latency_status(signals, cspec),
             "controller": {**decision.history.to_status(), "actuation": ACTUATION,

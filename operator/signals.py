@@ -374,3 +374,14 @@ def signal_source(spec: Mapping, scrape: Callable[[], list[str] | None], keep_s:
 def _http_get_json(url: str, params: dict) -> dict:
     with urllib.request.urlopen(f"{url}?{urllib.parse.urlencode(params)}", timeout=5) as resp:
         return json.loads(resp.read())
+
+
+def read_signals(source, now: float, slo: Mapping[str, Mapping[str, float]], fast_s: float, slow_s: float,
+                 *, min_samples: int, stale_s: float) -> Signals:
+    """Every class's fast and slow window from ``source`` (a :class:`ScrapeSource` or
+    :class:`PrometheusSource`) at ``now``."""
+    def windows(seconds: float) -> dict[str, ClassWindow]:
+        return {cls: source.window(cls, seconds, now, slo.get(cls) or {}, min_samples=min_samples, stale_s=stale_s)
+                for cls in CLASSES}
+
+    return Signals(windows(fast_s), windows(slow_s))

@@ -4,7 +4,6 @@ it back, in place, with real processes and zero failed requests."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import threading
@@ -12,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from local_pool import pool_yaml, up_env
+from local_pool import pool_yaml, stop_up, up_env
 from server_process import free_port
 from waiting import wait_until
 
@@ -114,13 +113,7 @@ def test_auto_pool_retunes_then_dedicates_then_merges_back_with_no_failed_reques
         assert {r["name"]: r["pid"] for r in merged["replicas"]} == pids
         assert all(r["restarts"] == 0 for r in merged["replicas"])
     finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            assert up.wait(timeout=60) == 0, (tmp_path / "up.log").read_text()
-        finally:
-            if up.poll() is None:
-                up.kill()
-            log.close()
+        stop_up(up, log, tmp_path / "up.log")
     text = (tmp_path / "up.log").read_text()
     assert "controller tiny: retune" in text and "controller tiny: reshape" in text
 

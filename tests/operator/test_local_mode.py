@@ -17,7 +17,7 @@ import yaml
 from cadenza.operator.local import plan, port_problem
 from cadenza.operator.pool import PoolSpecError
 from cadenza.operator.validate import validate_pool
-from local_pool import pool_yaml, up_env
+from local_pool import pool_yaml, stop_up, up_env
 from server_process import free_port
 from waiting import wait_until
 
@@ -201,13 +201,7 @@ def test_two_replicas_serve_both_classes_and_a_killed_replica_or_a_dead_engine_c
         assert "engine died" in Path(crashed[0]["log"]).read_text()
         pids = [r["pid"] for r in json.loads(state_file.read_text())["replicas"]]
     finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            assert up.wait(timeout=60) == 0, (tmp_path / "up.log").read_text()
-        finally:
-            if up.poll() is None:
-                up.kill()
-            log.close()
+        stop_up(up, log, tmp_path / "up.log")
     assert not state_file.exists()  # removed with the pool: its pids are gone
     wait_for(lambda: not any(alive(pid) for pid in pids), 30, "replicas stopped")
     with pytest.raises(urllib.error.URLError):

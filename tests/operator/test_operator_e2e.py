@@ -11,6 +11,7 @@ from kopf.testing import KopfRunner
 
 from cadenza.operator.render import CONFIG_HASH
 from kube_emulator import KubeEmulator
+from metrics_server import serve_metrics
 from waiting import wait_until
 
 GROUP, VERSION, PLURAL = "serving.cadenza.dev", "v1alpha1", "servingpools"
@@ -241,28 +242,11 @@ class ScriptedGateway:
     """A gateway's /metrics on a loopback port, fed by the real histograms with chosen latencies."""
 
     def __init__(self) -> None:
-        import http.server
-
         from cadenza.node.gateway.metrics import GatewayMetrics
 
         self.metrics = GatewayMetrics([0.05, 0.5])
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - the stdlib's name
-                body = outer.metrics.prometheus_text()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = serve_metrics(self.metrics)
         self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def record(self, cls: str, ttft_s: float, itl_s: float, n: int) -> None:
         for _ in range(n):

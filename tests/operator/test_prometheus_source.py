@@ -7,10 +7,8 @@ port with a 1 s scrape interval, scraping an HTTP endpoint served by the gateway
 
 from __future__ import annotations
 
-import http.server
 import shutil
 import subprocess
-import threading
 import time
 import urllib.request
 
@@ -18,6 +16,7 @@ import pytest
 
 from cadenza.node.gateway.metrics import GatewayMetrics
 from cadenza.operator.signals import PrometheusSource, SnapshotHistory, parse_gateway_metrics
+from metrics_server import serve_metrics
 from server_process import free_port
 from waiting import wait_until
 
@@ -29,21 +28,7 @@ SLO = {"ttftP99Ms": 500, "itlP99Ms": 50}
 @pytest.fixture
 def gateway():
     metrics = GatewayMetrics([0.05, 0.5])
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            body = metrics.prometheus_text()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve_metrics(metrics)
     yield metrics, server.server_address[1]
     server.shutdown()
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 import yaml
@@ -23,3 +25,14 @@ def up_env(tmp_path: Path) -> dict[str, str]:
     """The environment for a ``cadenza up`` child: its run folder (logs) lands in the test's tmp_path,
     and its replicas and gateway take one torch thread each (tests run side by side)."""
     return {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+
+
+def stop_up(up: subprocess.Popen, log, log_path: Path) -> None:
+    """Ctrl-C a ``cadenza up`` child and check it exits 0 within a minute (killed otherwise)."""
+    up.send_signal(signal.SIGINT)
+    try:
+        assert up.wait(timeout=60) == 0, log_path.read_text()
+    finally:
+        if up.poll() is None:
+            up.kill()
+        log.close()
