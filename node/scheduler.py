@@ -71,6 +71,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     prefill_rows: list[ScheduledRow] = field(default_factory=list)
     admitted: list[tuple[Request, str, float]] = field(default_factory=list)  # (request, phase, seconds queued)
+    predicted_seconds: float | None = None  # the cost model's step time for these rows (None uncalibrated)
 
     @property
     def num_tokens(self) -> int:
@@ -150,6 +151,7 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int = 0
     rejected: Counter = field(default_factory=Counter)  # by reason
     prefill_tokens_by_class: Counter = field(default_factory=Counter)
+    preemptions_by_class: Counter = field(default_factory=Counter)  # by the victim's class
     prefill_tokens_by_tenant: Counter = field(default_factory=Counter)
 
 
@@ -293,6 +295,8 @@ class Scheduler:
             self._preempt(max(self.running, key=self._victim_key), step)
         self.stats.decode_tokens += step.out.num_decode_tokens
         step.out.prefill_rows = list(step.prefills.values())
+        if step.out.rows:
+            step.out.predicted_seconds = self.cost_model.predict(step.out.features())
         return step.out
 
     def _schedule_decodes(self, step: Step) -> None:
@@ -387,6 +391,7 @@ class Scheduler:
         self.running.remove(req)
         self.block_manager.free(req.request_id, keep_hashes=True)
         self.stats.num_preemptions += 1
+        self.stats.preemptions_by_class[req.traffic_class] += 1
         self.stats.num_recomputed_tokens += req.num_computed_tokens
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -489,6 +494,7 @@ class Scheduler:
                 "queue_limit": self.queue_limit(name),
                 "oldest_queue_age_s": round(now - oldest.arrival_time, 6) if oldest else 0.0,
                 "prefill_tokens": s.prefill_tokens_by_class[name],
+                "preemptions": s.preemptions_by_class[name],
             }
         error = self.cost_model.mean_relative_error
         return {

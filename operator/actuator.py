@@ -1,13 +1,13 @@
 """Carrying out the SLO controller's decisions in place, the same way on Kubernetes and locally.
 
-:class:`Actuator` holds one pool's controller loop — windows from gateway scrapes, the live
+:class:`Actuator` holds one pool's controller loop — windows from gateway and engine scrapes, the live
 settings each replica's role asks for, a move in progress, :func:`~.controller.decide` — and
 reaches the world only through a :class:`Backend`: pods with labels in a cluster
 (:mod:`.k8s_roles`), processes behind a gateway config file under ``cadenza up``
 (:mod:`.local_control`). Each :meth:`Actuator.tick`:
 
-1. records a scrape of the pool's gateways (or, with ``spec.controller.prometheus``, reads the
-   windows from a Prometheus-compatible API instead);
+1. records a scrape of the pool's gateways and engines (or, with ``spec.controller.prometheus``,
+   reads the windows from a Prometheus-compatible API instead);
 2. gives every ready replica its role's live settings (``GET /admin/config``, ``PUT`` what
    differs), and only then routes it: interactive to every replica, batch and background to
    colocated ones — so a replica that restarted, or a new pod, serves nothing with wrong settings;
@@ -75,7 +75,7 @@ class Backend(Protocol):
         """The pool's engine replicas now."""
 
     def scrape(self) -> list[str] | None:
-        """``/metrics`` of every reachable gateway of the pool; None when none answered."""
+        """``/metrics`` of every reachable gateway and engine of the pool; None when no gateway answered."""
 
     def route(self, replica: Replica, role: str, interactive: bool, batch: bool) -> None:
         """Make the gateways send ``replica`` interactive / batch traffic or not, recording ``role``."""
@@ -208,8 +208,13 @@ class Actuator:
         out: dict[str, Any] = {}
         for cls, window in self.signals(now).slow.items():
             if cls in self.spec.slo and window.known:
-                out[f"{cls}.ttft_p99_ms"] = None if window.ttft_p99_ms is None else round(window.ttft_p99_ms, 1)
-                out[f"{cls}.itl_p99_ms"] = None if window.itl_p99_ms is None else round(window.itl_p99_ms, 1)
+                for key, value in (("ttft_p99_ms", window.ttft_p99_ms), ("itl_p99_ms", window.itl_p99_ms),
+                                   ("queue_depth", window.queue_depth), ("preemptions", window.preemptions)):
+                    out[f"{cls}.{key}"] = round(value, 1) if isinstance(value, float) else value
+                if cls == "interactive":  # the pool's figures, the same in every class's window
+                    out["kv_usage"] = None if window.kv_usage is None else round(window.kv_usage, 3)
+                    out["predicted_step_p99_ms"] = (None if window.predicted_step_p99_ms is None
+                                                    else round(window.predicted_step_p99_ms, 1))
         return out
 
     def _record(self, decision: Decision, replicas: list[Replica], signals: dict, now: float) -> None:

@@ -11,6 +11,9 @@ The ladder, cheapest first:
    breaches, shrink prefill per step (``chunkSize``, and ``tokenBudget`` / ``stepTimeTargetMs``
    when bounded) by ``retuneFactor``; when interactive is well inside its SLO (below
    ``(1 - hysteresis)`` x target) and batch or background TTFT breaches, grow them back.
+   When the breach is KV-bound (an engine's KV at least :data:`KV_FULL` full while interactive
+   queues or is preempted, from the engines' signals), smaller chunks free no memory: rung 1
+   counts as exhausted.
 2. **Reshape**: move ONE replica colocated -> interactive when interactive breaches and rung 1 has
    sat at its bound for a slow window; move one back when every class has been clear (below
    ``(1 - hysteresis)`` x target in the slow window) for ``dwellSeconds``. At least one colocated
@@ -47,6 +50,7 @@ from cadenza.operator.signals import CLASSES, ClassWindow, Signals
 KNOBS = {"chunkSize": "chunk_size", "tokenBudget": "token_budget", "stepTimeTargetMs": "step_time_target_ms"}
 MAX_LOG = 10
 DEDICATE, MERGE = "dedicate", "merge"  # colocated -> interactive; interactive -> colocated
+KV_FULL = 0.95  # KV usage (0-1) at which an engine is memory-bound
 
 
 @dataclass(frozen=True)
@@ -206,8 +210,11 @@ def decide(signals: Signals, shape: Shape, knobs: Mapping[str, float | None], hi
 
     breach = fast.over(target) and slow.over(target)
     if breach:
-        figures = "; ".join(slow.over(target))
-        shrunk = _retuned(knobs, spec, shrink=True)
+        figures = "; ".join(slow.over(target)) + (f" ({load})" if (load := fast.load()) else "")
+        # KV-bound: interactive queues or is preempted while the fullest engine's KV is full —
+        # smaller chunks free no memory, so rung 1 counts as exhausted.
+        kv_bound = _kv_bound(fast)
+        shrunk = None if kv_bound else _retuned(knobs, spec, shrink=True)
         if shrunk:
             severe = bool(fast.over(target, 1 + h))
             if not severe and history.last_retune is not None and now - history.last_retune < spec.slow_window_s:
@@ -215,14 +222,15 @@ def decide(signals: Signals, shape: Shape, knobs: Mapping[str, float | None], hi
                             f"{now - history.last_retune:.0f} s ago, waiting a slow window", clear_since=None)
             return _retune(hold, shrunk, f"interactive {figures}: shrinking prefill per step", clear_since=None,
                            bound_since=None)
+        where = "KV full (retuning frees no memory)" if kv_bound else "prefill at its bounds"
         since = history.bound_since if history.bound_since is not None else now
         if now - since < spec.slow_window_s:
-            return hold(f"interactive {figures} with prefill at its bounds for {now - since:.0f} s: "
+            return hold(f"interactive {figures} with {where} for {now - since:.0f} s: "
                         f"reshaping after {spec.slow_window_s:.0f} s", bound_since=since, clear_since=None)
         if not _may_lose_colocated(shape, signals):
             return hold(f"interactive {figures}, but the last colocated replica serves batch/background",
                         bound_since=since, clear_since=None)
-        return _reshape(hold, DEDICATE, f"interactive {figures}; prefill at its bounds for {now - since:.0f} s: "
+        return _reshape(hold, DEDICATE, f"interactive {figures}; {where} for {now - since:.0f} s: "
                         "dedicating one replica to interactive", bound_since=since, clear_since=None)
 
     # Interactive is not breaching: maybe give back, maybe grow prefill again.
@@ -335,6 +343,12 @@ def _as_knob(name: str, value: float) -> float:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def _kv_bound(window: ClassWindow) -> bool:
+    """The fullest engine's KV at or over :data:`KV_FULL` while the class queued or was preempted."""
+    return (window.kv_usage is not None and window.kv_usage >= KV_FULL
+            and bool(window.queue_depth or window.preemptions))
 
 
 def _known(window: ClassWindow | None) -> bool:

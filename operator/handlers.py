@@ -41,7 +41,7 @@ from cadenza.node.otel import make_resource, otlp_enabled
 
 from cadenza.operator import kube, render
 from cadenza.operator.actuator import Actuator, AdminClient, State, spec_knobs
-from cadenza.operator.k8s_roles import PodBackend, scrape_gateways
+from cadenza.operator.k8s_roles import PodBackend, scrape_pool
 from cadenza.operator.observe import PoolObserver, latency_status, slo_condition
 from cadenza.operator.pool import Pool, PoolSpecError
 from cadenza.operator.validate import PoolValidationError, validate_pool
@@ -162,7 +162,7 @@ def _uid(meta: kopf.Meta) -> str:
 
 def _observe(body: kopf.Body, meta: kopf.Meta, pool: Pool) -> dict:
     """A pool that is not ``auto``: its gateways' latency and the controller's advice, recorded."""
-    return _observer.observe(_uid(meta), pool.spec, lambda: scrape_gateways(pool), body.get("status", {}))
+    return _observer.observe(_uid(meta), pool.spec, lambda: scrape_pool(pool), body.get("status", {}))
 
 
 def _admin_token(meta: kopf.Meta, pool: Pool) -> str:

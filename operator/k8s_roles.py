@@ -8,7 +8,8 @@
   patches labels — the Deployment's selector does not hold them, so no pod is created or deleted.
 - Settings go through each pod's ``PUT /admin/config`` with the pool's token, read from the Secret
   the operator created and mounted into the pods.
-- The gateways' ``/metrics`` are scraped at their pod IPs.
+- The gateways' ``/metrics`` (latency) and the engines' (queues, KV, preemptions, predicted step
+  time) are scraped at their pod IPs, in parallel.
 
 The actuator's :class:`~.actuator.State` is stored in ``status.controller`` by the handler, so an
 operator that restarts comes back to the same shape, knobs, cooldown and drain.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from cadenza.operator import kube, render
 from cadenza.operator.actuator import Replica
@@ -25,6 +27,7 @@ from cadenza.operator.pool import Pool
 
 logger = logging.getLogger(__name__)
 SCRAPE_TIMEOUT_S = 2.0
+SCRAPE_WORKERS = 16
 
 
 class PodBackend:
@@ -42,7 +45,7 @@ class PodBackend:
                 for p in sorted(pods, key=lambda p: p["name"])]
 
     def scrape(self) -> list[str] | None:
-        return scrape_gateways(self.pool)
+        return scrape_pool(self.pool)
 
     def route(self, replica: Replica, role: str, interactive: bool, batch: bool) -> None:
         kube.patch_pod_labels(replica.name, self.pool.namespace, {
@@ -53,15 +56,24 @@ class PodBackend:
         replica.routed_interactive, replica.routed_batch = interactive, batch
 
 
-def scrape_gateways(pool: Pool) -> list[str] | None:
-    """``/metrics`` of every ready gateway pod of ``pool``; None when none answered."""
-    texts = []
-    for pod in kube.list_pods(pool.namespace, {render.POOL_LABEL: pool.name, render.COMPONENT_LABEL: "gateway"}):
-        if not pod["ready"] or not pod["ip"]:
-            continue
-        try:
-            with urllib.request.urlopen(f"http://{pod['ip']}:{pod['port']}/metrics", timeout=SCRAPE_TIMEOUT_S) as resp:
-                texts.append(resp.read().decode())
-        except (OSError, ValueError):
-            continue  # that gateway is not counted this time
-    return texts or None
+def scrape_pool(pool: Pool) -> list[str] | None:
+    """``/metrics`` of every ready gateway and engine pod of ``pool``; None when no gateway
+    answered (without latency there is nothing to decide on)."""
+    pods = [(component, pod) for component in ("gateway", "engine")
+            for pod in kube.list_pods(pool.namespace, {render.POOL_LABEL: pool.name, render.COMPONENT_LABEL: component})
+            if pod["ready"] and pod["ip"]]
+    if not pods:
+        return None
+    with ThreadPoolExecutor(min(SCRAPE_WORKERS, len(pods))) as pool_:
+        texts = list(pool_.map(lambda cp: (cp[0], _get_metrics(cp[1])), pods))
+    if not any(component == "gateway" and text is not None for component, text in texts):
+        return None
+    return [text for _component, text in texts if text is not None]
+
+
+def _get_metrics(pod: dict) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://{pod['ip']}:{pod['port']}/metrics", timeout=SCRAPE_TIMEOUT_S) as resp:
+            return resp.read().decode()
+    except (OSError, ValueError):
+        return None  # that pod is not counted this time

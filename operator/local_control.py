@@ -19,7 +19,7 @@ class LocalBackend:
 
     Args:
         replicas: name -> URL of each replica process (ports survive restarts).
-        gateway_url: where the gateway's ``/metrics`` is.
+        gateway_url: where the gateway's ``/metrics`` is (the replicas' are at their URLs).
         write_routes: called with ``{"interactive": [urls], "batch": [urls]}``.
     """
 
@@ -35,17 +35,25 @@ class LocalBackend:
                         routed_batch=self._routes[name][1]) for name, url in self._urls.items()]
 
     def scrape(self) -> list[str] | None:
-        try:
-            with urllib.request.urlopen(f"{self.gateway_url}/metrics", timeout=5) as resp:
-                return [resp.read().decode()]
-        except OSError:
+        """The gateway's ``/metrics`` and every replica's that answers; None without the gateway's."""
+        gateway = _get(f"{self.gateway_url}/metrics")
+        if gateway is None:
             return None
+        return [gateway, *(text for url in self._urls.values() if (text := _get(f"{url}/metrics")) is not None)]
 
     def route(self, replica: Replica, role: str, interactive: bool, batch: bool) -> None:
         self._routes[replica.name] = (interactive, batch)
         self.roles[replica.name] = role
         self._write({"interactive": [self._urls[n] for n, (i, _b) in self._routes.items() if i],
                      "batch": [self._urls[n] for n, (_i, b) in self._routes.items() if b]})
+
+
+def _get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+    except OSError:
+        return None
 
 
 def local_actuator(pool: Pool, replicas: dict[str, str], gateway_url: str,

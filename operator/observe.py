@@ -62,16 +62,14 @@ class PoolObserver:
 
 
 def latency_status(signals: Signals, spec: ControllerSpec) -> dict[str, Any]:
-    """``status.latency``: interactive's slow-window figures on top (the printer columns), every
-    class with an SLO or traffic under ``classes``."""
+    """``status.latency``: interactive's slow-window figures on top (the printer columns; with the
+    engines' queue depth, KV usage, preemptions and predicted step time when scraped), every class
+    with an SLO or traffic under ``classes``."""
     out: dict[str, Any] = {}
     inter = signals.slow.get("interactive")
     if inter is not None and inter.known:
-        for key, value in (("ttftP99Ms", inter.ttft_p99_ms), ("itlP99Ms", inter.itl_p99_ms),
-                           ("attainment", inter.attainment)):
-            if value is not None:
-                out[key] = round(value, 4 if key == "attainment" else 1)
-        out["requests"] = inter.requests
+        doc = inter.to_status()
+        out.update({k: v for k, v in doc.items() if k not in ("known", "windowSeconds", "reason")})
     out["windowSeconds"] = int(spec.slow_window_s)
     classes = {cls: w.to_status() for cls, w in signals.slow.items() if cls in spec.slo or (w.known and w.requests)}
     if classes:

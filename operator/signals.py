@@ -1,4 +1,5 @@
-"""SLO signals of a pool: per-class latency over a time window, from cumulative histograms.
+"""SLO signals of a pool: per-class latency over a time window, from cumulative histograms, and
+the engines' load over the same window.
 
 Gateways record every request's client-side TTFT and every inter-token gap (ITL) in cumulative
 histograms per traffic class (:mod:`cadenza.node.gateway.metrics`). A *window* is the difference of
@@ -7,6 +8,14 @@ the p99 (linear interpolation inside the bucket that holds it, as Prometheus' ``
 does) and the SLO attainment (the share of observations at or under the target, interpolated the
 same way). The estimate is only as fine as the buckets: the gateway's boundaries are dense around
 each SLO target, so a p99 near the target is within a few per cent of the truth.
+
+The engines' ``/metrics`` (:mod:`cadenza.node.telemetry`) add, per window: the peak queue depth
+of each class (``cadenza.requests``, state ``waiting``, summed over engines, at each scrape), the
+peak KV usage of the fullest engine (``cadenza.kv.blocks``: used and reserved over all blocks),
+the class's preemptions (``cadenza.requests.preempted``) and the p99 of the step time the
+engines' cost models predicted (``cadenza.step.predicted_duration``). They explain a breach
+(queueing, KV pressure, long steps) and tell the controller when retuning cannot help; a
+missing engine series leaves its figure None, never zero.
 
 Invariants:
 - A window whose data is missing, stale, NaN, not yet covered by snapshots, or holds fewer than
@@ -26,7 +35,7 @@ import math
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -36,6 +45,12 @@ CLASSES = ("interactive", "batch", "background")
 TTFT_METRIC = "cadenza_gateway_time_to_first_token_seconds"
 ITL_METRIC = "cadenza_gateway_inter_token_latency_seconds"
 CLASS_LABEL = "cadenza_traffic_class"
+# The engines' series (cadenza.node.telemetry), as the Prometheus exporter names them.
+ENGINE_REQUESTS = "cadenza_requests"  # gauge {cadenza_request_class, cadenza_request_state}
+ENGINE_KV_BLOCKS = "cadenza_kv_blocks"  # gauge {cadenza_kv_state}: used, reserved, cached, free
+ENGINE_PREEMPTED = "cadenza_requests_preempted"  # counter {cadenza_request_class}
+ENGINE_PREDICTED_STEP = "cadenza_step_predicted_duration_seconds"  # histogram
+ENGINE_CLASS_LABEL = "cadenza_request_class"
 
 
 @dataclass(frozen=True)
@@ -112,48 +127,125 @@ class Histogram:
 
 
 @dataclass(frozen=True)
+class EngineSnapshot:
+    """The engines' load at one scrape, over every engine that answered.
+
+    Attributes:
+        engines: how many engines' texts it sums.
+        waiting: per class, requests queued (summed).
+        preempted: per class, requests preempted since each engine started (summed, cumulative).
+        kv_usage: the fullest engine's (used + reserved) / all KV blocks, 0-1; None without KV series.
+        predicted_step: the cost models' predicted step times (seconds, summed); None without it.
+    """
+
+    engines: int
+    waiting: Mapping[str, float] = field(default_factory=dict)
+    preempted: Mapping[str, float] = field(default_factory=dict)
+    kv_usage: float | None = None
+    predicted_step: Histogram | None = None
+
+
+@dataclass(frozen=True)
 class Snapshot:
-    """The pool's cumulative latency histograms at one time, summed over its gateways.
+    """The pool's cumulative latency histograms at one time, summed over its gateways, and its
+    engines' load (None when no engine text was scraped).
 
     Attributes:
         time: seconds (the injected clock's) when it was scraped.
         ttft: per class, client-side time to first token (seconds).
         itl: per class, gaps between consecutive streamed tokens (seconds).
+        engine: the engines' queues, KV, preemptions and predicted step time.
     """
 
     time: float
     ttft: Mapping[str, Histogram] = field(default_factory=dict)
     itl: Mapping[str, Histogram] = field(default_factory=dict)
+    engine: EngineSnapshot | None = None
 
 
-def parse_gateway_metrics(texts: Iterable[str], time: float) -> Snapshot:
-    """One snapshot from the Prometheus text of every gateway pod of a pool (histograms summed).
+def parse_pool_metrics(texts: Iterable[str], time: float) -> Snapshot:
+    """One snapshot from the Prometheus text of every gateway and engine pod of a pool.
+
+    Gateway histograms are summed per class; a text with KV block series is an engine's, and
+    adds to the engine snapshot (queues and preemptions summed, KV usage the highest).
 
     Args:
-        texts: the body of each gateway's ``GET /metrics``.
+        texts: the body of each pod's ``GET /metrics`` (gateways and engines, any order).
         time: when they were scraped.
 
     Raises:
         ValueError: a text that is not the Prometheus exposition format.
     """
     sums: dict[str, dict[str, Histogram]] = {TTFT_METRIC: {}, ITL_METRIC: {}}
+    engines: list[EngineSnapshot] = []
     for text in texts:
-        for name, by_class in _histograms(text).items():
+        families = list(text_string_to_metric_families(text))
+        for name, by_class in _histograms(families, CLASS_LABEL).items():
             if name in sums:
                 for cls, hist in by_class.items():
                     sums[name][cls] = sums[name][cls] + hist if cls in sums[name] else hist
-    return Snapshot(time, ttft=sums[TTFT_METRIC], itl=sums[ITL_METRIC])
+        engine = _engine(families)
+        if engine is not None:
+            engines.append(engine)
+    return Snapshot(time, ttft=sums[TTFT_METRIC], itl=sums[ITL_METRIC], engine=_sum_engines(engines))
 
 
-def _histograms(text: str) -> dict[str, dict[str, Histogram]]:
+def _engine(families) -> EngineSnapshot | None:
+    """One engine's load, or None when the text is not an engine's (no KV block series)."""
+    waiting: dict[str, float] = {}
+    preempted: dict[str, float] = {}
+    kv: dict[str, float] = {}
+    for family in families:
+        for sample in family.samples:
+            labels = sample.labels
+            if family.name == ENGINE_REQUESTS and labels.get("cadenza_request_state") == "waiting":
+                cls = labels.get(ENGINE_CLASS_LABEL, "")
+                waiting[cls] = waiting.get(cls, 0.0) + sample.value
+            elif family.name == ENGINE_PREEMPTED and sample.name.endswith("_total"):
+                cls = labels.get(ENGINE_CLASS_LABEL, "")
+                preempted[cls] = preempted.get(cls, 0.0) + sample.value
+            elif family.name == ENGINE_KV_BLOCKS:
+                state = labels.get("cadenza_kv_state", "")
+                kv[state] = kv.get(state, 0.0) + sample.value
+    if not kv:
+        return None
+    total = kv.get("used", 0.0) + kv.get("cached", 0.0) + kv.get("free", 0.0)
+    usage = min(1.0, (kv.get("used", 0.0) + kv.get("reserved", 0.0)) / total) if total > 0 else None
+    predicted = _histograms(families, None).get(ENGINE_PREDICTED_STEP, {}).get("")
+    return EngineSnapshot(1, waiting, preempted, usage, predicted)
+
+
+def _sum_engines(engines: list[EngineSnapshot]) -> EngineSnapshot | None:
+    if not engines:
+        return None
+
+    def summed(key: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for e in engines:
+            for cls, value in getattr(e, key).items():
+                out[cls] = out.get(cls, 0.0) + value
+        return out
+
+    usages = [e.kv_usage for e in engines if e.kv_usage is not None]
+    steps = [e.predicted_step for e in engines if e.predicted_step is not None]
+    predicted = None
+    if steps and all(h.bounds == steps[0].bounds for h in steps):
+        predicted = steps[0]
+        for h in steps[1:]:
+            predicted = predicted + h
+    return EngineSnapshot(len(engines), summed("waiting"), summed("preempted"), max(usages) if usages else None,
+                          predicted)
+
+
+def _histograms(families, class_label: str | None) -> dict[str, dict[str, Histogram]]:
     buckets: dict[tuple[str, str], dict[float, float]] = {}
-    for family in text_string_to_metric_families(text):
+    for family in families:
         if family.type != "histogram":
             continue
         for sample in family.samples:
             if not sample.name.endswith("_bucket"):
                 continue
-            cls = sample.labels.get(CLASS_LABEL, "")
+            cls = sample.labels.get(class_label, "") if class_label else ""
             bound = float(sample.labels["le"])
             per = buckets.setdefault((family.name, cls), {})
             per[bound] = per.get(bound, 0.0) + sample.value  # other label sets (model, ...) are summed
@@ -179,6 +271,12 @@ class ClassWindow:
         ttft_p99_ms / itl_p99_ms: p99 estimates (None when there were no observations).
         attainment: share of observations within target, the lower of TTFT's and ITL's (None
             without a target or without observations).
+        queue_depth: the most requests of the class queued at once, over the engines, at the
+            window's scrapes.
+        kv_usage: the highest KV usage (0-1) of any engine at the window's scrapes (the pool's).
+        preemptions: requests of the class preempted in the window.
+        predicted_step_p99_ms: p99 of the engines' predicted step time in the window (the pool's).
+        The four engine figures are None when the engines' series were not scraped.
     """
 
     known: bool
@@ -188,6 +286,24 @@ class ClassWindow:
     itl_p99_ms: float | None = None
     attainment: float | None = None
     window_s: float = 0.0
+    queue_depth: int | None = None
+    kv_usage: float | None = None
+    preemptions: int | None = None
+    predicted_step_p99_ms: float | None = None
+
+    def load(self) -> str:
+        """The engine figures as "queue 3, KV 97 %, 2 preempted, predicted step p99 410 ms"
+        (empty without them)."""
+        parts = []
+        if self.queue_depth is not None:
+            parts.append(f"queue {self.queue_depth}")
+        if self.kv_usage is not None:
+            parts.append(f"KV {self.kv_usage:.0%}")
+        if self.preemptions:
+            parts.append(f"{self.preemptions} preempted")
+        if self.predicted_step_p99_ms is not None:
+            parts.append(f"predicted step p99 {self.predicted_step_p99_ms:.0f} ms")
+        return ", ".join(parts)
 
     def over(self, slo: Mapping[str, float], factor: float = 1.0) -> list[str]:
         """The figures above ``factor`` x their target, as "TTFT p99 812 ms > 500 ms" strings."""
@@ -201,9 +317,11 @@ class ClassWindow:
     def to_status(self) -> dict:
         doc: dict = {"known": self.known, "requests": self.requests, "windowSeconds": round(self.window_s)}
         for key, value in (("ttftP99Ms", self.ttft_p99_ms), ("itlP99Ms", self.itl_p99_ms),
-                           ("attainment", self.attainment)):
+                           ("attainment", self.attainment), ("queueDepth", self.queue_depth),
+                           ("kvUsage", self.kv_usage), ("preemptions", self.preemptions),
+                           ("predictedStepP99Ms", self.predicted_step_p99_ms)):
             if value is not None:
-                doc[key] = round(value, 4 if key == "attainment" else 1)
+                doc[key] = round(value, 4 if key in ("attainment", "kvUsage") else 1) if isinstance(value, float) else value
         if self.reason:
             doc["reason"] = self.reason
         return doc
@@ -266,13 +384,34 @@ class SnapshotHistory:
             return ClassWindow(False, "a NaN in the latency series", window_s=span)
         ttft = ttft_now.since(start.ttft.get(cls))
         itl = itl_now.since(start.itl.get(cls)) if itl_now is not None else None
-        return _window_of(ttft, itl, slo, min_samples, span)
+        window = _window_of(ttft, itl, slo, min_samples, span)
+        return replace(window, **_engine_window(cls, [s for s in self.snapshots if s.time >= start.time]))
+
+
+def _engine_window(cls: str, snapshots: list[Snapshot]) -> dict:
+    """The engine figures of ``cls`` over ``snapshots`` (the window's, oldest first)."""
+    engines = [s.engine for s in snapshots if s.engine is not None]
+    if not engines:
+        return {}
+    first, last = engines[0], engines[-1]
+    out: dict = {"queue_depth": int(max(e.waiting.get(cls, 0.0) for e in engines))}
+    usages = [e.kv_usage for e in engines if e.kv_usage is not None]
+    if usages:
+        out["kv_usage"] = max(usages)
+    if cls in last.preempted:
+        before, after = first.preempted.get(cls, 0.0), last.preempted[cls]
+        out["preemptions"] = int(after - before if after >= before else after)  # an engine restarted
+    if last.predicted_step is not None and len(engines) > 1:
+        p99 = last.predicted_step.since(first.predicted_step).quantile(0.99)
+        if p99 is not None:
+            out["predicted_step_p99_ms"] = p99 * 1e3
+    return out
 
 class ScrapeSource:
-    """Signals from scraping the pool's gateways (the default: no extra dependency).
+    """Signals from scraping the pool's gateways and engines (the default: no extra dependency).
 
     Args:
-        scrape: returns the ``/metrics`` text of every reachable gateway, or None.
+        scrape: returns the ``/metrics`` text of every reachable gateway and engine, or None.
         keep_s: how long snapshots are kept (the slow window and a margin).
     """
 
@@ -283,7 +422,7 @@ class ScrapeSource:
         texts = self.scrape()
         if texts is not None:
             try:
-                self.history.add(parse_gateway_metrics(texts, now))
+                self.history.add(parse_pool_metrics(texts, now))
             except ValueError:
                 pass  # unparseable or out of order: the windows go stale, which holds
 
@@ -302,43 +441,95 @@ class PrometheusSource:
     query fails, returns no series or NaN, or counts fewer than ``min_samples`` requests (none at
     all over a window is a known zero only when the series exists).
 
+    With ``engine_selector`` (the label matchers of the pool's engines), the engine figures come
+    from the same backend: peak summed queue depth and peak per-engine KV usage over the window
+    (subqueries at ``step_s``), ``increase`` of the class's preemptions, and the predicted step
+    time's p99. A failing or empty engine query leaves that figure None.
+
     Args:
         url: the API root (``http://prometheus:9090``; ``/api/v1/query`` is appended).
         selector: extra label matchers that pick this pool's gateways, e.g. ``job="chat-gateway"``.
+        engine_selector: label matchers that pick this pool's engines; "" for no engine figures.
         get: ``get(url, params) -> JSON`` (an HTTP GET; injected in tests).
+        step_s: resolution of the peak subqueries (seconds).
     """
 
-    def __init__(self, url: str, selector: str = "", get: Callable[[str, dict], dict] | None = None) -> None:
-        self.url, self.selector = url.rstrip("/"), selector.strip().strip("{}").strip()
+    def __init__(self, url: str, selector: str = "", get: Callable[[str, dict], dict] | None = None, *,
+                 engine_selector: str = "", step_s: float = 5.0) -> None:
+        self.url, self.selector = url.rstrip("/"), _matchers(selector)
+        self.engine_selector, self.step_s = _matchers(engine_selector), step_s
         self.get = get or _http_get_json
 
     def record(self, now: float) -> None:
         """Nothing to keep: the backend holds the history."""
 
-    def _histogram(self, name: str, cls: str, window_s: float, now: float) -> Histogram | None:
-        matchers = f'{CLASS_LABEL}="{cls}"' + (f", {self.selector}" if self.selector else "")
-        query = f"sum by (le) (increase({name}_bucket{{{matchers}}}[{max(1, round(window_s))}s]))"
+    def _query(self, query: str, now: float) -> list[dict]:
         doc = self.get(f"{self.url}/api/v1/query", {"query": query, "time": f"{now:.3f}"})
         if doc.get("status") != "success":
             raise ValueError(doc.get("error") or "query failed")
-        per = {float(r["metric"]["le"]): float(r["value"][1]) for r in doc["data"]["result"] if "le" in r["metric"]}
+        return doc["data"]["result"]
+
+    def _histogram(self, name: str, matchers: str, window_s: float, now: float) -> Histogram | None:
+        query = f"sum by (le) (increase({name}_bucket{{{matchers}}}[{max(1, round(window_s))}s]))"
+        per = {float(r["metric"]["le"]): float(r["value"][1]) for r in self._query(query, now) if "le" in r["metric"]}
         if not per:
             return None
         finite = sorted(b for b in per if math.isfinite(b))
         return Histogram(tuple(finite), tuple(per[b] for b in finite) + (per.get(math.inf, 0.0),))
 
+    def _scalar(self, query: str, now: float) -> float | None:
+        try:
+            result = self._query(query, now)
+            value = float(result[0]["value"][1]) if result else None
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            return None
+        return value if value is not None and math.isfinite(value) else None
+
+    def _engine_figures(self, cls: str, window_s: float, now: float) -> dict:
+        if not self.engine_selector:
+            return {}
+        sel, w = self.engine_selector, f"{max(1, round(window_s))}s"
+        span = f"[{w}:{max(1, round(self.step_s))}s]"
+        kv = (f'sum by (instance) ({ENGINE_KV_BLOCKS}{{cadenza_kv_state=~"used|reserved", {sel}}}) / '
+              f'sum by (instance) ({ENGINE_KV_BLOCKS}{{cadenza_kv_state=~"used|cached|free", {sel}}})')
+        figures = {
+            "queue_depth": self._scalar(f"max_over_time((sum({ENGINE_REQUESTS}{{{ENGINE_CLASS_LABEL}=\"{cls}\", "
+                                        f"cadenza_request_state=\"waiting\", {sel}}})){span})", now),
+            "kv_usage": self._scalar(f"max_over_time((max({kv})){span})", now),
+            "preemptions": self._scalar(f"sum(increase({ENGINE_PREEMPTED}_total{{{ENGINE_CLASS_LABEL}=\"{cls}\", "
+                                        f"{sel}}}[{w}]))", now),
+        }
+        try:
+            step = self._histogram(ENGINE_PREDICTED_STEP, sel, window_s, now)
+        except (OSError, ValueError, KeyError, TypeError):
+            step = None
+        p99 = step.quantile(0.99) if step is not None and step.finite else None
+        figures["predicted_step_p99_ms"] = None if p99 is None else p99 * 1e3
+        out = {k: v for k, v in figures.items() if v is not None}
+        for key in ("queue_depth", "preemptions"):
+            if key in out:
+                out[key] = int(round(out[key]))
+        if "kv_usage" in out:
+            out["kv_usage"] = min(1.0, out["kv_usage"])
+        return out
+
     def window(self, cls: str, window_s: float, now: float, slo: Mapping[str, float], *, min_samples: int,
                stale_s: float) -> ClassWindow:
+        matchers = f'{CLASS_LABEL}="{cls}"' + (f", {self.selector}" if self.selector else "")
         try:
-            ttft = self._histogram(TTFT_METRIC, cls, window_s, now)
-            itl = self._histogram(ITL_METRIC, cls, window_s, now)
+            ttft = self._histogram(TTFT_METRIC, matchers, window_s, now)
+            itl = self._histogram(ITL_METRIC, matchers, window_s, now)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return ClassWindow(False, f"prometheus: {exc}")
         if ttft is None:
             return ClassWindow(False, f"prometheus has no {cls} latency series")
         if not ttft.finite or (itl is not None and not itl.finite):
             return ClassWindow(False, "a NaN in the latency series")
-        return _window_of(ttft, itl, slo, min_samples, window_s)
+        return replace(_window_of(ttft, itl, slo, min_samples, window_s), **self._engine_figures(cls, window_s, now))
+
+
+def _matchers(selector: str) -> str:
+    return selector.strip().strip("{}").strip()
 
 
 def _window_of(ttft: Histogram, itl: Histogram | None, slo: Mapping[str, float], min_samples: int,
@@ -367,7 +558,8 @@ def signal_source(spec: Mapping, scrape: Callable[[], list[str] | None], keep_s:
     """The source ``spec.controller.prometheus`` asks for, else scraping the gateways."""
     prometheus = (spec.get("controller") or {}).get("prometheus") or {}
     if prometheus.get("url"):
-        return PrometheusSource(prometheus["url"], prometheus.get("selector", ""))
+        return PrometheusSource(prometheus["url"], prometheus.get("selector", ""),
+                                engine_selector=prometheus.get("engineSelector", ""))
     return ScrapeSource(scrape, keep_s)
 
 

@@ -326,6 +326,8 @@ def test_an_interactive_request_displaces_the_newest_batch_decode_when_every_slo
     assert steps <= 2  # scheduled at once, not after a batch request's 900 tokens
     assert [r for out in engine.record.steps[before:] for r in out.preempted] == [batch[-1]]  # the newest
     assert sched.stats.num_admission_preemptions == 1
+    classes = sched.snapshot()["classes"]  # counted by the victim's class (the controller's signal)
+    assert classes["batch"]["preemptions"] == 1 and classes["interactive"]["preemptions"] == 0
     engine.run()
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in [*batch, inter])
     assert batch[-1].num_output_tokens == 900  # it resumed and finished all of it
@@ -430,6 +432,7 @@ def test_step_time_target_shrinks_prefill_chunks_while_an_interactive_stream_dec
     for n in (50, 100, 200, 400, 800, 150, 300, 600, 90, 700):
         req = engine.add(make_request(n, max_tokens=1))
         out = sched.schedule()
+        assert (out.predicted_seconds is None) == (sched.cost_model.coef is None)  # none uncalibrated
         seconds = 0.002 + out.num_prefill_tokens * 1e-4 + out.num_decode_tokens * 5e-4
         sched.observe_step_time(out, seconds)
         sched.update_from_output(out, [5] * sum(r.sample for r in out.rows))
@@ -446,6 +449,7 @@ def test_step_time_target_shrinks_prefill_chunks_while_an_interactive_stream_dec
         engine.step()
     out = sched.schedule()
     predicted = sched.cost_model.predict(out.features())
+    assert out.predicted_seconds == pytest.approx(predicted)  # what the engines export per step
     assert out.num_decode_tokens == 1
     assert out.num_prefill_tokens < 1024 and predicted <= 0.020 * 1.01
     assert out.num_prefill_tokens >= 150  # the chunk shrank, it did not vanish

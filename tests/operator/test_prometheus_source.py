@@ -1,8 +1,10 @@
-"""The Prometheus signal source against a real Prometheus server scraping a gateway's histograms.
+"""The Prometheus signal source against a real Prometheus server scraping a gateway's histograms
+and an engine's load.
 
 Prometheus (Debian's ``prometheus`` package; ``.ci/run`` installs it) is started on a loopback
-port with a 1 s scrape interval, scraping an HTTP endpoint served by the gateway's own
-:class:`~cadenza.node.gateway.metrics.GatewayMetrics`. Skipped where the binary is missing.
+port with a 1 s scrape interval, scraping HTTP endpoints served by the gateway's own
+:class:`~cadenza.node.gateway.metrics.GatewayMetrics` and by an engine's
+:class:`~cadenza.node.telemetry.Telemetry`. Skipped where the binary is missing.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import urllib.request
 import pytest
 
 from cadenza.node.gateway.metrics import GatewayMetrics
-from cadenza.operator.signals import PrometheusSource, SnapshotHistory, parse_gateway_metrics
-from metrics_server import serve_metrics
+from cadenza.operator.signals import PrometheusSource, SnapshotHistory, parse_pool_metrics
+from metrics_server import FakeEngine, serve_metrics
 from server_process import free_port
 from waiting import wait_until
 
@@ -34,13 +36,24 @@ def gateway():
 
 
 @pytest.fixture
-def prometheus(tmp_path, gateway):
+def engine():
+    fake = FakeEngine()
+    server = serve_metrics(fake.telemetry)
+    yield fake, server.server_address[1]
+    server.shutdown()
+
+
+@pytest.fixture
+def prometheus(tmp_path, gateway, engine):
     _metrics, port = gateway
+    _fake, engine_port = engine
     config = tmp_path / "prometheus.yml"
     config.write_text(f"""global: {{scrape_interval: 1s, evaluation_interval: 1s}}
 scrape_configs:
   - job_name: chat-gateway
     static_configs: [{{targets: ["127.0.0.1:{port}"]}}]
+  - job_name: chat-engine
+    static_configs: [{{targets: ["127.0.0.1:{engine_port}"]}}]
 """)
     web = free_port()
     proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
@@ -56,22 +69,28 @@ scrape_configs:
         proc.wait(timeout=30)
 
 
-def test_windows_from_prometheus_match_the_scraped_histograms(gateway, prometheus):
+def test_windows_from_prometheus_match_the_scraped_histograms(gateway, engine, prometheus):
     metrics, port = gateway
-    source = PrometheusSource(prometheus, 'job="chat-gateway"')
+    fake, _engine_port = engine
+    source = PrometheusSource(prometheus, 'job="chat-gateway"', engine_selector='job="chat-engine"', step_s=1)
     scraped = SnapshotHistory(keep_s=120)
 
     def scrape(now):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-            scraped.add(parse_gateway_metrics([resp.read().decode()], now))
+            scraped.add(parse_pool_metrics([resp.read().decode()], now))
 
     # Before any request: no series, so unknown (never "no load").
     assert not source.window("interactive", 20, time.time(), SLO, min_samples=1, stale_s=60).known
     scrape(time.time())
-    for _ in range(12):  # 12 s of interactive traffic with a 55 ms ITL: just over the 50 ms target
+    for second in range(12):  # 12 s of interactive traffic with a 55 ms ITL: just over the 50 ms target
         for _ in range(50):
             metrics.ttft.record(0.1, {"cadenza.traffic_class": "interactive"})
             metrics.itl.record(0.055, {"cadenza.traffic_class": "interactive"})
+        # ... while the engine queues (peak 7 for 2 s: a scrape or two see it), fills its KV (peak
+        # 90 %), preempts 2 and predicts 300 ms steps.
+        peak = second in (6, 7)
+        fake.load(used=90 if peak else 30, waiting={"interactive": 7 if peak else 1},
+                  preempted={"interactive": 2 if second >= 6 else 0}, steps_s=(0.3,) * 20)
         time.sleep(1)
     time.sleep(2)  # the last samples scraped
     now = time.time()
@@ -84,6 +103,9 @@ def test_windows_from_prometheus_match_the_scraped_histograms(gateway, prometheu
     direct = scraped.window("interactive", 10, now, SLO, min_samples=100, stale_s=60)
     assert direct.itl_p99_ms == pytest.approx(window.itl_p99_ms, rel=0.1)
     assert window.attainment == pytest.approx(0.0, abs=0.02)  # no gap within 50 ms
+    assert window.queue_depth == 7 and window.kv_usage == pytest.approx(0.9)
+    assert window.preemptions in (2, 3)  # increase() of the counter: extrapolated, rounded
+    assert window.predicted_step_p99_ms == pytest.approx(300, rel=0.13)
     # A selector that matches nothing, and a server that is not there, are unknown too.
     assert not PrometheusSource(prometheus, 'job="other"').window("interactive", 30, time.time(), SLO,
                                                                     min_samples=1, stale_s=60).known

@@ -1,4 +1,5 @@
-"""A gateway's ``/metrics`` on a loopback port, served from a real :class:`GatewayMetrics`."""
+"""A gateway's or an engine's ``/metrics`` on a loopback port, served from the real telemetry
+(:class:`GatewayMetrics`, or :class:`Telemetry` over engine stats a test sets: :class:`FakeEngine`)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import http.server
 import threading
 
 from cadenza.node.gateway.metrics import GatewayMetrics
+from cadenza.node.scheduler import SchedulerOutput
+from cadenza.node.telemetry import Telemetry
 
 
-def serve_metrics(metrics: GatewayMetrics) -> http.server.ThreadingHTTPServer:
+def serve_metrics(metrics: GatewayMetrics | Telemetry) -> http.server.ThreadingHTTPServer:
     """Start serving ``metrics`` on a free port (``server.server_address[1]``); ``shutdown()`` stops it."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -26,3 +29,29 @@ def serve_metrics(metrics: GatewayMetrics) -> http.server.ThreadingHTTPServer:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+class FakeEngine:
+    """A real :class:`Telemetry` over stats we set, as an engine's ``/metrics`` would show them."""
+
+    def __init__(self, total_blocks: int = 100) -> None:
+        self.stats = {"kv_blocks_used": 0, "kv_blocks_reserved": 0, "kv_blocks_cached": 0,
+                      "kv_blocks_free": total_blocks, "classes": {
+                          cls: {"running": 0, "waiting": 0, "preemptions": 0} for cls in ("interactive", "batch")}}
+        self.telemetry = Telemetry("m", lambda: self.stats, otlp=False)
+        self.total = total_blocks
+
+    def load(self, *, used: int = 0, reserved: int = 0, waiting: dict | None = None,
+             preempted: dict | None = None, steps_s: tuple[float, ...] = ()) -> None:
+        self.stats.update(kv_blocks_used=used, kv_blocks_reserved=reserved, kv_blocks_free=self.total - used)
+        for cls, n in (waiting or {}).items():
+            self.stats["classes"][cls]["waiting"] = n
+        for cls, n in (preempted or {}).items():
+            self.stats["classes"][cls]["preemptions"] = n
+        for seconds in steps_s:
+            out = SchedulerOutput(rows=[])
+            out.predicted_seconds = seconds
+            self.telemetry.on_step(out, seconds, 0.0)
+
+    def text(self) -> str:
+        return self.telemetry.prometheus_text().decode()

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from cadenza.node.gateway.metrics import latency_buckets
-from cadenza.operator.signals import Histogram, SnapshotHistory, parse_gateway_metrics
+from cadenza.operator.signals import Histogram, SnapshotHistory, parse_pool_metrics
 
 STREAM = {"model": "fake", "prompt": "hi", "max_tokens": 5, "stream": True}
 
@@ -25,7 +25,7 @@ async def test_streams_are_timed_per_class_and_exported_at_metrics(start_replica
     metrics = await gateway.get("/metrics")
     assert metrics.status == 200
     text = await metrics.text()
-    snap = parse_gateway_metrics([text], time=0.0)
+    snap = parse_pool_metrics([text], time=0.0)
     assert snap.ttft["interactive"].total == 3 and snap.ttft["batch"].total == 2
     # Four events and [DONE] per stream: three gaps between the events, none to [DONE].
     assert snap.itl["interactive"].total == 9 and snap.itl["batch"].total == 6

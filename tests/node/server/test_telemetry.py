@@ -203,6 +203,9 @@ async def test_histograms_count_requests_and_every_inter_token_gap(receiver, aio
     assert sample(f["cadenza_scheduler_prefill_tokens"], "_total", cadenza_outcome="admitted") > 0
     assert sample(f["cadenza_step_tokens"], "_count", cadenza_token_kind="decode") > 0
     assert "cadenza_requests" in f and "cadenza_request_queue_delay_seconds" in f
+    # The controller's engine signals: preemptions by class, the cost model's predicted step time.
+    assert sample(f["cadenza_requests_preempted"], "_total", cadenza_request_class="interactive") == 0
+    assert "cadenza_step_predicted_duration_seconds" in f
     # The OTLP export carries the same figures.
     await flush(client)
     await until(lambda: receiver.metrics)

@@ -1,0 +1,137 @@
+"""The engines' part of the signals: queue depth, KV usage, preemptions and predicted step time per
+window, parsed from the real telemetry's Prometheus text, and what the controller makes of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from cadenza.node.gateway.metrics import GatewayMetrics
+from cadenza.operator.controller import ControllerSpec, History, Shape, decide
+from cadenza.operator.signals import ClassWindow, PrometheusSource, Signals, SnapshotHistory, parse_pool_metrics
+from metrics_server import FakeEngine
+
+SLO = {"interactive": {"ttftP99Ms": 500, "itlP99Ms": 100}}
+
+
+@pytest.fixture
+def gateway():
+    return GatewayMetrics([0.1, 0.5])
+
+
+def traffic(gateway: GatewayMetrics, n: int, ttft: float = 0.05, itl: float = 0.02) -> None:
+    for _ in range(n):
+        gateway.ttft.record(ttft, {"cadenza.traffic_class": "interactive"})
+        gateway.itl.record(itl, {"cadenza.traffic_class": "interactive"})
+
+
+def gateway_text(gateway: GatewayMetrics) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(gateway.registry).decode()
+
+
+def test_an_engine_text_is_told_from_a_gateway_text_and_engines_are_combined(gateway):
+    a, b = FakeEngine(), FakeEngine()
+    a.load(used=50, reserved=10, waiting={"interactive": 2, "batch": 5}, preempted={"interactive": 1})
+    b.load(used=90, reserved=5, waiting={"interactive": 1}, steps_s=(0.2, 0.3))
+    traffic(gateway, 3)
+    snap = parse_pool_metrics([gateway_text(gateway), a.text(), b.text()], 10.0)
+    assert snap.ttft["interactive"].total == 3  # the engines' own TTFT histograms are not the gateway's
+    engine = snap.engine
+    assert engine.engines == 2
+    assert engine.waiting == {"interactive": 3, "batch": 5}
+    assert engine.preempted == {"interactive": 1, "batch": 0}
+    assert engine.kv_usage == pytest.approx(0.95)  # the fullest engine's (used + reserved) / all
+    assert engine.predicted_step.total == 2
+    assert parse_pool_metrics([gateway_text(gateway)], 10.0).engine is None
+
+
+def test_a_window_has_the_peak_queue_and_kv_the_preemptions_in_it_and_the_predicted_step_p99(gateway):
+    engine = FakeEngine()
+    history = SnapshotHistory(keep_s=100)
+    engine.load(preempted={"interactive": 4}, steps_s=(0.1,) * 10)  # before the window: not counted
+    history.add(parse_pool_metrics([gateway_text(gateway), engine.text()], 0.0))
+    for t, (waiting, used) in enumerate([(1, 20), (6, 97), (2, 40)], start=1):
+        traffic(gateway, 10)
+        engine.load(used=used, waiting={"interactive": waiting}, preempted={"interactive": 4 + t},
+                    steps_s=(0.4,) * 20)
+        history.add(parse_pool_metrics([gateway_text(gateway), engine.text()], 10.0 * t))
+    w = history.window("interactive", 30, 30.0, SLO["interactive"], min_samples=10, stale_s=60)
+    assert w.known and w.requests == 30
+    assert w.queue_depth == 6  # the peak, not the last scrape's 2
+    assert w.kv_usage == pytest.approx(0.97)
+    assert w.preemptions == 3  # 7 - 4
+    assert w.predicted_step_p99_ms == pytest.approx(400, rel=0.13)  # 1.25x buckets; the 0.1 s steps are before
+    assert "queue 6" in w.load() and "KV 97%" in w.load() and "3 preempted" in w.load()
+    doc = w.to_status()
+    assert doc["queueDepth"] == 6 and doc["kvUsage"] == pytest.approx(0.97) and doc["preemptions"] == 3
+
+
+def test_an_engine_restart_restarts_its_counts_and_missing_engines_leave_figures_unset(gateway):
+    engine = FakeEngine()
+    history = SnapshotHistory(keep_s=100)
+    engine.load(preempted={"interactive": 9})
+    traffic(gateway, 5)
+    history.add(parse_pool_metrics([gateway_text(gateway), engine.text()], 0.0))
+    restarted = FakeEngine()
+    restarted.load(preempted={"interactive": 2})
+    traffic(gateway, 5)
+    history.add(parse_pool_metrics([gateway_text(gateway), restarted.text()], 30.0))
+    w = history.window("interactive", 30, 30.0, SLO["interactive"], min_samples=1, stale_s=60)
+    assert w.preemptions == 2  # never negative
+    bare = SnapshotHistory(keep_s=100)
+    bare.add(parse_pool_metrics([gateway_text(gateway)], 0.0))
+    traffic(gateway, 5)
+    bare.add(parse_pool_metrics([gateway_text(gateway)], 30.0))
+    w = bare.window("interactive", 30, 30.0, SLO["interactive"], min_samples=1, stale_s=60)
+    assert w.known and w.queue_depth is None and w.kv_usage is None and w.preemptions is None
+    assert w.load() == ""
+
+
+def window(itl_ms: float, **engine) -> ClassWindow:
+    return ClassWindow(True, requests=500, ttft_p99_ms=100, itl_p99_ms=itl_ms, window_s=30, **engine)
+
+
+def test_a_kv_bound_breach_skips_retuning_and_its_reason_names_the_load():
+    spec = ControllerSpec.from_pool_spec({"slo": SLO, "engine": {"chunkSize": 256}})
+    knobs = {"chunk_size": 256, "token_budget": 512, "step_time_target_ms": None}
+    pressed = window(300, queue_depth=4, kv_usage=0.99, preemptions=3, predicted_step_p99_ms=80)
+    signals = Signals({"interactive": pressed}, {"interactive": pressed})
+    d = decide(signals, Shape(2), knobs, History(), spec, now=1000.0)
+    assert d.action == "hold" and d.knobs is None
+    assert "KV full" in d.reason and "queue 4, KV 99%, 3 preempted, predicted step p99 80 ms" in d.reason
+    assert d.history.bound_since == 1000.0  # rung 1 counts as exhausted: the slow-window wait starts
+    d = decide(signals, Shape(2), knobs, d.history, spec, now=1000.0 + spec.slow_window_s)
+    assert d.action == "reshape" and d.move == "dedicate" and "KV full" in d.reason
+    # The same breach with KV to spare retunes first.
+    roomy = window(300, queue_depth=4, kv_usage=0.5, preemptions=0)
+    d = decide(Signals({"interactive": roomy}, {"interactive": roomy}), Shape(2), knobs, History(), spec, 1000.0)
+    assert d.action == "retune" and d.knobs["chunk_size"] == 128 and "queue 4, KV 50%" in d.reason
+
+
+def test_prometheus_engine_queries_use_the_engine_selector_and_a_failing_one_leaves_the_figure_unset():
+    queries = []
+
+    def get(url, params):
+        q = params["query"]
+        queries.append(q)
+        if "_bucket" in q and "cadenza_gateway" in q:
+            return {"status": "success", "data": {"result": [
+                {"metric": {"le": "0.1"}, "value": [0, "300"]}, {"metric": {"le": "+Inf"}, "value": [0, "300"]}]}}
+        if "cadenza_requests{" in q:
+            return {"status": "success", "data": {"result": [{"metric": {}, "value": [0, "3"]}]}}
+        if "cadenza_kv_blocks" in q:
+            return {"status": "success", "data": {"result": [{"metric": {}, "value": [0, "0.5"]}]}}
+        return {"status": "error", "error": "bad query"}
+
+    w = PrometheusSource("http://p", 'job="gw"', get, engine_selector='job="engines"').window(
+        "interactive", 30, 0.0, SLO["interactive"], min_samples=100, stale_s=60)
+    assert w.known and w.queue_depth == 3 and w.kv_usage == 0.5
+    assert w.preemptions is None and w.predicted_step_p99_ms is None
+    engine_queries = [q for q in queries if "cadenza_gateway" not in q]
+    assert engine_queries and all('job="engines"' in q for q in engine_queries)
+    assert all('job="gw"' in q for q in queries if "cadenza_gateway" in q)
+    queries.clear()
+    PrometheusSource("http://p", 'job="gw"', get).window("interactive", 30, 0.0, SLO["interactive"],
+                                                         min_samples=1, stale_s=60)
+    assert all("cadenza_gateway" in q for q in queries)  # no engine selector: no engine queries
