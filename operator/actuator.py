@@ -74,8 +74,9 @@ class Backend(Protocol):
     def replicas(self) -> list[Replica]:
         """The pool's engine replicas now."""
 
-    def scrape(self) -> list[str] | None:
-        """``/metrics`` of every reachable gateway and engine of the pool; None when no gateway answered."""
+    def scrape(self) -> dict[str, str] | None:
+        """``/metrics`` of every reachable gateway and engine of the pool, by pod or process name;
+        None when no gateway answered."""
 
     def route(self, replica: Replica, role: str, interactive: bool, batch: bool) -> None:
         """Make the gateways send ``replica`` interactive / batch traffic or not, recording ``role``."""

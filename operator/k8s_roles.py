@@ -44,7 +44,7 @@ class PodBackend:
                         routed_batch=p["labels"].get(render.SERVES_BATCH) == "true")
                 for p in sorted(pods, key=lambda p: p["name"])]
 
-    def scrape(self) -> list[str] | None:
+    def scrape(self) -> dict[str, str] | None:
         return scrape_pool(self.pool)
 
     def route(self, replica: Replica, role: str, interactive: bool, batch: bool) -> None:
@@ -56,19 +56,19 @@ class PodBackend:
         replica.routed_interactive, replica.routed_batch = interactive, batch
 
 
-def scrape_pool(pool: Pool) -> list[str] | None:
-    """``/metrics`` of every ready gateway and engine pod of ``pool``; None when no gateway
-    answered (without latency there is nothing to decide on)."""
+def scrape_pool(pool: Pool) -> dict[str, str] | None:
+    """``/metrics`` of every ready gateway and engine pod of ``pool``, by pod name; None when no
+    gateway answered (without latency there is nothing to decide on)."""
     pods = [(component, pod) for component in ("gateway", "engine")
             for pod in kube.list_pods(pool.namespace, {render.POOL_LABEL: pool.name, render.COMPONENT_LABEL: component})
             if pod["ready"] and pod["ip"]]
     if not pods:
         return None
-    with ThreadPoolExecutor(min(SCRAPE_WORKERS, len(pods))) as pool_:
-        texts = list(pool_.map(lambda cp: (cp[0], _get_metrics(cp[1])), pods))
-    if not any(component == "gateway" and text is not None for component, text in texts):
+    with ThreadPoolExecutor(min(SCRAPE_WORKERS, len(pods))) as workers:
+        texts = list(workers.map(lambda cp: (cp[0], cp[1]["name"], _get_metrics(cp[1])), pods))
+    if not any(component == "gateway" and text is not None for component, _name, text in texts):
         return None
-    return [text for _component, text in texts if text is not None]
+    return {name: text for _component, name, text in texts if text is not None}
 
 
 def _get_metrics(pod: dict) -> str | None:

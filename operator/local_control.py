@@ -34,12 +34,16 @@ class LocalBackend:
         return [Replica(name, url, ready=True, routed_interactive=self._routes[name][0],
                         routed_batch=self._routes[name][1]) for name, url in self._urls.items()]
 
-    def scrape(self) -> list[str] | None:
-        """The gateway's ``/metrics`` and every replica's that answers; None without the gateway's."""
+    def scrape(self) -> dict[str, str] | None:
+        """The gateway's ``/metrics`` and every replica's that answers, by name; None without the gateway's."""
         gateway = _get(f"{self.gateway_url}/metrics")
         if gateway is None:
             return None
-        return [gateway, *(text for url in self._urls.values() if (text := _get(f"{url}/metrics")) is not None)]
+        texts = {"gateway": gateway}
+        for name, url in self._urls.items():
+            if (text := _get(f"{url}/metrics")) is not None:
+                texts[name] = text
+        return texts
 
     def route(self, replica: Replica, role: str, interactive: bool, batch: bool) -> None:
         self._routes[replica.name] = (interactive, batch)

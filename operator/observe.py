@@ -31,11 +31,12 @@ class PoolObserver:
         self.clock = clock
         self._sources: dict[str, tuple[Any, Any]] = {}
 
-    def observe(self, uid: str, spec: Mapping[str, Any], scrape: Callable[[], list[str] | None],
+    def observe(self, uid: str, spec: Mapping[str, Any], scrape: Callable[[], Mapping[str, str] | None],
                 status: Mapping[str, Any]) -> dict[str, Any]:
-        """Record one reading (``scrape`` returns the gateways' ``/metrics``, None when none
-        answered) and return the status fields: ``latency``, ``controller`` and the ``SLOMet``
-        condition as ``(status, reason, message)`` under the key ``sloMet``."""
+        """Record one reading (``scrape`` returns the gateways' and engines' ``/metrics`` by pod
+        name, None when no gateway answered) and return the status fields: ``latency``,
+        ``controller`` and the ``SLOMet`` condition as ``(status, reason, message)`` under the
+        key ``sloMet``."""
         now = self.clock()
         cspec = replace(ControllerSpec.from_pool_spec(spec), advisory=True)
         key = repr((spec.get("controller") or {}).get("prometheus"))

@@ -22,8 +22,12 @@ Invariants:
   ``min_samples`` requests (but more than none: a covered window with no request is a known zero,
   the class has no traffic) is **unknown** (``ClassWindow.known`` False, with the reason). Unknown
   means "hold" to the controller, never "no load".
-- A counter that went down (a gateway restarted) restarts the window at the reset: the delta is
-  the newer snapshot alone, never negative.
+- Deltas are taken per source (each gateway's and engine's own text, by pod or process name),
+  then summed: a source that missed a scrape, or appeared inside the window, counts only from its
+  first scrape in the window; one missing from the newest scrape is left out of the window. So a
+  scrape that failed for one pod never lets a lifetime of counts into a window.
+- A counter that went down (that source restarted) restarts its part of the window at the reset:
+  the delta is the newer snapshot alone, never negative.
 
 Pure: snapshots carry their own timestamps; nothing here reads a clock or the network.
 """
@@ -155,39 +159,50 @@ class Snapshot:
         ttft: per class, client-side time to first token (seconds).
         itl: per class, gaps between consecutive streamed tokens (seconds).
         engine: the engines' queues, KV, preemptions and predicted step time.
+        parts: the same, per source (pod or process name), which windows take their deltas from;
+            empty when the snapshot is a single source (itself).
     """
 
     time: float
     ttft: Mapping[str, Histogram] = field(default_factory=dict)
     itl: Mapping[str, Histogram] = field(default_factory=dict)
     engine: EngineSnapshot | None = None
+    parts: Mapping[str, Snapshot] = field(default_factory=dict)
+
+    def sources(self) -> Mapping[str, Snapshot]:
+        """Per source name, its own snapshot (``{"": self}`` for a single-source snapshot)."""
+        return self.parts or {"": self}
 
 
-def parse_pool_metrics(texts: Iterable[str], time: float) -> Snapshot:
+def parse_pool_metrics(texts: Mapping[str, str] | Iterable[str], time: float) -> Snapshot:
     """One snapshot from the Prometheus text of every gateway and engine pod of a pool.
 
     Gateway histograms are summed per class; a text with KV block series is an engine's, and
-    adds to the engine snapshot (queues and preemptions summed, KV usage the highest).
+    adds to the engine snapshot (queues and preemptions summed, KV usage the highest). Each text
+    is also kept as its own part, by name, for per-source deltas.
 
     Args:
-        texts: the body of each pod's ``GET /metrics`` (gateways and engines, any order).
+        texts: per source (pod or process name), the body of its ``GET /metrics`` (gateways and
+            engines, any order); a plain list names them by position.
         time: when they were scraped.
 
     Raises:
         ValueError: a text that is not the Prometheus exposition format.
     """
-    sums: dict[str, dict[str, Histogram]] = {TTFT_METRIC: {}, ITL_METRIC: {}}
-    engines: list[EngineSnapshot] = []
-    for text in texts:
+    named = texts if isinstance(texts, Mapping) else {str(i): t for i, t in enumerate(texts)}
+    parts = {}
+    for name, text in named.items():
         families = list(text_string_to_metric_families(text))
-        for name, by_class in _histograms(families, CLASS_LABEL).items():
-            if name in sums:
-                for cls, hist in by_class.items():
-                    sums[name][cls] = sums[name][cls] + hist if cls in sums[name] else hist
-        engine = _engine(families)
-        if engine is not None:
-            engines.append(engine)
-    return Snapshot(time, ttft=sums[TTFT_METRIC], itl=sums[ITL_METRIC], engine=_sum_engines(engines))
+        hists = _histograms(families, CLASS_LABEL)
+        parts[name] = Snapshot(time, hists.get(TTFT_METRIC, {}), hists.get(ITL_METRIC, {}), _engine(families))
+    sums: dict[str, dict[str, Histogram]] = {"ttft": {}, "itl": {}}
+    for part in parts.values():
+        for key in sums:
+            for cls, hist in getattr(part, key).items():
+                have = sums[key].get(cls)
+                sums[key][cls] = hist if have is None else have + hist
+    engines = [part.engine for part in parts.values() if part.engine is not None]
+    return Snapshot(time, sums["ttft"], sums["itl"], _sum_engines(engines), parts)
 
 
 def _engine(families) -> EngineSnapshot | None:
@@ -377,45 +392,94 @@ class SnapshotHistory:
         if start is None:
             return ClassWindow(False, f"scrapes do not cover {window_s:.0f} s yet")
         span = newest.time - start.time
-        ttft_now, itl_now = newest.ttft.get(cls), newest.itl.get(cls)
-        if ttft_now is None:
-            return ClassWindow(False, f"no {cls} latency series", window_s=span)
-        if not ttft_now.finite or (itl_now is not None and not itl_now.finite):
+        window = [snap for snap in self.snapshots if snap.time >= start.time]
+        try:
+            ttft, itl, nan = _latency_delta(cls, window)
+        except ValueError:
+            return ClassWindow(False, "gateways disagree on bucket bounds", window_s=span)
+        if nan:
             return ClassWindow(False, "a NaN in the latency series", window_s=span)
-        ttft = ttft_now.since(start.ttft.get(cls))
-        itl = itl_now.since(start.itl.get(cls)) if itl_now is not None else None
-        window = _window_of(ttft, itl, slo, min_samples, span)
-        return replace(window, **_engine_window(cls, [s for s in self.snapshots if s.time >= start.time]))
+        if ttft is None:
+            return ClassWindow(False, f"no {cls} latency series", window_s=span)
+        return replace(_window_of(ttft, itl, slo, min_samples, span), **_engine_window(cls, window))
 
 
-def _engine_window(cls: str, snapshots: list[Snapshot]) -> dict:
-    """The engine figures of ``cls`` over ``snapshots`` (the window's, oldest first)."""
-    engines = [s.engine for s in snapshots if s.engine is not None]
+def _baselines(window: list[Snapshot]) -> dict[str, Snapshot]:
+    """Per source of the newest snapshot, its first snapshot in the window before the newest
+    (a source not seen before the newest has none, and is left out)."""
+    newest = window[-1].sources()
+    base: dict[str, Snapshot] = {}
+    for snap in window[:-1]:
+        for name, part in snap.sources().items():
+            if name in newest and name not in base:
+                base[name] = part
+    return base
+
+
+def _latency_delta(cls: str, window: list[Snapshot]) -> tuple[Histogram | None, Histogram | None, bool]:
+    """``cls``'s TTFT and ITL observed in the window, summed over sources; and whether a NaN was seen.
+
+    Raises:
+        ValueError: two sources with different bucket bounds.
+    """
+    ttft = itl = None
+    for name, base in _baselines(window).items():
+        part = window[-1].sources()[name]
+        t_now, i_now = part.ttft.get(cls), part.itl.get(cls)
+        if t_now is None:
+            continue
+        if not t_now.finite or (i_now is not None and not i_now.finite):
+            return None, None, True
+        t = t_now.since(base.ttft.get(cls))
+        ttft = t if ttft is None else ttft + t
+        if i_now is not None:
+            i = i_now.since(base.itl.get(cls))
+            itl = i if itl is None else itl + i
+    return ttft, itl, False  # ttft None: no source seen twice in the window has the series
+
+
+def _engine_window(cls: str, window: list[Snapshot]) -> dict:
+    """The engine figures of ``cls`` over the window's snapshots (oldest first): peaks of the
+    summed gauges, per-engine deltas of the counters."""
+    engines = [snap.engine for snap in window if snap.engine is not None]
     if not engines:
         return {}
-    first, last = engines[0], engines[-1]
     out: dict = {"queue_depth": int(max(e.waiting.get(cls, 0.0) for e in engines))}
     usages = [e.kv_usage for e in engines if e.kv_usage is not None]
     if usages:
         out["kv_usage"] = max(usages)
-    if cls in last.preempted:
-        before, after = first.preempted.get(cls, 0.0), last.preempted[cls]
-        out["preemptions"] = int(after - before if after >= before else after)  # an engine restarted
-    if last.predicted_step is not None and len(engines) > 1:
-        p99 = last.predicted_step.since(first.predicted_step).quantile(0.99)
-        if p99 is not None:
-            out["predicted_step_p99_ms"] = p99 * 1e3
+    preempted, steps = None, None
+    for name, base in _baselines(window).items():
+        last, first = window[-1].sources()[name].engine, base.engine
+        if last is None or first is None:
+            continue
+        if cls in last.preempted:
+            before, after = first.preempted.get(cls, 0.0), last.preempted[cls]
+            preempted = (preempted or 0.0) + (after - before if after >= before else after)  # it restarted
+        if last.predicted_step is not None:
+            delta = last.predicted_step.since(first.predicted_step)
+            if steps is None:
+                steps = delta
+            elif steps.bounds == delta.bounds:
+                steps = steps + delta
+    if preempted is not None:
+        out["preemptions"] = int(preempted)
+    p99 = steps.quantile(0.99) if steps is not None else None
+    if p99 is not None:
+        out["predicted_step_p99_ms"] = p99 * 1e3
     return out
+
 
 class ScrapeSource:
     """Signals from scraping the pool's gateways and engines (the default: no extra dependency).
 
     Args:
-        scrape: returns the ``/metrics`` text of every reachable gateway and engine, or None.
+        scrape: returns, per pod or process name, the ``/metrics`` text of every reachable
+            gateway and engine, or None.
         keep_s: how long snapshots are kept (the slow window and a margin).
     """
 
-    def __init__(self, scrape: Callable[[], list[str] | None], keep_s: float) -> None:
+    def __init__(self, scrape: Callable[[], Mapping[str, str] | None], keep_s: float) -> None:
         self.scrape, self.history = scrape, SnapshotHistory(keep_s)
 
     def record(self, now: float) -> None:
@@ -554,7 +618,7 @@ def _window_of(ttft: Histogram, itl: Histogram | None, slo: Mapping[str, float],
     )
 
 
-def signal_source(spec: Mapping, scrape: Callable[[], list[str] | None], keep_s: float):
+def signal_source(spec: Mapping, scrape: Callable[[], Mapping[str, str] | None], keep_s: float):
     """The source ``spec.controller.prometheus`` asks for, else scraping the gateways."""
     prometheus = (spec.get("controller") or {}).get("prometheus") or {}
     if prometheus.get("url"):

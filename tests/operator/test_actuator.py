@@ -57,7 +57,7 @@ class FakeBackend:
         return list(self.pods.values())
 
     def scrape(self):
-        return [self.metrics.prometheus_text().decode()]
+        return {"gateway-0": self.metrics.prometheus_text().decode()}
 
     def route(self, replica, role, interactive, batch):
         # Routing always comes after the replica runs its role's settings.

@@ -11,7 +11,7 @@ from kopf.testing import KopfRunner
 
 from cadenza.operator.render import CONFIG_HASH
 from kube_emulator import KubeEmulator
-from metrics_server import serve_metrics
+from metrics_server import FakeEngine, serve_metrics
 from waiting import wait_until
 
 GROUP, VERSION, PLURAL = "serving.cadenza.dev", "v1alpha1", "servingpools"
@@ -257,24 +257,29 @@ class ScriptedGateway:
         self.server.shutdown()
 
 
-def gateway_pod(port: int) -> dict:
+def gateway_pod(port: int, component: str = "gateway") -> dict:
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "chat-gateway-0", "namespace": "default",
-                         "labels": {"serving.cadenza.dev/pool": "chat", "app.kubernetes.io/component": "gateway"}},
-            "spec": {"containers": [{"name": "gateway", "image": "x", "ports": [{"name": "http", "containerPort": port}]}]},
+            "metadata": {"name": f"chat-{component}-0", "namespace": "default",
+                         "labels": {"serving.cadenza.dev/pool": "chat", "app.kubernetes.io/component": component}},
+            "spec": {"containers": [{"name": component, "image": "x", "ports": [{"name": "http", "containerPort": port}]}]},
             "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
-def test_a_pool_with_slos_reports_its_latency_and_slo_from_its_gateways(api):
+def test_a_pool_with_slos_reports_its_latency_and_slo_from_its_gateways_and_engines(api):
     gateway = ScriptedGateway()
+    engine = FakeEngine()
+    engine.load(used=80, waiting={"interactive": 3}, preempted={"interactive": 1})
+    engine_server = serve_metrics(engine.telemetry)
     slo = {"interactive": {"ttftP99Ms": 500, "itlP99Ms": 50}}
     controller = {"fastWindowSeconds": 5, "windowSeconds": 10, "minSamples": 5, "staleSeconds": 30}
     try:
         with KopfRunner(OPERATOR, timeout=90) as runner:
             operator_watching(api)
             core = kubernetes.client.CoreV1Api()
-            core.create_namespaced_pod("default", gateway_pod(gateway.port))
-            core.patch_namespaced_pod_status("chat-gateway-0", "default", {"status": gateway_pod(0)["status"]})
+            for component, port in (("gateway", gateway.port), ("engine", engine_server.server_address[1])):
+                core.create_namespaced_pod("default", gateway_pod(port, component))
+                core.patch_namespaced_pod_status(f"chat-{component}-0", "default",
+                                                 {"status": gateway_pod(0)["status"]})
             custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL,
                                                      pool_body(slo=slo, controller=controller))
             stop = threading.Event()
@@ -294,6 +299,9 @@ def test_a_pool_with_slos_reports_its_latency_and_slo_from_its_gateways(api):
             assert "interactive" in cond["message"] and "ITL p99" in cond["message"]
             latency = pool["status"]["latency"]
             assert latency["itlP99Ms"] > 50 and latency["requests"] >= 5 and latency["windowSeconds"] == 10
+            # The engine pod's load, scraped beside the gateway's latency.
+            assert latency["queueDepth"] == 3 and latency["kvUsage"] == pytest.approx(0.8)
+            assert "queue 3, KV 80%" in pool["status"]["controller"]["lastDecision"]["reason"]
             memory = pool["status"]["controller"]
             assert memory["lastDecision"]["acted"] is False and "advisory" in memory["actuation"]
             assert memory["lastDecision"]["action"] in ("retune", "hold", "reshape")
@@ -307,6 +315,7 @@ def test_a_pool_with_slos_reports_its_latency_and_slo_from_its_gateways(api):
         assert runner.exception is None
     finally:
         gateway.close()
+        engine_server.shutdown()
 
 
 class ScriptedEngine:

@@ -135,3 +135,32 @@ def test_prometheus_engine_queries_use_the_engine_selector_and_a_failing_one_lea
     PrometheusSource("http://p", 'job="gw"', get).window("interactive", 30, 0.0, SLO["interactive"],
                                                          min_samples=1, stale_s=60)
     assert all("cadenza_gateway" in q for q in queries)  # no engine selector: no engine queries
+
+
+def test_a_gateway_that_misses_a_scrape_never_lets_its_lifetime_into_a_window():
+    a, b = GatewayMetrics([0.1]), GatewayMetrics([0.1])
+    traffic(a, 1000, ttft=0.9)  # slow history from before the window
+    traffic(b, 1000, ttft=0.9)
+    history = SnapshotHistory(keep_s=100)
+    history.add(parse_pool_metrics({"gw-a": gateway_text(a), "gw-b": gateway_text(b)}, 0.0))
+    traffic(a, 50)
+    history.add(parse_pool_metrics({"gw-a": gateway_text(a)}, 10.0))  # gw-b did not answer
+    traffic(a, 50)
+    traffic(b, 50)
+    history.add(parse_pool_metrics({"gw-a": gateway_text(a), "gw-b": gateway_text(b)}, 20.0))
+    # Fast window (10 -> 20 s): gw-b was not seen at 10 s; it counts from its first scrape in the
+    # window only, so its 1,000 old slow requests stay out (a summed delta would let them in).
+    fast = history.window("interactive", 10, 20.0, SLO["interactive"], min_samples=1, stale_s=60)
+    assert fast.requests == 50 and fast.ttft_p99_ms < 100
+    slow = history.window("interactive", 20, 20.0, SLO["interactive"], min_samples=1, stale_s=60)
+    assert slow.requests == 150 and slow.ttft_p99_ms < 100
+    # The newest scrape missing gw-b: its part is left out, the rest still measured.
+    traffic(a, 10)
+    history.add(parse_pool_metrics({"gw-a": gateway_text(a)}, 30.0))
+    w = history.window("interactive", 10, 30.0, SLO["interactive"], min_samples=1, stale_s=60)
+    assert w.requests == 10
+    # A class only a brand-new gateway has seen is unknown, not a known zero.
+    c = GatewayMetrics([0.1])
+    c.ttft.record(0.05, {"cadenza.traffic_class": "batch"})
+    history.add(parse_pool_metrics({"gw-a": gateway_text(a), "gw-c": gateway_text(c)}, 40.0))
+    assert not history.window("batch", 10, 40.0, {}, min_samples=1, stale_s=60).known
