@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from http.client import HTTPException
 from typing import Any, Protocol
 
 from opentelemetry import trace
@@ -129,16 +131,21 @@ class State:
     @classmethod
     def from_status(cls, doc: Mapping[str, Any] | None, knobs: Mapping[str, Any]) -> State:
         """What a previous process stored (``knobs``: the spec's, when none were stored)."""
-        doc = doc or {}
+        doc = doc if isinstance(doc, Mapping) else {}
         stored = doc.get("knobs") if isinstance(doc.get("knobs"), Mapping) else {}
-        roles = {k: v for k, v in (doc.get("roles") or {}).items() if v in (COLOCATED, INTERACTIVE)}
+        # A stored knob must be a usable number (or an unset step-time target); else the spec's.
+        valid = {k: v for k in LIVE_KNOBS if k in stored and (
+            (v := stored[k]) is None and k == "step_time_target_ms"
+            or isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0)}
+        roles_doc = doc.get("roles") if isinstance(doc.get("roles"), Mapping) else {}
+        roles = {k: v for k, v in roles_doc.items() if isinstance(k, str) and v in (COLOCATED, INTERACTIVE)}
         drain = doc.get("draining") if isinstance(doc.get("draining"), Mapping) else None
         draining = None
-        if drain and isinstance(drain.get("replica"), str) and isinstance(drain.get("since"), int | float):
-            draining = (drain["replica"], float(drain["since"]))
+        since = drain.get("since") if drain else None
+        if drain and isinstance(drain.get("replica"), str) and isinstance(since, int | float) and math.isfinite(since):
+            draining = (drain["replica"], float(since))
         details = [d if isinstance(d := doc.get(k), Mapping) else None for k in ("lastRetuneDetail", "lastShiftDetail")]
-        return cls(History.from_status(doc), {**knobs, **{k: stored[k] for k in LIVE_KNOBS if k in stored}},
-                   roles, draining, *details)
+        return cls(History.from_status(doc), {**knobs, **valid}, roles, draining, *details)
 
 
 class Actuator:
@@ -162,6 +169,7 @@ class Actuator:
         self.drain_timeout_s = float((pool.spec.get("controller") or {}).get("drainTimeoutSeconds", DRAIN_TIMEOUT_S))
         self.last: Decision | None = None
         self.last_shape: Shape | None = None  # replicas per role at the last tick
+        self._unreachable: set[str] = set()  # replicas whose admin API failed, until it answers
         self._last_kind = ""
 
     def update(self, pool: Pool) -> None:
@@ -281,10 +289,17 @@ class Actuator:
             if any(have.get(k) != want[k] for k in LIVE_KNOBS if k in want):
                 self.admin.put_config(replica.url, want)
                 logger.info("controller %s: %s now runs the %s settings", self.pool.name, replica.name, role)
-            return True
-        except (OSError, ValueError) as exc:
-            logger.warning("controller %s: %s did not take the %s settings: %s", self.pool.name, replica.name, role, exc)
+        except (OSError, HTTPException, ValueError, AttributeError, TypeError) as exc:
+            # Once per outage at WARNING (a restarting replica fails every tick until it is back).
+            level = logging.DEBUG if replica.name in self._unreachable else logging.WARNING
+            self._unreachable.add(replica.name)
+            logger.log(level, "controller %s: %s did not take the %s settings: %s", self.pool.name, replica.name,
+                       role, exc)
             return False
+        if replica.name in self._unreachable:
+            self._unreachable.discard(replica.name)
+            logger.info("controller %s: %s answers again", self.pool.name, replica.name)
+        return True
 
     def _reconcile(self, replicas: list[Replica]) -> None:
         draining = self.state.draining[0] if self.state.draining else None
@@ -333,7 +348,7 @@ class Actuator:
             try:
                 classes = self.admin.ready(replica.url)["classes"]
                 busy = sum(classes[c]["running"] + classes[c]["waiting"] for c in ("batch", "background"))
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, HTTPException, ValueError, KeyError, TypeError):
                 busy = None
         if busy == 0 and self._apply(replica, INTERACTIVE):
             self.state.roles[name] = INTERACTIVE

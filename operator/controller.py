@@ -16,7 +16,8 @@ The ladder, cheapest first:
    counts as exhausted.
 2. **Reshape**: move ONE replica colocated -> interactive when interactive breaches and rung 1 has
    sat at its bound for a slow window; move one back when every class has been clear (below
-   ``(1 - hysteresis)`` x target in the slow window) for ``dwellSeconds``. At least one colocated
+   ``(1 - hysteresis)`` x target in the slow window, and not over it in the fast one) for
+   ``dwellSeconds``. At least one colocated
    replica stays while batch or background has (or may have) traffic; the replica count is not
    the controller's (``spec.replicas`` / an HPA own it).
 
@@ -51,6 +52,7 @@ KNOBS = {"chunkSize": "chunk_size", "tokenBudget": "token_budget", "stepTimeTarg
 MAX_LOG = 10
 DEDICATE, MERGE = "dedicate", "merge"  # colocated -> interactive; interactive -> colocated
 KV_FULL = 0.95  # KV usage (0-1) at which an engine is memory-bound
+ENGINE_DEFAULTS = {"tokenBudget": 512, "chunkSize": 256}  # what an engine runs when spec.engine is silent
 
 
 @dataclass(frozen=True)
@@ -74,19 +76,10 @@ class ControllerSpec:
     def from_pool_spec(cls, spec: Mapping[str, Any]) -> ControllerSpec:
         """Read a (schema-defaulted or raw) ServingPool spec.
 
-        Default bounds: ``chunkSize`` from 32 (or the engine's, if smaller) up to the engine's
-        ``chunkSize`` (256); other knobs move only when ``bounds`` names them.
+        Raises:
+            ValueError: bounds that are empty or inverted once defaulted (:func:`knob_bounds`).
         """
         c = spec.get("controller") or {}
-        engine = spec.get("engine") or {}
-        chunk = engine.get("chunkSize") or 256
-        given = c.get("bounds") or {}
-        bounds: dict[str, tuple[float, float]] = {"chunk_size": (min(32, chunk), chunk)}
-        for camel, name in KNOBS.items():
-            if camel in given:
-                b = given[camel]
-                current = engine.get(camel) or b.get("max") or b.get("min")
-                bounds[name] = (float(b.get("min", current)), float(b.get("max", current)))
         slow = float(c.get("windowSeconds", 300))
         return cls(
             slo={k: dict(v) for k, v in (spec.get("slo") or {}).items() if v},
@@ -98,10 +91,48 @@ class ControllerSpec:
             dwell_s=float(c.get("dwellSeconds", slow)),
             flap_window_s=float(c.get("flapWindowSeconds", 1800)),
             retune_factor=float(c.get("retuneFactor", 0.5)),
-            bounds=bounds,
+            bounds=knob_bounds(spec),
             advisory=bool(c.get("advisory", False)),
             stale_s=float(c.get("staleSeconds", 60)),
         )
+
+
+def knob_bounds(spec: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
+    """The range rung 1 may move each live knob in, from ``spec.controller.bounds`` and ``spec.engine``.
+
+    ``chunkSize`` always moves: by default from 32 (or the engine's, if smaller) up to the
+    engine's ``chunkSize`` (256); a bound given alone keeps the other default. ``tokenBudget`` and
+    ``stepTimeTargetMs`` move only when named; a missing side is the engine's value, or the
+    other side when neither the engine nor its default sets one. Integer knobs round inwards (min up, max down).
+
+    Raises:
+        ValueError: a range whose min exceeds its max once defaulted, or a named knob with neither
+            side given nor an engine value to start from — naming the field.
+    """
+    given = (spec.get("controller") or {}).get("bounds") or {}
+    engine = spec.get("engine") or {}
+    chunk = engine.get("chunkSize") or ENGINE_DEFAULTS["chunkSize"]
+    out: dict[str, tuple[float, float]] = {}
+    for camel, name in KNOBS.items():
+        b = given.get(camel) or {}
+        if camel == "chunkSize":
+            high = b.get("max", chunk)
+            low = b.get("min", min(32, high))
+        elif camel not in given:
+            continue
+        else:
+            current = engine.get(camel, ENGINE_DEFAULTS.get(camel))
+            low, high = b.get("min", current if current is not None else b.get("max")), b.get("max")
+            high = high if high is not None else (current if current is not None else low)
+            if low is None or high is None:
+                raise ValueError(f"spec.controller.bounds.{camel}: give min or max (spec.engine.{camel} is unset)")
+        if name != "step_time_target_ms":
+            low, high = math.ceil(low), math.floor(high)
+        if low > high:
+            raise ValueError(f"spec.controller.bounds.{camel}: min {low:g} exceeds max {high:g} "
+                             f"(a side not given defaults to spec.engine.{camel} or 32)")
+        out[name] = (float(low), float(high))
+    return out
 
 
 @dataclass(frozen=True)
@@ -144,13 +175,15 @@ class History:
     @classmethod
     def from_status(cls, doc: Mapping[str, Any] | None) -> History:
         """The history a previous operator stored (an empty one for None or garbage fields)."""
-        doc = doc or {}
+        doc = doc if isinstance(doc, Mapping) else {}
         t = {key: _parse_time(doc.get(key)) for key in ("lastAction", "lastRetune", "lastReshape", "boundSince",
                                                         "clearSince", "frozenUntil")}
-        reshapes = tuple((when, r.get("move")) for r in doc.get("reshapes") or []
+        stored = doc.get("reshapes") if isinstance(doc.get("reshapes"), list) else []
+        reshapes = tuple((when, r.get("move")) for r in stored
                          if isinstance(r, Mapping) and (when := _parse_time(r.get("time"))) is not None
                          and r.get("move") in (DEDICATE, MERGE))
-        log = tuple(e for e in doc.get("decisions") or [] if isinstance(e, Mapping))[-MAX_LOG:]
+        decisions = doc.get("decisions") if isinstance(doc.get("decisions"), list) else []
+        log = tuple(e for e in decisions if isinstance(e, Mapping))[-MAX_LOG:]
         return cls(t["lastAction"], t["lastRetune"], t["lastReshape"], reshapes, t["boundSince"], t["clearSince"],
                    t["frozenUntil"], log)
 
@@ -236,7 +269,9 @@ def decide(signals: Signals, shape: Shape, knobs: Mapping[str, float | None], hi
     # Interactive is not breaching: maybe give back, maybe grow prefill again.
     windows = {cls: signals.slow.get(cls) for cls in spec.slo}
     if shape.interactive > 0:
-        unclear = [cls for cls, w in windows.items() if not _known(w) or w.over(spec.slo[cls], 1 - h)]
+        # Clear in the slow window, and not already breaching again in the fast one.
+        unclear = [cls for cls, w in windows.items() if not _known(w) or w.over(spec.slo[cls], 1 - h)
+                   or (_known(f := signals.fast.get(cls)) and f.over(spec.slo[cls], 1 - h))]
         if unclear:
             return _grow_or_hold(hold, signals, knobs, spec, f"not merging back: {', '.join(unclear)} not clear "
                                  f"(under {1 - h:.0%} of target)", clear_since=None)
@@ -378,10 +413,19 @@ def _reversals(reshapes: tuple[tuple[float, str], ...], move: str) -> int:
 
 
 def _expire(history: History, spec: ControllerSpec, now: float) -> History:
-    """Forget reshapes older than the flap window and a freeze that has run out."""
-    reshapes = tuple((t, m) for t, m in history.reshapes if now - t < spec.flap_window_s)
+    """Forget reshapes older than the flap window and a freeze that has run out; bring times from
+    the future (a skewed clock, a hand-edited status) back to ``now``, so no wait outlasts its
+    window."""
+    def past(t: float | None) -> float | None:
+        return None if t is None else min(t, now)
+
+    reshapes = tuple((min(t, now), m) for t, m in history.reshapes if now - t < spec.flap_window_s)
     frozen = history.frozen_until if history.frozen_until is not None and now < history.frozen_until else None
-    return replace(history, reshapes=reshapes, frozen_until=frozen)
+    if frozen is not None:
+        frozen = min(frozen, now + spec.flap_window_s)
+    return replace(history, reshapes=reshapes, frozen_until=frozen, last_action=past(history.last_action),
+                   last_retune=past(history.last_retune), last_reshape=past(history.last_reshape),
+                   bound_since=past(history.bound_since), clear_since=past(history.clear_since))
 
 
 def rfc3339(t: float) -> str:
@@ -389,12 +433,15 @@ def rfc3339(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
+_LATEST = 1e11  # epoch seconds (year 5138): anything later is garbage, not a time
+
+
 def _parse_time(value: Any) -> float | None:
-    if isinstance(value, int | float) and math.isfinite(value):
-        return float(value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value) if math.isfinite(value) and abs(value) < _LATEST else None
     if not isinstance(value, str):
         return None
     try:
         return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
+    except (ValueError, OverflowError):
         return None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPException
 
 from cadenza.operator import kube, render
 from cadenza.operator.actuator import Replica
@@ -75,5 +76,5 @@ def _get_metrics(pod: dict) -> str | None:
     try:
         with urllib.request.urlopen(f"http://{pod['ip']}:{pod['port']}/metrics", timeout=SCRAPE_TIMEOUT_S) as resp:
             return resp.read().decode()
-    except (OSError, ValueError):
+    except (OSError, HTTPException, ValueError):
         return None  # that pod is not counted this time

@@ -179,8 +179,11 @@ def _write_state(path: Path | None, replicas: list[Process], gateway: Process,
     if controller is not None:
         state["controller"] = controller.status()
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(state, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as exc:  # the file only informs: a full disk or a removed folder must not stop serving
+        logger.warning("could not write the state file %s: %s", path, exc)
 
 
 def _wait_ready(procs: list[Process], timeout: float, stop: dict) -> Process | None:

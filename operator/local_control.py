@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Callable
+from http.client import HTTPException
 
 from cadenza.operator.actuator import COLOCATED, AdminClient, Actuator, Replica, State, spec_knobs
 from cadenza.operator.pool import Pool
@@ -56,7 +57,7 @@ def _get(url: str) -> str | None:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
             return resp.read().decode()
-    except OSError:
+    except (OSError, HTTPException, ValueError):  # ValueError: a bad URL
         return None
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import urllib.parse
+from http.client import HTTPException
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -79,7 +80,21 @@ class Histogram:
 
     @property
     def finite(self) -> bool:
-        return all(math.isfinite(c) for c in self.counts)
+        """Every count a finite, non-negative number (else the series is unusable: unknown)."""
+        return all(math.isfinite(c) and c >= 0 for c in self.counts)
+
+    @classmethod
+    def from_buckets(cls, per: Mapping[float, float]) -> Histogram:
+        """From ``{le: cumulative count}`` as exposed or queried. A missing ``+Inf`` bucket takes the
+        last finite one's count; counts that go down from one bound to the next (scrape races,
+        ``increase()`` extrapolation) are raised to the running maximum, as Prometheus'
+        ``histogram_quantile`` does. NaN and negative counts are kept, for :attr:`finite` to refuse."""
+        finite = sorted(b for b in per if math.isfinite(b))
+        counts = [per[b] for b in finite] + [per.get(math.inf, per[finite[-1]] if finite else 0.0)]
+        if all(math.isfinite(c) and c >= 0 for c in counts):
+            for i in range(1, len(counts)):
+                counts[i] = max(counts[i], counts[i - 1])
+        return cls(tuple(finite), tuple(counts))
 
     def __add__(self, other: Histogram) -> Histogram:
         """Sum of two histograms with the same bounds (two gateway pods).
@@ -179,7 +194,8 @@ def parse_pool_metrics(texts: Mapping[str, str] | Iterable[str], time: float) ->
 
     Gateway histograms are summed per class; a text with KV block series is an engine's, and
     adds to the engine snapshot (queues and preemptions summed, KV usage the highest). Each text
-    is also kept as its own part, by name, for per-source deltas.
+    is also kept as its own part, by name, for per-source deltas. A text that does not parse is
+    left out, as if that source had not answered.
 
     Args:
         texts: per source (pod or process name), the body of its ``GET /metrics`` (gateways and
@@ -187,12 +203,17 @@ def parse_pool_metrics(texts: Mapping[str, str] | Iterable[str], time: float) ->
         time: when they were scraped.
 
     Raises:
-        ValueError: a text that is not the Prometheus exposition format.
+        ValueError: no text (of at least one) is in the Prometheus exposition format.
     """
     named = texts if isinstance(texts, Mapping) else {str(i): t for i, t in enumerate(texts)}
     parts = {}
+    errors = []
     for name, text in named.items():
-        families = list(text_string_to_metric_families(text))
+        try:
+            families = list(text_string_to_metric_families(text))
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            errors.append(f"{name or 'a source'}: {exc}")
+            continue  # that source is missing from this scrape, as if it had not answered
         hists = _histograms(families, CLASS_LABEL)
         parts[name] = Snapshot(time, hists.get(TTFT_METRIC, {}), hists.get(ITL_METRIC, {}), _engine(families))
     sums: dict[str, dict[str, Histogram]] = {"ttft": {}, "itl": {}}
@@ -201,6 +222,8 @@ def parse_pool_metrics(texts: Mapping[str, str] | Iterable[str], time: float) ->
             for cls, hist in getattr(part, key).items():
                 have = sums[key].get(cls)
                 sums[key][cls] = hist if have is None else have + hist
+    if errors and not parts:
+        raise ValueError("no text is in the Prometheus exposition format: " + "; ".join(errors))
     engines = [part.engine for part in parts.values() if part.engine is not None]
     return Snapshot(time, sums["ttft"], sums["itl"], _sum_engines(engines), parts)
 
@@ -213,6 +236,8 @@ def _engine(families) -> EngineSnapshot | None:
     for family in families:
         for sample in family.samples:
             labels = sample.labels
+            if not (math.isfinite(sample.value) and sample.value >= 0):
+                continue  # a NaN or negative gauge or counter says nothing
             if family.name == ENGINE_REQUESTS and labels.get("cadenza_request_state") == "waiting":
                 cls = labels.get(ENGINE_CLASS_LABEL, "")
                 waiting[cls] = waiting.get(cls, 0.0) + sample.value
@@ -261,14 +286,15 @@ def _histograms(families, class_label: str | None) -> dict[str, dict[str, Histog
             if not sample.name.endswith("_bucket"):
                 continue
             cls = sample.labels.get(class_label, "") if class_label else ""
-            bound = float(sample.labels["le"])
+            try:
+                bound = float(sample.labels["le"])
+            except (KeyError, ValueError):
+                continue  # a bucket without a bound is not a bucket
             per = buckets.setdefault((family.name, cls), {})
             per[bound] = per.get(bound, 0.0) + sample.value  # other label sets (model, ...) are summed
     out: dict[str, dict[str, Histogram]] = {}
     for (name, cls), per in buckets.items():
-        finite = sorted(b for b in per if math.isfinite(b))
-        counts = tuple(per[b] for b in finite) + (per.get(math.inf, per[finite[-1]] if finite else 0.0),)
-        out.setdefault(_base_name(name), {})[cls] = Histogram(tuple(finite), counts)
+        out.setdefault(_base_name(name), {})[cls] = Histogram.from_buckets(per)
     return out
 
 
@@ -398,7 +424,7 @@ class SnapshotHistory:
         except ValueError:
             return ClassWindow(False, "gateways disagree on bucket bounds", window_s=span)
         if nan:
-            return ClassWindow(False, "a NaN in the latency series", window_s=span)
+            return ClassWindow(False, "a NaN or negative count in the latency series", window_s=span)
         if ttft is None:
             return ClassWindow(False, f"no {cls} latency series", window_s=span)
         return replace(_window_of(ttft, itl, slo, min_samples, span), **_engine_window(cls, window))
@@ -428,12 +454,13 @@ def _latency_delta(cls: str, window: list[Snapshot]) -> tuple[Histogram | None, 
         t_now, i_now = part.ttft.get(cls), part.itl.get(cls)
         if t_now is None:
             continue
-        if not t_now.finite or (i_now is not None and not i_now.finite):
+        t_base, i_base = base.ttft.get(cls), base.itl.get(cls)
+        if any(h is not None and not h.finite for h in (t_now, i_now, t_base, i_base)):
             return None, None, True
-        t = t_now.since(base.ttft.get(cls))
+        t = t_now.since(t_base)
         ttft = t if ttft is None else ttft + t
         if i_now is not None:
-            i = i_now.since(base.itl.get(cls))
+            i = i_now.since(i_base)
             itl = i if itl is None else itl + i
     return ttft, itl, False  # ttft None: no source seen twice in the window has the series
 
@@ -529,6 +556,8 @@ class PrometheusSource:
 
     def _query(self, query: str, now: float) -> list[dict]:
         doc = self.get(f"{self.url}/api/v1/query", {"query": query, "time": f"{now:.3f}"})
+        if not isinstance(doc, Mapping):
+            raise ValueError(f"the answer is not a JSON object: {type(doc).__name__}")
         if doc.get("status") != "success":
             raise ValueError(doc.get("error") or "query failed")
         return doc["data"]["result"]
@@ -536,18 +565,15 @@ class PrometheusSource:
     def _histogram(self, name: str, matchers: str, window_s: float, now: float) -> Histogram | None:
         query = f"sum by (le) (increase({name}_bucket{{{matchers}}}[{max(1, round(window_s))}s]))"
         per = {float(r["metric"]["le"]): float(r["value"][1]) for r in self._query(query, now) if "le" in r["metric"]}
-        if not per:
-            return None
-        finite = sorted(b for b in per if math.isfinite(b))
-        return Histogram(tuple(finite), tuple(per[b] for b in finite) + (per.get(math.inf, 0.0),))
+        return Histogram.from_buckets(per) if per else None
 
     def _scalar(self, query: str, now: float) -> float | None:
         try:
             result = self._query(query, now)
             value = float(result[0]["value"][1]) if result else None
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
+        except (OSError, HTTPException, ValueError, KeyError, TypeError, IndexError, AttributeError):
             return None
-        return value if value is not None and math.isfinite(value) else None
+        return value if value is not None and math.isfinite(value) and value >= 0 else None
 
     def _engine_figures(self, cls: str, window_s: float, now: float) -> dict:
         if not self.engine_selector:
@@ -565,7 +591,7 @@ class PrometheusSource:
         }
         try:
             step = self._histogram(ENGINE_PREDICTED_STEP, sel, window_s, now)
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, HTTPException, ValueError, KeyError, TypeError, AttributeError):
             step = None
         p99 = step.quantile(0.99) if step is not None and step.finite else None
         figures["predicted_step_p99_ms"] = None if p99 is None else p99 * 1e3
@@ -583,12 +609,12 @@ class PrometheusSource:
         try:
             ttft = self._histogram(TTFT_METRIC, matchers, window_s, now)
             itl = self._histogram(ITL_METRIC, matchers, window_s, now)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, HTTPException, ValueError, KeyError, TypeError, AttributeError) as exc:
             return ClassWindow(False, f"prometheus: {exc}")
         if ttft is None:
             return ClassWindow(False, f"prometheus has no {cls} latency series")
         if not ttft.finite or (itl is not None and not itl.finite):
-            return ClassWindow(False, "a NaN in the latency series")
+            return ClassWindow(False, "a NaN or negative count in the latency series")
         return replace(_window_of(ttft, itl, slo, min_samples, window_s), **self._engine_figures(cls, window_s, now))
 
 
@@ -613,7 +639,7 @@ def _window_of(ttft: Histogram, itl: Histogram | None, slo: Mapping[str, float],
         requests=requests,
         ttft_p99_ms=None if ttft_p99 is None else ttft_p99 * 1e3,
         itl_p99_ms=None if itl_p99 is None else itl_p99 * 1e3,
-        attainment=min(shares) if shares else None,
+        attainment=min(1.0, max(0.0, min(shares))) if shares else None,
         window_s=span,
     )
 

@@ -26,6 +26,8 @@ import celpy
 import jsonschema
 import yaml
 
+from cadenza.operator.controller import knob_bounds
+
 API_VERSION = "serving.cadenza.dev/v1alpha1"
 KIND = "ServingPool"
 CRD_FILE = "servingpools.crd.yaml"
@@ -111,6 +113,11 @@ def validate_pool(obj: dict, schema: dict | None = None) -> dict:
     problems += [f"{path}: {message}" for path, message, _ in schema_problems]
     blocking = any(is_blocking for *_, is_blocking in schema_problems)
     problems += _node_problems(pool, schema, rules=not blocking) + ([_RULES_SKIPPED] if blocking else [])
+    if not blocking and isinstance(pool.get("spec"), dict):
+        try:  # what no schema rule can see: a bound's defaults come from spec.engine
+            knob_bounds(pool["spec"])
+        except ValueError as exc:
+            problems.append(f"{exc}")
     if problems:
         raise PoolValidationError(list(dict.fromkeys(problems)))
     return pool

@@ -139,3 +139,49 @@ def test_state_survives_a_restart_and_a_lost_interactive_pod_is_replaced_in_its_
     assert again.state.roles == {"a": COLOCATED, "c": INTERACTIVE}
     assert again.state.knobs["chunk_size"] == 32  # the colocated knobs carried over
     assert backend2.labels["c"] == (INTERACTIVE, True, False)
+
+
+def test_state_from_junk_keeps_the_spec_knobs_and_drops_what_cannot_be_used():
+    knobs = {"chunk_size": 256, "token_budget": 512, "step_time_target_ms": None}
+    state = State.from_status({"roles": ["a"], "knobs": {"chunk_size": "abc", "token_budget": float("inf"),
+                                                         "step_time_target_ms": 300},
+                               "draining": {"replica": "a", "since": float("nan")}}, knobs)
+    assert state.roles == {} and state.draining is None
+    assert state.knobs == {"chunk_size": 256, "token_budget": 512, "step_time_target_ms": 300}
+    assert State.from_status("junk", knobs).knobs == knobs
+
+
+def test_a_replica_answering_garbage_http_is_a_missed_scrape_not_a_crash():
+    import socket
+    import threading
+
+    from cadenza.operator.local_control import _get
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def answer():
+        for reply in (b"garbage\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nabc"):
+            conn, _ = server.accept()
+            conn.recv(4096)
+            conn.sendall(reply)
+            conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}/metrics"
+    assert _get(url) is None  # BadStatusLine
+    assert _get(url) is None  # IncompleteRead
+    server.close()
+
+
+def test_a_state_file_that_cannot_be_written_does_not_stop_the_pool(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from cadenza.operator.local import _write_state
+
+    state = tmp_path / "s.json"
+    (tmp_path / "s.json.tmp").mkdir()  # the write fails with IsADirectoryError
+    gateway = SimpleNamespace(url="http://g", proc=None)
+    _write_state(state, [], gateway)
+    assert not state.exists() and "could not write the state file" in caplog.text

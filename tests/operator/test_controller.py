@@ -202,3 +202,26 @@ def test_bounds_from_the_spec_move_the_other_knobs():
 def test_history_from_garbage_status_is_empty():
     h = History.from_status({"lastAction": "yesterday", "reshapes": [1, {"time": "x"}], "decisions": "no"})
     assert h == History()
+
+
+@pytest.mark.parametrize("junk", ["junk", [1], {"reshapes": 5, "decisions": 5}, {"lastAction": 1e20},
+                                  {"lastAction": float("nan"), "frozenUntil": True}])
+def test_history_from_junk_of_any_type_is_empty(junk):
+    h = History.from_status(junk)
+    assert h == History() and h.to_status() == {}
+
+
+def test_a_time_from_the_future_delays_at_most_one_window():
+    pool = Pool(spec())
+    pool.history = History.from_status({"lastAction": "9999-12-31T23:59:59Z", "lastRetune": "9999-12-31T23:59:59Z"})
+    assert pool.step(signals(itl=250)).action == "hold"  # observing "the last action": now, not in 9999
+    pool.run(30, signals(itl=250))
+    assert [d.action for _, d in pool.actions()] == ["retune"]
+
+
+def test_no_merge_back_while_the_fast_window_breaches_again():
+    pool = Pool(spec(cooldownSeconds=0))
+    pool.run(600, signals(itl=250))
+    assert pool.shape == Shape(2, 1)
+    pool.run(1200, signals(itl=250, slow_itl=40, batch_ttft=3000))  # slow clear, fast breaching
+    assert pool.shape == Shape(2, 1)

@@ -3,6 +3,8 @@ window, parsed from the real telemetry's Prometheus text, and what the controlle
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cadenza.node.gateway.metrics import GatewayMetrics
@@ -164,3 +166,75 @@ def test_a_gateway_that_misses_a_scrape_never_lets_its_lifetime_into_a_window():
     c.ttft.record(0.05, {"cadenza.traffic_class": "batch"})
     history.add(parse_pool_metrics({"gw-a": gateway_text(a), "gw-c": gateway_text(c)}, 40.0))
     assert not history.window("batch", 10, 40.0, {}, min_samples=1, stale_s=60).known
+
+
+TTFT_TEXT = """# TYPE cadenza_gateway_time_to_first_token_seconds histogram
+cadenza_gateway_time_to_first_token_seconds_bucket{cadenza_traffic_class="interactive",le="0.1"} %s
+cadenza_gateway_time_to_first_token_seconds_bucket{cadenza_traffic_class="interactive",le="1.0"} %s
+cadenza_gateway_time_to_first_token_seconds_bucket{cadenza_traffic_class="interactive",le="+Inf"} %s
+"""
+
+
+def two_scrapes(first: str, second: str, **extra) -> ClassWindow:
+    history = SnapshotHistory(keep_s=100)
+    history.add(parse_pool_metrics({"gw": first, **extra}, 0.0))
+    history.add(parse_pool_metrics({"gw": second, **extra}, 30.0))
+    return history.window("interactive", 30, 30.0, {"ttftP99Ms": 500}, min_samples=1, stale_s=60)
+
+
+@pytest.mark.parametrize("bad", ["NaN", "+Inf", "-5"])
+def test_a_nan_or_negative_count_in_either_scrape_is_unknown(bad):
+    w = two_scrapes(TTFT_TEXT % (bad, 10, 10), TTFT_TEXT % (300, 500, 500))
+    assert not w.known and "NaN or negative" in w.reason
+    w = two_scrapes(TTFT_TEXT % (0, 0, 0), TTFT_TEXT % (300, bad, 500))
+    assert not w.known and "NaN or negative" in w.reason
+
+
+def test_buckets_that_go_down_are_raised_to_the_running_maximum_so_attainment_stays_a_share():
+    w = two_scrapes(TTFT_TEXT % (0, 0, 0), TTFT_TEXT % (400, 200, 400))  # a scrape race: le=1 < le=0.1
+    assert w.known and w.requests == 400 and 0 <= w.attainment <= 1 and w.ttft_p99_ms <= 100
+
+
+def test_an_unparseable_or_malformed_text_is_left_out_not_fatal():
+    engine = FakeEngine()
+    engine.load(waiting={"interactive": 2})
+    broken_engine = re.sub(r'(cadenza_request_state="waiting"[^}]*\}) 2\.0', r"\1 NaN", engine.text())
+    assert "NaN" in broken_engine
+    no_le = TTFT_TEXT.replace(',le="1.0"', "") % (1, 2, 3)
+    w = two_scrapes(TTFT_TEXT % (0, 0, 0), TTFT_TEXT % (300, 300, 300), junk="<html>502 Bad Gateway</html>",
+                    engine=broken_engine)
+    assert w.known and w.requests == 300 and w.queue_depth == 0  # the NaN gauge says nothing
+    snap = parse_pool_metrics({"gw": no_le}, 0.0)  # a bucket without its bound is skipped
+    assert snap.ttft["interactive"].bounds == (0.1,)
+    with pytest.raises(ValueError):
+        parse_pool_metrics({"a": "<html>", "b": "{}}"}, 0.0)  # nothing parsed at all: the scrape fails
+
+
+def prometheus(result_for):
+    return lambda url, params: result_for(params["query"])
+
+
+def test_prometheus_answers_that_are_not_objects_or_lack_inf_are_handled():
+    for answer in ([], None, "x", 5):
+        w = PrometheusSource("http://p", get=prometheus(lambda q, a=answer: a)).window(
+            "batch", 30, 0.0, {}, min_samples=1, stale_s=60)
+        assert not w.known and "not a JSON object" in w.reason
+    buckets = {"status": "success", "data": {"result": [
+        {"metric": {"le": "0.1"}, "value": [0, "500"]}, {"metric": {"le": "1"}, "value": [0, "1000"]}]}}
+    w = PrometheusSource("http://p", get=prometheus(lambda q: buckets)).window("batch", 30, 0.0, {}, min_samples=1,
+                                                                              stale_s=60)
+    assert w.known and w.requests == 1000  # the last finite bucket, never "no traffic"
+    negative = {"status": "success", "data": {"result": [{"metric": {}, "value": [0, "-7"]}]}}
+    w = PrometheusSource("http://p", get=prometheus(lambda q: buckets if "_bucket" in q else negative),
+                         engine_selector='job="e"').window("batch", 30, 0.0, {}, min_samples=1, stale_s=60)
+    assert w.known and w.queue_depth is None and w.kv_usage is None and w.preemptions is None
+
+
+def test_a_malformed_http_answer_is_an_unknown_window_not_an_exception():
+    from http.client import BadStatusLine
+
+    def broken(url, params):
+        raise BadStatusLine("garbage")
+
+    w = PrometheusSource("http://p", get=broken).window("interactive", 30, 0.0, {}, min_samples=1, stale_s=60)
+    assert not w.known and "prometheus" in w.reason

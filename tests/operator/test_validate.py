@@ -129,6 +129,24 @@ def test_chunk_size_above_token_budget_is_refused():
     assert problem == "spec.engine: engine.chunkSize must not exceed engine.tokenBudget"
 
 
+@pytest.mark.parametrize("bounds, message", [
+    ({"chunkSize": {"min": 512}}, "bounds.chunkSize: min 512 exceeds max 256"),  # max defaults to engine.chunkSize
+    ({"tokenBudget": {"max": 128}}, "bounds.tokenBudget: min 512 exceeds max 128"),  # min defaults to the engine's
+])
+def test_controller_bounds_that_invert_once_defaulted_are_refused(bounds, message):
+    [problem] = problems_of(pool(engine={"chunkSize": 256}, controller={"bounds": bounds}))
+    assert message in problem
+
+
+def test_a_chunk_bound_given_alone_keeps_the_other_default():
+    from cadenza.operator.controller import knob_bounds
+
+    spec = validate_pool(pool(engine={"chunkSize": 256}, controller={"bounds": {"chunkSize": {"max": 128}}}))["spec"]
+    assert knob_bounds(spec)["chunk_size"] == (32, 128)  # not (256, 128): a shrink would read as a grow
+    spec = pool(controller={"bounds": {"chunkSize": {"min": 1.5, "max": 100.5}, "tokenBudget": {}}})["spec"]
+    assert knob_bounds(spec) == {"chunk_size": (2, 100), "token_budget": (512, 512)}  # integers round inwards
+
+
 def test_the_interactive_role_engine_is_checked_too():
     [problem] = problems_of(pool(dedicated={"engine": {"chunkSize": 1024, "tokenBudget": 512}}))
     assert problem.startswith("spec.dedicated.engine: engine.chunkSize must not exceed")
