@@ -298,6 +298,8 @@ def _supervise(everyone: list[Process], replicas: list[Process], gateway: Proces
             backoff = min(MAX_BACKOFF_S, 2.0 ** min(p.restarts, 5)) if now - p.started < 60 else 1.0
             p.restart_at = now + backoff
             logger.warning("%s exited with %s; restarting in %.0f s (log: %s)", p.name, p.proc.returncode, backoff, p.log)
+            if controller is not None and p in replicas:
+                controller.backend.unroute(p.name)  # routed again once its role's settings are back
         elif now >= p.restart_at:
             p.restarts += 1
             p.restart_at = 0.0

@@ -49,6 +49,16 @@ class LocalBackend:
     def route(self, replica: Replica, role: str, interactive: bool, batch: bool) -> None:
         self._routes[replica.name] = (interactive, batch)
         self.roles[replica.name] = role
+        self._write_all()
+
+    def unroute(self, name: str) -> None:
+        """Stop routing to a replica whose process exited: restarted, it runs the spec's settings,
+        not its role's, until the controller's next tick puts them back and routes it again."""
+        if self._routes.get(name) != (False, False):
+            self._routes[name] = (False, False)
+            self._write_all()
+
+    def _write_all(self) -> None:
         self._write({"interactive": [self._urls[n] for n, (i, _b) in self._routes.items() if i],
                      "batch": [self._urls[n] for n, (_i, b) in self._routes.items() if b]})
 

@@ -185,3 +185,18 @@ def test_a_state_file_that_cannot_be_written_does_not_stop_the_pool(tmp_path, ca
     gateway = SimpleNamespace(url="http://g", proc=None)
     _write_state(state, [], gateway)
     assert not state.exists() and "could not write the state file" in caplog.text
+
+
+def test_a_local_replica_that_exits_is_unrouted_until_the_controller_routes_it_again():
+    from cadenza.operator.local_control import LocalBackend
+
+    written = []
+    backend = LocalBackend({"auto-0": "http://a", "auto-1": "http://b"}, "http://g", written.append)
+    backend.unroute("auto-1")
+    assert written[-1] == {"interactive": ["http://a"], "batch": ["http://a"]}
+    b = next(r for r in backend.replicas() if r.name == "auto-1")
+    assert not b.routed_interactive and not b.routed_batch  # so the next tick applies settings, then routes
+    backend.unroute("auto-1")
+    assert len(written) == 1  # nothing to rewrite
+    backend.route(b, COLOCATED, interactive=True, batch=True)
+    assert written[-1] == {"interactive": ["http://a", "http://b"], "batch": ["http://a", "http://b"]}
