@@ -419,15 +419,16 @@ class SnapshotHistory:
             return ClassWindow(False, f"scrapes do not cover {window_s:.0f} s yet")
         span = newest.time - start.time
         window = [snap for snap in self.snapshots if snap.time >= start.time]
+        base = _baselines(window)
         try:
-            ttft, itl, nan = _latency_delta(cls, window)
+            ttft, itl, nan = _latency_delta(cls, window, base)
         except ValueError:
             return ClassWindow(False, "gateways disagree on bucket bounds", window_s=span)
         if nan:
             return ClassWindow(False, "a NaN or negative count in the latency series", window_s=span)
         if ttft is None:
             return ClassWindow(False, f"no {cls} latency series", window_s=span)
-        return replace(_window_of(ttft, itl, slo, min_samples, span), **_engine_window(cls, window))
+        return replace(_window_of(ttft, itl, slo, min_samples, span), **_engine_window(cls, window, base))
 
 
 def _baselines(window: list[Snapshot]) -> dict[str, Snapshot]:
@@ -442,19 +443,20 @@ def _baselines(window: list[Snapshot]) -> dict[str, Snapshot]:
     return base
 
 
-def _latency_delta(cls: str, window: list[Snapshot]) -> tuple[Histogram | None, Histogram | None, bool]:
+def _latency_delta(cls: str, window: list[Snapshot], base: Mapping[str, Snapshot],
+                   ) -> tuple[Histogram | None, Histogram | None, bool]:
     """``cls``'s TTFT and ITL observed in the window, summed over sources; and whether a NaN was seen.
 
     Raises:
         ValueError: two sources with different bucket bounds.
     """
     ttft = itl = None
-    for name, base in _baselines(window).items():
+    for name, first in base.items():
         part = window[-1].sources()[name]
         t_now, i_now = part.ttft.get(cls), part.itl.get(cls)
         if t_now is None:
             continue
-        t_base, i_base = base.ttft.get(cls), base.itl.get(cls)
+        t_base, i_base = first.ttft.get(cls), first.itl.get(cls)
         if any(h is not None and not h.finite for h in (t_now, i_now, t_base, i_base)):
             return None, None, True
         t = t_now.since(t_base)
@@ -465,7 +467,7 @@ def _latency_delta(cls: str, window: list[Snapshot]) -> tuple[Histogram | None, 
     return ttft, itl, False  # ttft None: no source seen twice in the window has the series
 
 
-def _engine_window(cls: str, window: list[Snapshot]) -> dict:
+def _engine_window(cls: str, window: list[Snapshot], base: Mapping[str, Snapshot]) -> dict:
     """The engine figures of ``cls`` over the window's snapshots (oldest first): peaks of the
     summed gauges, per-engine deltas of the counters."""
     engines = [snap.engine for snap in window if snap.engine is not None]
@@ -476,8 +478,8 @@ def _engine_window(cls: str, window: list[Snapshot]) -> dict:
     if usages:
         out["kv_usage"] = max(usages)
     preempted, steps = None, None
-    for name, base in _baselines(window).items():
-        last, first = window[-1].sources()[name].engine, base.engine
+    for name, snap in base.items():
+        last, first = window[-1].sources()[name].engine, snap.engine
         if last is None or first is None:
             continue
         if cls in last.preempted:

@@ -9,6 +9,8 @@ port with a 1 s scrape interval, scraping HTTP endpoints served by the gateway's
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
 import subprocess
 import sys
@@ -18,7 +20,8 @@ import urllib.request
 import pytest
 
 from cadenza.node.gateway.metrics import GatewayMetrics
-from cadenza.operator.signals import PrometheusSource, SnapshotHistory, parse_pool_metrics
+from cadenza.operator.signals import PrometheusSource, ScrapeSource, SnapshotHistory, parse_pool_metrics
+from local_pool import pool_yaml, stop_up, up_env
 from metrics_server import FakeEngine, serve_metrics
 from server_process import free_port
 from waiting import wait_until
@@ -44,18 +47,14 @@ def engine():
     server.shutdown()
 
 
-@pytest.fixture
-def prometheus(tmp_path, gateway, engine):
-    _metrics, port = gateway
-    _fake, engine_port = engine
+@contextlib.contextmanager
+def running_prometheus(tmp_path, targets: dict[str, str]):
+    """A Prometheus on a free loopback port scraping ``job -> host:port`` every second; its URL."""
+    jobs = "".join(f"""  - job_name: {job}
+    static_configs: [{{targets: ["{target}"]}}]
+""" for job, target in targets.items())
     config = tmp_path / "prometheus.yml"
-    config.write_text(f"""global: {{scrape_interval: 1s, evaluation_interval: 1s}}
-scrape_configs:
-  - job_name: chat-gateway
-    static_configs: [{{targets: ["127.0.0.1:{port}"]}}]
-  - job_name: chat-engine
-    static_configs: [{{targets: ["127.0.0.1:{engine_port}"]}}]
-""")
+    config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\nscrape_configs:\n" + jobs)
     web = free_port()
     proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
                              f"--web.listen-address=127.0.0.1:{web}"], stdout=subprocess.DEVNULL,
@@ -68,6 +67,13 @@ scrape_configs:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture
+def prometheus(tmp_path, gateway, engine):
+    with running_prometheus(tmp_path, {"chat-gateway": f"127.0.0.1:{gateway[1]}",
+                                       "chat-engine": f"127.0.0.1:{engine[1]}"}) as url:
+        yield url
 
 
 def test_windows_from_prometheus_match_the_scraped_histograms(gateway, engine, prometheus):
@@ -119,10 +125,6 @@ def test_windows_from_prometheus_match_the_scraped_histograms(gateway, engine, p
 def test_prometheus_scraping_a_local_pool_gives_the_windows_a_direct_scrape_gives(tmp_path, tiny_llama_dir):
     """The whole path: ``cadenza up`` serves, Prometheus scrapes its gateway and its replica, and the
     Prometheus source's window agrees with the controller's own scrape of the same pool."""
-    import json
-
-    from cadenza.operator.signals import ScrapeSource
-    from local_pool import pool_yaml, stop_up, up_env
 
     slo = {"interactive": {"ttftP99Ms": 2000, "itlP99Ms": 200}}
     port, state_file = free_port(), tmp_path / "state.json"
@@ -131,69 +133,56 @@ def test_prometheus_scraping_a_local_pool_gives_the_windows_a_direct_scrape_give
                            str(pool_yaml(tmp_path / "pool.yaml", tiny_llama_dir, replicas=1, slo=slo)),
                            "--port", str(port), "--state-file", str(state_file)],
                           stdout=log, stderr=subprocess.STDOUT, env=up_env(tmp_path))
-    prom = None
     try:
         state = wait_until(lambda: json.loads(state_file.read_text()), 180, "the pool to be ready", interval=0.5,
                            ignore=(OSError, ValueError))
         gateway, replica = state["gateway"]["url"], state["replicas"][0]["url"]
-        config = tmp_path / "prometheus.yml"
-        config.write_text(f"""global: {{scrape_interval: 1s, evaluation_interval: 1s}}
-scrape_configs:
-  - job_name: chat-gateway
-    static_configs: [{{targets: ["{gateway.removeprefix('http://')}"]}}]
-  - job_name: chat-engine
-    static_configs: [{{targets: ["{replica.removeprefix('http://')}"]}}]
-""")
-        web = free_port()
-        prom = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                                 f"--web.listen-address=127.0.0.1:{web}"], stdout=subprocess.DEVNULL,
-                                stderr=open(tmp_path / "prometheus.log", "w"))
-        url = f"http://127.0.0.1:{web}"
-        wait_until(lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=2).status == 200, 60,
-                   "prometheus to be ready", interval=0.2, ignore=(OSError,))
-
-        def metrics() -> dict[str, str]:
-            return {name: urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
-                    for name, base in (("gateway", gateway), ("replica", replica))}
-
-        def stream() -> None:  # streamed, so the gateway times TTFT and every gap
-            body = json.dumps({"model": "tiny", "prompt": "Hello there", "max_tokens": 6, "temperature": 0,
-                               "ignore_eos": True, "stream": True}).encode()
-            req = urllib.request.Request(f"{gateway}/v1/completions", body, method="POST",
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                resp.read()
-
-        # A series is born at its first observation, and Prometheus counts no increase into its
-        # first sample: one request first, scraped (Prometheus starts scraping a few seconds after
-        # it is ready), as in a pool that has been serving.
-        stream()
-        source = PrometheusSource(url, 'job="chat-gateway"', engine_selector='job="chat-engine"', step_s=1)
-        wait_until(lambda: source._query('cadenza_gateway_time_to_first_token_seconds_count{job="chat-gateway"}',
-                                         time.time()), 60, "prometheus to scrape the gateway", interval=0.5)
-        direct = ScrapeSource(metrics, keep_s=120)
-        time.sleep(2)
-        start = time.time()
-        direct.record(start)
-        for _ in range(40):
-            stream()
-            time.sleep(0.1)  # spread over several scrapes
-        time.sleep(3)  # the last requests scraped
-        now = time.time()
-        direct.record(now)
-        span = now - start
-        mine = direct.window("interactive", span, now, slo["interactive"], min_samples=10, stale_s=60)
-        assert mine.known and mine.requests == 40 and mine.queue_depth is not None and mine.kv_usage is not None
-        theirs = wait_until(lambda: (w := source.window("interactive", span + 5, now, slo["interactive"],
-                                                         min_samples=10, stale_s=60)).known and w, 30,
-                            "a known window from prometheus", interval=0.5)
-        print(f"direct {mine}\nprometheus {theirs}")  # shown when an assertion below fails
-        assert 30 <= theirs.requests <= 60  # increase() extrapolates at the edges of the range
-        assert theirs.itl_p99_ms == pytest.approx(mine.itl_p99_ms, rel=0.25)
-        assert theirs.kv_usage is not None and theirs.queue_depth is not None
-        assert theirs.predicted_step_p99_ms is not None  # the replica's cost model calibrated on these steps
+        with running_prometheus(tmp_path, {"chat-gateway": gateway.removeprefix("http://"),
+                                           "chat-engine": replica.removeprefix("http://")}) as url:
+            _compare_windows(url, gateway, replica, slo)
     finally:
-        if prom is not None:
-            prom.terminate()
-            prom.wait(timeout=30)
         stop_up(up, log, tmp_path / "up.log")
+
+
+def _compare_windows(url: str, gateway: str, replica: str, slo: dict) -> None:
+    """Stream 40 requests through ``gateway``; the Prometheus window at ``url`` against a direct scrape."""
+    def metrics() -> dict[str, str]:
+        return {name: urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+                for name, base in (("gateway", gateway), ("replica", replica))}
+
+    def stream() -> None:  # streamed, so the gateway times TTFT and every gap
+        body = json.dumps({"model": "tiny", "prompt": "Hello there", "max_tokens": 6, "temperature": 0,
+                           "ignore_eos": True, "stream": True}).encode()
+        req = urllib.request.Request(f"{gateway}/v1/completions", body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+
+    # A series is born at its first observation, and Prometheus counts no increase into its
+    # first sample: one request first, scraped (Prometheus starts scraping a few seconds after
+    # it is ready), as in a pool that has been serving.
+    stream()
+    source = PrometheusSource(url, 'job="chat-gateway"', engine_selector='job="chat-engine"', step_s=1)
+    wait_until(lambda: source._query('cadenza_gateway_time_to_first_token_seconds_count{job="chat-gateway"}',
+                                     time.time()), 60, "prometheus to scrape the gateway", interval=0.5)
+    direct = ScrapeSource(metrics, keep_s=120)
+    time.sleep(2)
+    start = time.time()
+    direct.record(start)
+    for _ in range(40):
+        stream()
+        time.sleep(0.1)  # spread over several scrapes
+    time.sleep(3)  # the last requests scraped
+    now = time.time()
+    direct.record(now)
+    span = now - start
+    mine = direct.window("interactive", span, now, slo["interactive"], min_samples=10, stale_s=60)
+    assert mine.known and mine.requests == 40 and mine.queue_depth is not None and mine.kv_usage is not None
+    theirs = wait_until(lambda: (w := source.window("interactive", span + 5, now, slo["interactive"],
+                                                     min_samples=10, stale_s=60)).known and w, 30,
+                        "a known window from prometheus", interval=0.5)
+    print(f"direct {mine}\nprometheus {theirs}")  # shown when an assertion below fails
+    assert 30 <= theirs.requests <= 60  # increase() extrapolates at the edges of the range
+    assert theirs.itl_p99_ms == pytest.approx(mine.itl_p99_ms, rel=0.25)
+    assert theirs.kv_usage is not None and theirs.queue_depth is not None
+    assert theirs.predicted_step_p99_ms is not None  # the replica's cost model calibrated on these steps
