@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass, field
 
 from bench.common import CONV_TRACE, ROOT, hit_rate, machine, pct, prompt_ids, report
-from cadenza.node.bench.trace import TraceRequest, load_trace, scale_trace
+from cadenza.node.replay.trace import TraceRequest, load_trace, scale_trace
 from cadenza.node.embedded import ensure_embedded_model
-from cadenza.node.engine import Engine
-from cadenza.node.request import SamplingParams
+from cadenza.node.core.engine import Engine
+from cadenza.node.core.request import SamplingParams
 
 CODE_TRACE = ROOT / "data" / "traces" / "azure2023" / "AzureLLMInferenceTrace_code.csv"
 TIME_SCALE, NUM_INTERACTIVE, NUM_BATCH = 3.0, 30, 12

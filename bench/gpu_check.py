@@ -111,8 +111,8 @@ def prefill_throughput(do_bench) -> dict:
 
 def engine_step() -> dict:
     from cadenza.node.embedded import ensure_embedded_model
-    from cadenza.node.engine import Engine
-    from cadenza.node.request import SamplingParams
+    from cadenza.node.core.engine import Engine
+    from cadenza.node.core.request import SamplingParams
 
     model = ensure_embedded_model()
     times = {}

@@ -25,8 +25,8 @@ import time
 
 from bench.common import conv_trace, hit_rate, machine, pct, prompt_ids, report
 from cadenza.node.embedded import ensure_embedded_model
-from cadenza.node.engine import Engine
-from cadenza.node.request import SamplingParams
+from cadenza.node.core.engine import Engine
+from cadenza.node.core.request import SamplingParams
 
 ROUNDS = 5
 CONFIGS = {

@@ -16,11 +16,11 @@ import statistics
 import time
 
 from bench.common import machine, report
-from cadenza.node.block_manager import KVBlockManager
-from cadenza.node.config import SchedulerConfig
-from cadenza.node.policy import Policy
-from cadenza.node.request import Request, SamplingParams
-from cadenza.node.scheduler import Scheduler
+from cadenza.node.core.block_manager import KVBlockManager
+from cadenza.node.core.config import SchedulerConfig
+from cadenza.node.core.policy import Policy
+from cadenza.node.core.request import Request, SamplingParams
+from cadenza.node.core.scheduler import Scheduler
 
 RUNNING, PROMPT, STEPS, ROUNDS = 256, 64, 400, 7
 WAITING = (100, 1_000, 10_000)

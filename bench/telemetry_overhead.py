@@ -17,11 +17,11 @@ import statistics
 import time
 
 from bench.common import conv_trace, hit_rate, machine, prompt_ids, report
-from cadenza.node.bench.trace import scale_trace
+from cadenza.node.replay.trace import scale_trace
 from cadenza.node.embedded import ensure_embedded_model
-from cadenza.node.engine import Engine
-from cadenza.node.request import SamplingParams
-from cadenza.node.telemetry import Telemetry
+from cadenza.node.core.engine import Engine
+from cadenza.node.core.request import SamplingParams
+from cadenza.node.frontend.telemetry import Telemetry
 
 ROUNDS, NUM_REQUESTS = 7, 16
 

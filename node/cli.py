@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from cadenza.node.config import (
+from cadenza.node.core.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     CacheConfig,
@@ -25,7 +25,7 @@ from cadenza.node.config import (
     port_argument,
 )
 from cadenza.node.embedded import EmbeddedModelError
-from cadenza.node.policy import CLASSES, Policy
+from cadenza.node.core.policy import CLASSES, Policy
 from cadenza.node.server.http import add_http_arguments
 
 logger = logging.getLogger("cadenza")
@@ -145,11 +145,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cadenza.node.engine import Engine
-    from cadenza.node.models.config import check_model_folder
+    from cadenza.node.core.engine import Engine
+    from cadenza.node.runner.models.config import check_model_folder
     from cadenza.node.server.app import serve
     from cadenza.node.server.http import http_timeouts_from_args
-    from cadenza.node.threads import apply_threads, choose_threads
+    from cadenza.node.runner.threads import apply_threads, choose_threads
 
     if problem := listen_problem(args.host, args.port):  # before minutes of model loading
         logger.error("%s", problem)
@@ -192,7 +192,7 @@ def _fetch_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cadenza.node.bench import cli as bench_cli
+    from cadenza.node.replay import cli as bench_cli
 
     parser = argparse.ArgumentParser(prog="cadenza", description="Chunked-prefill LLM serving.")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default: %(default)s")

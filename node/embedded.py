@@ -11,7 +11,7 @@ module only orchestrates and caches.
 The weights are a 4-bit quantization dequantized to fp32: fine for demos and tests, a little
 less fluent than the original bf16 checkpoint. The folder also gets a ``generation_config.json``
 with the sampling settings of the model card (temperature 0.2, top_p 0.9), which the server uses
-for requests that set none (see :mod:`cadenza.node.models.generation`).
+for requests that set none (see :mod:`cadenza.node.runner.models.generation`).
 
 Cache folder: ``$CADENZA_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/cadenza``, else
 ``~/.cache/cadenza``.

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from cadenza.node.config import port_argument
+from cadenza.node.core.config import port_argument
 
 
 def register_operator(sub: argparse._SubParsersAction) -> None:

@@ -4,7 +4,7 @@ The operator renders replicas as ``cadenza serve`` processes (pods in a cluster,
 ``cadenza up``); this module is the one place where the CRD's camelCase engine knobs meet the
 engine's own configuration, so both agree on it. Plain knobs become ``cadenza serve`` flags;
 the step-time target and the class and tenant policies become a ``--policy`` document. Validation
-is the engine's own (:mod:`cadenza.node.config`, :mod:`cadenza.node.policy`): a pool is refused
+is the engine's own (:mod:`cadenza.node.core.config`, :mod:`cadenza.node.core.policy`): a pool is refused
 with the message the engine would give, naming the CRD key.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cadenza.node.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
-from cadenza.node.policy import Policy, PolicyError
+from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from cadenza.node.core.policy import Policy, PolicyError
 
 # spec.engine key -> (config section, field, `cadenza serve` flag)
 ENGINE_KNOBS: dict[str, tuple[str, str, str]] = {

@@ -33,7 +33,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cadenza.node.config import listen_problem as port_problem
+from cadenza.node.core.config import listen_problem as port_problem
 from cadenza.operator.actuator import Actuator
 from cadenza.operator.local_control import local_actuator
 from cadenza.operator.pool import Pool, PoolSpecError

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cadenza.node.config import ConfigError
+from cadenza.node.core.config import ConfigError
 from cadenza.operator.engine_args import engine_config, policy_document, serve_args
 
 MODEL_MOUNT = "/models"

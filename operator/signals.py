@@ -9,7 +9,7 @@ does) and the SLO attainment (the share of observations at or under the target, 
 same way). The estimate is only as fine as the buckets: the gateway's boundaries are dense around
 each SLO target, so a p99 near the target is within a few per cent of the truth.
 
-The engines' ``/metrics`` (:mod:`cadenza.node.telemetry`) add, per window: the peak queue depth
+The engines' ``/metrics`` (:mod:`cadenza.node.frontend.telemetry`) add, per window: the peak queue depth
 of each class (``cadenza.requests``, state ``waiting``, summed over engines, at each scrape), the
 peak KV usage of the fullest engine (``cadenza.kv.blocks``: used and reserved over all blocks),
 the class's preemptions (``cadenza.requests.preempted``) and the p99 of the step time the
@@ -50,7 +50,7 @@ CLASSES = ("interactive", "batch", "background")
 TTFT_METRIC = "cadenza_gateway_time_to_first_token_seconds"
 ITL_METRIC = "cadenza_gateway_inter_token_latency_seconds"
 CLASS_LABEL = "cadenza_traffic_class"
-# The engines' series (cadenza.node.telemetry), as the Prometheus exporter names them.
+# The engines' series (cadenza.node.frontend.telemetry), as the Prometheus exporter names them.
 ENGINE_REQUESTS = "cadenza_requests"  # gauge {cadenza_request_class, cadenza_request_state}
 ENGINE_KV_BLOCKS = "cadenza_kv_blocks"  # gauge {cadenza_kv_state}: used, reserved, cached, free
 ENGINE_PREEMPTED = "cadenza_requests_preempted"  # counter {cadenza_request_class}

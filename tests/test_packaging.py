@@ -75,7 +75,7 @@ def test_kernels_import_nothing_of_cadenza_outside_kernels():
 
 def test_operator_imports_only_the_node_config_and_policy():
     # config and policy: the engine's own checks; otel: how every cadenza process reads OTEL_*.
-    allowed = {"cadenza.node.config", "cadenza.node.policy", "cadenza.node.otel"}
+    allowed = {"cadenza.node.core.config", "cadenza.node.core.policy", "cadenza.node.otel"}
     for py in (ROOT / "operator").rglob("*.py"):
         for name in imports_of(py):
             if name.startswith("cadenza.node"):
@@ -84,7 +84,7 @@ def test_operator_imports_only_the_node_config_and_policy():
 
 def test_scheduler_and_block_manager_never_import_torch():
     code = (
-        "import sys; import cadenza.node.scheduler, cadenza.node.block_manager; "
+        "import sys; import cadenza.node.core.scheduler, cadenza.node.core.block_manager; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

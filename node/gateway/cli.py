@@ -28,7 +28,7 @@ from cadenza.node.gateway.file_source import FileSource
 from cadenza.node.gateway.kubernetes_source import KubernetesConfigError, KubernetesSource, kubernetes_list_slices
 from cadenza.node.gateway.state import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_HEALTH_INTERVAL_S, DEFAULT_MAX_OUTSTANDING
 from cadenza.node.gateway.upstreams import Upstreams
-from cadenza.node.policy import CLASSES
+from cadenza.node.core.policy import CLASSES
 from cadenza.node.server.http import HttpTimeouts, add_http_arguments, http_timeouts_from_args
 from cadenza.node.server.runner import run_app
 

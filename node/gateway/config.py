@@ -22,7 +22,7 @@ import yaml
 from yarl import URL
 
 from cadenza.node.gateway.upstreams import ROLES
-from cadenza.node.policy import PolicyError, check_class
+from cadenza.node.core.policy import PolicyError, check_class
 
 _KEYS = ("roles", "default_class", "max_outstanding")
 

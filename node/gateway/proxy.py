@@ -38,7 +38,7 @@ from yarl import URL
 from cadenza.node.gateway.headers import request_headers, response_headers, retry_after_s
 from cadenza.node.gateway.state import METRICS, SESSION, SETTINGS, UPSTREAMS
 from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream
-from cadenza.node.policy import PolicyError, check_class
+from cadenza.node.core.policy import PolicyError, check_class
 from cadenza.node.server.errors import APIError, error_body
 from cadenza.node.server.http import body_timeout, send
 

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from cadenza.node.gateway.metrics import GatewayMetrics
 from cadenza.node.gateway.upstreams import Upstreams
-from cadenza.node.policy import check_class
+from cadenza.node.core.policy import check_class
 
 DEFAULT_MAX_OUTSTANDING = 64
 DEFAULT_CONNECT_TIMEOUT_S = 5.0

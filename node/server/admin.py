@@ -22,8 +22,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from cadenza.node.async_engine import EngineCommandError, EngineDeadError
-from cadenza.node.config import SchedulerConfig
+from cadenza.node.frontend.async_engine import EngineCommandError, EngineDeadError
+from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.server.errors import APIError
 from cadenza.node.server.http import body_timeout
 from cadenza.node.server.openai_api import ENGINE

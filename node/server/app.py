@@ -3,7 +3,7 @@
 ``/health`` is liveness (200 while the engine thread runs or loads, 503 once it has died);
 ``/ready`` is readiness (200 once the model is loaded, with the engine's counters);
 ``/admin/config`` reads and changes scheduling knobs live (bearer token, :mod:`.admin`);
-``/metrics`` is Prometheus text (:mod:`cadenza.node.telemetry`, which also exports OTLP). The engine starts loading when the app
+``/metrics`` is Prometheus text (:mod:`cadenza.node.frontend.telemetry`, which also exports OTLP). The engine starts loading when the app
 starts, so the server listens — and Kubernetes probes get answers — while weights load.
 """
 
@@ -17,15 +17,15 @@ from functools import partial
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from cadenza.node.async_engine import AsyncEngine
-from cadenza.node.engine import Engine
-from cadenza.node.policy import check_class
+from cadenza.node.frontend.async_engine import AsyncEngine
+from cadenza.node.core.engine import Engine
+from cadenza.node.core.policy import check_class
 from cadenza.node.server import admin, openai_api
 from cadenza.node.server.access_log import access_log_middleware
 from cadenza.node.server.errors import error_middleware, error_response
 from cadenza.node.server.http import HttpTimeouts
 from cadenza.node.server.runner import run_app
-from cadenza.node.telemetry import Telemetry
+from cadenza.node.frontend.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
 

@@ -86,7 +86,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
-from cadenza.node.config import ConfigError
+from cadenza.node.core.config import ConfigError
 from cadenza.node.server.errors import APIError, error_body
 
 logger = logging.getLogger(__name__)

@@ -18,18 +18,18 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from cadenza.node.admission import AdmissionError
-from cadenza.node.async_engine import AsyncEngine, EngineDeadError
-from cadenza.node.engine import Engine
-from cadenza.node.policy import DEFAULT_TENANT, PolicyError, check_class, check_tenant
-from cadenza.node.request import SamplingParams
+from cadenza.node.core.admission import AdmissionError
+from cadenza.node.frontend.async_engine import AsyncEngine, EngineDeadError
+from cadenza.node.core.engine import Engine
+from cadenza.node.core.policy import DEFAULT_TENANT, PolicyError, check_class, check_tenant
+from cadenza.node.core.request import SamplingParams
 from cadenza.node.server.errors import APIError, error_body
-from cadenza.node.models.generation import SamplingDefaults
+from cadenza.node.runner.models.generation import SamplingDefaults
 from cadenza.node.server.access_log import ACCESS
 from cadenza.node.server.http import body_timeout, send
 from cadenza.node.server.protocol import ChatCompletionRequest, CompletionRequest, check_sizes, parse
-from cadenza.node.telemetry import Telemetry
-from cadenza.node.tokenizer import ChatTemplateError
+from cadenza.node.frontend.telemetry import Telemetry
+from cadenza.node.frontend.tokenizer import ChatTemplateError
 
 ENGINE = web.AppKey("engine", AsyncEngine)
 TELEMETRY = web.AppKey("telemetry", Telemetry)

@@ -10,7 +10,7 @@ from cadenza.kernels.activation import silu_and_mul
 from cadenza.kernels.cache import write_kv_cache
 from cadenza.kernels.norm import rms_norm
 from cadenza.kernels.rotary import rotary_embedding
-from cadenza.node.models.rope import cos_sin_cache
+from cadenza.node.runner.models.rope import cos_sin_cache
 from kernel_cases import DEVICE, DTYPES, assert_close
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cadenza.node.block_manager import KVBlockManager
+from cadenza.node.core.block_manager import KVBlockManager
 
 
 def test_allocate_grows_a_table_to_hold_the_tokens():
@@ -94,7 +94,7 @@ def test_block_hashes_are_truncated_sha256_over_the_parent_hash_and_the_token_id
     import hashlib
     from array import array
 
-    from cadenza.node.block_manager import block_hash, root_hash
+    from cadenza.node.core.block_manager import block_hash, root_hash
 
     tokens = [1, 70_000, 3, 2**31]
     expected = hashlib.sha256(root_hash() + array("I", tokens).tobytes()).digest()[:16]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cadenza.node.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, resolve_max_model_len
-from cadenza.node.engine import Engine
+from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, resolve_max_model_len
+from cadenza.node.core.engine import Engine
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_engine_refuses_a_kv_cache_that_cannot_hold_one_request(tiny_llama_dir):
 
 def test_prompt_longer_than_the_token_budget_is_served(tiny_llama_dir):
     engine = Engine.from_model(tiny_llama_dir, token_budget=8, chunk_size=None, max_model_len=256)
-    from cadenza.node.request import SamplingParams
+    from cadenza.node.core.request import SamplingParams
 
     (out,) = engine.generate([[5] * 100], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out) == 3

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cadenza.node.cost_model import StepCostModel, StepFeatures
+from cadenza.node.core.cost_model import StepCostModel, StepFeatures
 
 TRUE = (0.003, 2e-5, 3e-4, 1e-7, 4e-9)  # seconds: fixed, per prefill token, per decode, per context, per pair
 

@@ -1,4 +1,4 @@
-"""Specification of cadenza.node.detokenizer: safe UTF-8 text deltas and OpenAI stop strings."""
+"""Specification of cadenza.node.frontend.detokenizer: safe UTF-8 text deltas and OpenAI stop strings."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cadenza.node.detokenizer import IncrementalDetokenizer
-from cadenza.node.tokenizer import Tokenizer
+from cadenza.node.frontend.detokenizer import IncrementalDetokenizer
+from cadenza.node.frontend.tokenizer import Tokenizer
 from tiny_tokenizer import build_tiny_tokenizer_dir
 
 MIXED_TEXT = "Héllo wörld! 日本語のテキスト 😀🚀👍🏽 and 🇫🇷, déjà vu, 東京. ok"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadenza.node.engine import Engine
-from cadenza.node.request import RequestStatus, SamplingParams
+from cadenza.node.core.engine import Engine
+from cadenza.node.core.request import RequestStatus, SamplingParams
 from tiny_models import load_reference
 
 
@@ -41,7 +41,7 @@ def test_higher_class_decode_preempts_a_scheduled_batch_request_and_both_stay_co
                                num_kv_blocks=9)
     engine.reconfigure({"watermark": 0.0})
     refunds = []
-    from cadenza.node import scheduler as scheduler_module
+    from cadenza.node.core import scheduler as scheduler_module
 
     original = scheduler_module.Step.unschedule
 

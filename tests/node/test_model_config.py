@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadenza.node.models.config import ModelConfig, ModelConfigError
-from cadenza.node.models.rope import inverse_frequencies
+from cadenza.node.runner.models.config import ModelConfig, ModelConfigError
+from cadenza.node.runner.models.rope import inverse_frequencies
 
 LLAMA31_8B = {  # transformers 4.x layout, as published
     "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadenza.node.engine import Engine
-from cadenza.node.request import SamplingParams
+from cadenza.node.core.engine import Engine
+from cadenza.node.core.request import SamplingParams
 from tiny_models import LLAMA3_ROPE, build_tiny_model, load_reference
 
 PROMPT_LENS = [1, 3, 16, 17, 64, 100, 257, 300]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadenza.node.engine import Engine
-from cadenza.node.request import Request, RequestStatus, SamplingParams
-from cadenza.node.sampler import make_generator, sample
+from cadenza.node.core.engine import Engine
+from cadenza.node.core.request import Request, RequestStatus, SamplingParams
+from cadenza.node.runner.sampler import make_generator, sample
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 

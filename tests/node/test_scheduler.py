@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cadenza.node.config import SchedulerConfig
-from cadenza.node.request import Request, RequestStatus
-from cadenza.node.scheduler import Scheduler, SchedulerOutput
+from cadenza.node.core.config import SchedulerConfig
+from cadenza.node.core.request import Request, RequestStatus
+from cadenza.node.core.scheduler import Scheduler, SchedulerOutput
 from fake_engine import make_request, make_scheduler
 
 

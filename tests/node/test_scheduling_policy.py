@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from cadenza.node.admission import AdmissionError
-from cadenza.node.policy import ClassPolicy, Policy, TenantPolicy, default_class_policies
-from cadenza.node.request import RequestStatus
+from cadenza.node.core.admission import AdmissionError
+from cadenza.node.core.policy import ClassPolicy, Policy, TenantPolicy, default_class_policies
+from cadenza.node.core.request import RequestStatus
 from fake_engine import FakeEngine, make_request, make_scheduler
 
 
@@ -526,7 +526,7 @@ def test_non_finite_null_or_boolean_numbers_are_refused(change):
 def test_class_names_are_case_insensitive():
     sched = make_scheduler()
     req = make_request(4, traffic_class=" Batch")
-    from cadenza.node.policy import check_class
+    from cadenza.node.core.policy import check_class
 
     assert check_class(" Batch") == "batch" and check_class("INTERACTIVE") == "interactive"
     sched.add_request(req)
@@ -534,7 +534,7 @@ def test_class_names_are_case_insensitive():
 
 
 def test_retry_after_reflects_the_recent_drain_not_admissions_before_an_idle_spell():
-    from cadenza.node.admission import DrainRate
+    from cadenza.node.core.admission import DrainRate
 
     drain = DrainRate()
     for t in range(0, 600, 10):  # one admission every 10 s, then idle

@@ -54,7 +54,7 @@ def test_replicas_starting_together_on_an_empty_cache_convert_once(tmp_path, mon
 
 def test_a_conversion_by_an_older_cadenza_gets_the_model_cards_sampling_defaults(tmp_path, monkeypatch):
     from cadenza.node import embedded
-    from cadenza.node.models.generation import SamplingDefaults
+    from cadenza.node.runner.models.generation import SamplingDefaults
 
     monkeypatch.setattr(embedded, "_convert", lambda model_dir: pytest.fail("must not convert again"))
     model_dir = tmp_path / "models" / "m"

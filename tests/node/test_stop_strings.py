@@ -1,4 +1,4 @@
-"""Specification of cadenza.node.stop_strings: the Aho–Corasick stop-string matcher."""
+"""Specification of cadenza.node.frontend.stop_strings: the Aho–Corasick stop-string matcher."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cadenza.node.stop_strings import StopMatch, StopStringMatcher
+from cadenza.node.frontend.stop_strings import StopMatch, StopStringMatcher
 
 
 def reference_first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:

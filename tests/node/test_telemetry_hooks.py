@@ -14,10 +14,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from cadenza.node.engine import RequestOutput
-from cadenza.node.request import Request, SamplingParams
-from cadenza.node.scheduler import ScheduledRow, SchedulerOutput
-from cadenza.node.telemetry import Telemetry
+from cadenza.node.core.engine import RequestOutput
+from cadenza.node.core.request import Request, SamplingParams
+from cadenza.node.core.scheduler import ScheduledRow, SchedulerOutput
+from cadenza.node.frontend.telemetry import Telemetry
 
 ARRIVAL = 100.0  # time.monotonic() seconds of the request's arrival, as the server would pass it
 

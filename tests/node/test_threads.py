@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cadenza.node.threads import cgroup_cpu_quota, choose_threads
+from cadenza.node.runner.threads import cgroup_cpu_quota, choose_threads
 
 
 def reader(files: dict[str, str]):

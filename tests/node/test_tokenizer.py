@@ -1,4 +1,4 @@
-"""Specification of cadenza.node.tokenizer: loading a model folder, encoding, chat templates."""
+"""Specification of cadenza.node.frontend.tokenizer: loading a model folder, encoding, chat templates."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.processors import TemplateProcessing
 
 import tiny_tokenizer as tiny
-from cadenza.node.tokenizer import ChatTemplateError, Tokenizer, compile_chat_template
+from cadenza.node.frontend.tokenizer import ChatTemplateError, Tokenizer, compile_chat_template
 
 SMOLLM2_PROMPT = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadenza.node.backend import ENV_VAR, TorchBackend, TritonBackend, resolve_backend_name, select_backend
-from cadenza.node.config import ConfigError
-from cadenza.node.engine import Engine
-from cadenza.node.request import SamplingParams
+from cadenza.node.runner.backend import ENV_VAR, TorchBackend, TritonBackend, resolve_backend_name, select_backend
+from cadenza.node.core.config import ConfigError
+from cadenza.node.core.engine import Engine
+from cadenza.node.core.request import SamplingParams
 
 PROMPT_LENS = [1, 4, 17, 33, 70]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

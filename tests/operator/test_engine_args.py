@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cadenza.node.cli import build_parser, engine_config_from_args
-from cadenza.node.config import ConfigError
+from cadenza.node.core.config import ConfigError
 from cadenza.operator.engine_args import engine_config, serve_args
 
 SPEC = {"tokenBudget": 256, "chunkSize": 128, "maxNumSeqs": 32, "maxModelLen": 4096, "blockSize": 16, "kvCacheFraction": 0.8}

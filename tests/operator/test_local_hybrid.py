@@ -42,8 +42,8 @@ def itl_target_ms(model) -> float:
 
     import torch
 
-    from cadenza.node.engine import Engine
-    from cadenza.node.sampler import SamplingParams
+    from cadenza.node.core.engine import Engine
+    from cadenza.node.runner.sampler import SamplingParams
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -138,7 +138,7 @@ CRASH_ONCE = """
 import os, sys
 trigger = os.environ.get("CADENZA_TEST_ENGINE_CRASH_FILE")
 if trigger and "serve" in sys.argv:
-    from cadenza.node.engine import Engine
+    from cadenza.node.core.engine import Engine
 
     class SimulatedEngineCrash(BaseException):
         pass

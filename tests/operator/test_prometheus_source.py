@@ -4,7 +4,7 @@ and an engine's load, and then a whole local pool (``cadenza up``).
 Prometheus (Debian's ``prometheus`` package; ``.ci/run`` installs it) is started on a loopback
 port with a 1 s scrape interval, scraping HTTP endpoints served by the gateway's own
 :class:`~cadenza.node.gateway.metrics.GatewayMetrics` and by an engine's
-:class:`~cadenza.node.telemetry.Telemetry`. Skipped where the binary is missing.
+:class:`~cadenza.node.frontend.telemetry.Telemetry`. Skipped where the binary is missing.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Drive a :class:`~cadenza.node.scheduler.Scheduler` without a model: a fake executor and clock.
+"""Drive a :class:`~cadenza.node.core.scheduler.Scheduler` without a model: a fake executor and clock.
 
 Scheduler-level tests measure what matters — tokens per step, who got which row, when — in
 steps, with a clock that advances a fixed time per step, so they are exact and fast.
@@ -10,11 +10,11 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
-from cadenza.node.block_manager import KVBlockManager
-from cadenza.node.config import SchedulerConfig
-from cadenza.node.policy import Policy, default_class_policies
-from cadenza.node.request import Request, SamplingParams
-from cadenza.node.scheduler import Scheduler, SchedulerOutput
+from cadenza.node.core.block_manager import KVBlockManager
+from cadenza.node.core.config import SchedulerConfig
+from cadenza.node.core.policy import Policy, default_class_policies
+from cadenza.node.core.request import Request, SamplingParams
+from cadenza.node.core.scheduler import Scheduler, SchedulerOutput
 
 _ids = itertools.count()
 

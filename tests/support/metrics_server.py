@@ -7,8 +7,8 @@ import http.server
 import threading
 
 from cadenza.node.gateway.metrics import GatewayMetrics
-from cadenza.node.scheduler import SchedulerOutput
-from cadenza.node.telemetry import Telemetry
+from cadenza.node.core.scheduler import SchedulerOutput
+from cadenza.node.frontend.telemetry import Telemetry
 
 
 def serve_metrics(metrics: GatewayMetrics | Telemetry) -> http.server.ThreadingHTTPServer:

@@ -8,8 +8,8 @@ from functools import partial
 
 import pytest
 
-from cadenza.node.config import CacheConfig, EngineConfig, SchedulerConfig
-from cadenza.node.engine import Engine
+from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from cadenza.node.core.engine import Engine
 from cadenza.node.server.app import create_app
 from cadenza.node.server.openai_api import ENGINE, TELEMETRY
 from step_gate import StepGate

@@ -7,9 +7,9 @@ from functools import partial
 
 import pytest
 
-from cadenza.node.config import CacheConfig, EngineConfig, SchedulerConfig
-from cadenza.node.engine import Engine
-from cadenza.node.policy import ClassPolicy, Policy, TenantPolicy, default_class_policies
+from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from cadenza.node.core.engine import Engine
+from cadenza.node.core.policy import ClassPolicy, Policy, TenantPolicy, default_class_policies
 from cadenza.node.server.admin import TOKEN_ENV, TOKEN_FILE_ENV
 from cadenza.node.server.app import create_app
 from cadenza.node.server.openai_api import ENGINE

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from functools import partial
 
-from cadenza.node.config import CacheConfig, EngineConfig, SchedulerConfig
-from cadenza.node.engine import Engine
+from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from cadenza.node.core.engine import Engine
 from cadenza.node.server.app import create_app, until_stopped_or_failed
 from cadenza.node.server.openai_api import ENGINE
 

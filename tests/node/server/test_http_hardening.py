@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from cadenza.node.config import ConfigError
+from cadenza.node.core.config import ConfigError
 from cadenza.node.gateway.app import create_gateway_app
 from cadenza.node.gateway.upstreams import Upstreams
 from cadenza.node.server import admin, http

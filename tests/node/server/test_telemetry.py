@@ -15,9 +15,9 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import Status as ProtoStatus
 from prometheus_client.parser import text_string_to_metric_families
 
-from cadenza.node.config import CacheConfig, EngineConfig, SchedulerConfig
-from cadenza.node.engine import Engine
-from cadenza.node.policy import Policy
+from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from cadenza.node.core.engine import Engine
+from cadenza.node.core.policy import Policy
 from cadenza.node.server.app import create_app
 from cadenza.node.server.openai_api import ENGINE, TELEMETRY
 from server_process import free_port

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cadenza.node.bench import cli
+from cadenza.node.replay import cli
 
 # Output lengths 3, 1, 4, 7 (7 makes the fake server answer 500), prompts 12..40 bytes.
 ROWS = [(0, 12, 3), (20, 40, 1), (40, 25, 4), (60, 30, 7), (5000, 10, 2)]
@@ -236,7 +236,7 @@ def test_cli_plot_writes_four_figures_and_plot_only_redraws_them_from_the_json(
 
 def test_cli_figures_draw_the_slos_from_the_json_result(
         trace_path, threaded_base_url, byte_tokenizer_path, tmp_path):
-    from cadenza.node.bench.plots import plot_ttft_itl_over_time
+    from cadenza.node.replay.plots import plot_ttft_itl_over_time
 
     out = tmp_path / "bench.json"
     assert cli.main(_argv(trace_path, threaded_base_url, byte_tokenizer_path, "--num-requests", "2",
@@ -283,5 +283,5 @@ def test_bench_output_written_in_the_repository_root_is_git_ignored():
     for path in ("bench.json", "bench-azure-conv.json", f"{cli.OUTPUT_DIR}/run.json",
                  f"{cli.OUTPUT_DIR}/figures/kv_blocks.png"):
         assert ignored(path), path
-    for path in ("bench/classes.py", "node/bench/cli.py", "docs/img/ttft_itl_over_time.png"):
+    for path in ("bench/classes.py", "node/replay/cli.py", "docs/img/ttft_itl_over_time.png"):
         assert not ignored(path), path

@@ -12,7 +12,7 @@
 - ``kv_blocks.png``: KV cache blocks used and cached over time, the pool's total as a line.
 
 The last two need server samples (``server_samples``, see
-:mod:`cadenza.node.bench.server_samples`) and are skipped, with a printed note, without them.
+:mod:`cadenza.node.replay.server_samples`) and are skipped, with a printed note, without them.
 Figures are drawn on matplotlib's Agg canvas through ``Figure`` objects (no pyplot, no display).
 
 The TTFT and ITL panels draw the SLOs the replay was given (the result's ``slo``:
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from cadenza.node.bench.report import NO_CLASS
+from cadenza.node.replay.report import NO_CLASS
 
 FIGSIZE = (10.0, 4.0)  # inches, one panel
 DPI = 110

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from cadenza.node.policy import Policy
-from cadenza.node.request import Request
+from cadenza.node.core.policy import Policy
+from cadenza.node.core.request import Request
 
 
 class AdmissionError(ValueError):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cadenza.node.bench.trace import TraceRequest, load_trace, scale_trace
+from cadenza.node.replay.trace import TraceRequest, load_trace, scale_trace
 
 AZURE = Path(__file__).resolve().parents[3] / "data" / "traces" / "azure2023"
 CONV = AZURE / "AzureLLMInferenceTrace_conv.csv"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from matplotlib.image import imread
 
-from cadenza.node.bench.plots import (
+from cadenza.node.replay.plots import (
     DPI, FIGSIZE, itl_points, long_prompt_threshold, plot_ttft_itl_over_time,
     plot_ttft_vs_prompt_length, step_rates, write_plots)
 

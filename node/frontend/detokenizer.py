@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from cadenza.node.stop_strings import StopStringMatcher
-from cadenza.node.tokenizer import Tokenizer
+from cadenza.node.frontend.stop_strings import StopStringMatcher
+from cadenza.node.frontend.tokenizer import Tokenizer
 
 _CONTEXT_IDS = 6  # ids of already-emitted text kept as decoding context for flush()
 

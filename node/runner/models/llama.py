@@ -5,7 +5,7 @@ scaling), RMSNorm, SwiGLU, tied or untied embeddings, optional q/k/v bias. The n
 Hugging Face transformers' ``modeling_llama.py`` (the reference the tests compare against); the
 batch layout follows vLLM: there is no batch dimension, only ``T`` tokens of many sequences,
 with each layer's attention reading and writing the paged KV cache through an
-:class:`~cadenza.node.backend.KernelBackend` (torch references or Triton kernels).
+:class:`~cadenza.node.runner.backend.KernelBackend` (torch references or Triton kernels).
 
 Weights are loaded from ``*.safetensors`` with the ``safetensors`` library. q/k/v and gate/up
 projections are fused into one matmul each (``qkv_proj``, ``gate_up_proj``).
@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from cadenza.node.backend import AttentionMetadata, KernelBackend
-from cadenza.node.models.config import ModelConfig
-from cadenza.node.models.rope import cos_sin_cache
+from cadenza.node.runner.backend import AttentionMetadata, KernelBackend
+from cadenza.node.runner.models.config import ModelConfig
+from cadenza.node.runner.models.rope import cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [NB, BS, Hkv, D]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cadenza.node.bench.client import RequestRecord
-from cadenza.node.bench.report import (
+from cadenza.node.replay.client import RequestRecord
+from cadenza.node.replay.report import (
     SLO, distribution, format_summary, meets_slo, summarize, tpot_ms)
 
 

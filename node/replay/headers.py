@@ -1,7 +1,7 @@
 """Per-request headers the bench adds: the traffic class and a W3C trace context.
 
 - **Traffic class**: ``x-cadenza-class: interactive|batch|background`` (see
-  :mod:`cadenza.node.policy`). A :class:`ClassRule` picks it from the prompt length, or sends no
+  :mod:`cadenza.node.core.policy`). A :class:`ClassRule` picks it from the prompt length, or sends no
   header at all (the server then applies its own default class).
 - **Trace context** (W3C Trace Context, https://www.w3.org/TR/trace-context/): every request gets a
   fresh ``traceparent: 00-<32 hex trace id>-<16 hex parent span id>-01`` with random ids, so the
@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from cadenza.node.policy import CLASSES
+from cadenza.node.core.policy import CLASSES
 
 CLASS_HEADER = "x-cadenza-class"
 TRACEPARENT_HEADER = "traceparent"

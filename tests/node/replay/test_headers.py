@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from cadenza.node.bench.client import ReplayConfig, replay
-from cadenza.node.bench.headers import ClassRule, new_traceparent, request_headers
-from cadenza.node.bench.trace import TraceRequest
+from cadenza.node.replay.client import ReplayConfig, replay
+from cadenza.node.replay.headers import ClassRule, new_traceparent, request_headers
+from cadenza.node.replay.trace import TraceRequest
 
 TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-01$")
 

@@ -7,7 +7,7 @@ Each step spends at most ``token_budget`` tokens:
    needs a KV block when none is free preempts by recompute — the lowest class first, the newest
    within a class, never a request already preempted more than ``max_preemptions`` times. A
    victim already scheduled in this step is unscheduled and its tokens refunded.
-2. **Prefill** (the flexible part, :mod:`cadenza.node.prefill`): what is left, optionally shrunk
+2. **Prefill** (the flexible part, :mod:`cadenza.node.core.prefill`): what is left, optionally shrunk
    so the cost model's predicted step time stays within ``step_time_target_ms``, shared by class
    policy (priority, minimum shares, caps, aging) and, within a class, by tenant weights. A
    waiting request that lacks a running slot or KV blocks displaces running requests of strictly
@@ -31,13 +31,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from cadenza.node.admission import AdmissionError, DrainRate, check_admission
-from cadenza.node.block_manager import KVBlockManager
-from cadenza.node.config import SchedulerConfig
-from cadenza.node.cost_model import StepCostModel, StepFeatures
-from cadenza.node.policy import CLASS_RANK, CLASSES, QUEUE_DEPTH_PER_SLOT, PolicyError, check_class, check_tenant
-from cadenza.node.queues import ClassQueue
-from cadenza.node.request import Request, RequestStatus
+from cadenza.node.core.admission import AdmissionError, DrainRate, check_admission
+from cadenza.node.core.block_manager import KVBlockManager
+from cadenza.node.core.config import SchedulerConfig
+from cadenza.node.core.cost_model import StepCostModel, StepFeatures
+from cadenza.node.core.policy import CLASS_RANK, CLASSES, QUEUE_DEPTH_PER_SLOT, PolicyError, check_class, check_tenant
+from cadenza.node.core.queues import ClassQueue
+from cadenza.node.core.request import Request, RequestStatus
 
 
 def _arrival(req: Request) -> float:
@@ -208,7 +208,7 @@ class Scheduler:
 
         Raises:
             ValueError: the id is already live.
-            AdmissionError: refused by admission control (400/413/429, see :mod:`cadenza.node.admission`).
+            AdmissionError: refused by admission control (400/413/429, see :mod:`cadenza.node.core.admission`).
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already live")
@@ -282,7 +282,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose the rows of the next step; never more than ``token_budget`` tokens."""
-        from cadenza.node.prefill import PrefillAdder
+        from cadenza.node.core.prefill import PrefillAdder
 
         self.stats.num_steps += 1
         step = Step(self.config.token_budget)

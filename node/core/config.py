@@ -11,7 +11,7 @@ import dataclasses
 import socket
 from dataclasses import dataclass, field
 
-from cadenza.node.policy import Policy
+from cadenza.node.core.policy import Policy
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -128,7 +128,7 @@ class EngineConfig:
             float32 on the CPU.
         device: ``cpu`` or ``cuda[:N]``.
         attention_backend: ``torch``, ``triton`` or ``auto`` (``CADENZA_ATTENTION_BACKEND``, else
-            triton on a CUDA device and torch elsewhere; see :mod:`cadenza.node.backend`).
+            triton on a CUDA device and torch elsewhere; see :mod:`cadenza.node.runner.backend`).
         seed: seeds every request that does not bring its own ``seed``.
     """
 

@@ -8,11 +8,11 @@ import time
 import aiohttp
 import pytest
 
-from cadenza.node.bench.client import ReplayConfig, replay
-from cadenza.node.bench.server_samples import (
+from cadenza.node.replay.client import ReplayConfig, replay
+from cadenza.node.replay.server_samples import (
     OPTIONAL_KEYS, SAMPLE_KEYS, PrefixCacheHits, ServerSampler, parse_sample, prefix_cache_hits,
     ready_url)
-from cadenza.node.bench.trace import TraceRequest
+from cadenza.node.replay.trace import TraceRequest
 from fake_time import FakeTime
 from waiting import until
 
@@ -158,7 +158,7 @@ def test_the_sampling_interval_must_be_positive():
 async def test_a_slow_answer_skips_the_ticks_it_missed_instead_of_catching_up(aiohttp_server, monkeypatch):
     from aiohttp import web
 
-    from cadenza.node.bench import server_samples
+    from cadenza.node.replay import server_samples
 
     clock = FakeTime(stop_at=0.375)  # stops between ticks 7 (0.35 s) and 8 (0.40 s)
     clock.install(monkeypatch, server_samples)

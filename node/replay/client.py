@@ -12,8 +12,8 @@ An HTTP error status, a connection error, a timeout, a malformed stream or an ``
 the stream marks the request failed with a message; the replay itself never raises for them.
 
 Every request carries a fresh W3C ``traceparent`` and, when a :class:`ClassRule` says so, an
-``x-cadenza-class`` header (:mod:`cadenza.node.bench.headers`). A :class:`ServerSampler` given to
-:func:`replay` polls the server's counters alongside (:mod:`cadenza.node.bench.server_samples`).
+``x-cadenza-class`` header (:mod:`cadenza.node.replay.headers`). A :class:`ServerSampler` given to
+:func:`replay` polls the server's counters alongside (:mod:`cadenza.node.replay.server_samples`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from cadenza.node.bench.headers import ClassRule, new_traceparent, request_headers
-from cadenza.node.bench.server_samples import ServerSampler
-from cadenza.node.bench.trace import TraceRequest
+from cadenza.node.replay.headers import ClassRule, new_traceparent, request_headers
+from cadenza.node.replay.server_samples import ServerSampler
+from cadenza.node.replay.trace import TraceRequest
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINT_PATHS: dict[str, str] = {"completions": "/completions", "chat": "/chat/completions"}

@@ -101,7 +101,7 @@ class Request:
         num_prompt_tokens: length of the prompt part of ``token_ids``.
         num_computed_tokens: tokens whose KV is in the cache; catches up with ``num_tokens``.
         arrival_time: ``time.monotonic()`` seconds at arrival (FCFS order, queue time).
-        traffic_class: ``interactive`` | ``batch`` | ``background`` (see :mod:`cadenza.node.policy`).
+        traffic_class: ``interactive`` | ``batch`` | ``background`` (see :mod:`cadenza.node.core.policy`).
         tenant: who sent it; tenants of a class share prefill by weighted fair queuing.
         num_preemptions: times its KV was dropped for recompute.
         num_cached_tokens: prompt tokens served from the prefix cache at its (last) admission.

@@ -13,7 +13,7 @@ import bisect
 from collections import defaultdict, deque
 from collections.abc import Iterable
 
-from cadenza.node.request import Request
+from cadenza.node.core.request import Request
 
 
 def _arrival(req: Request) -> float:

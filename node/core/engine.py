@@ -2,7 +2,7 @@
 
 One ``step()`` is one scheduler decision, one forward pass and one round of token updates: new
 tokens are appended, detokenized incrementally, checked against stop conditions, and finished
-requests release their KV blocks. The async server front (:mod:`cadenza.node.async_engine`)
+requests release their KV blocks. The async server front (:mod:`cadenza.node.frontend.async_engine`)
 drives this from a background thread.
 """
 
@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from cadenza.node.block_manager import KVBlockManager
-from cadenza.node.config import EngineConfig, SchedulerConfig, resolve_max_model_len
-from cadenza.node.detokenizer import IncrementalDetokenizer
-from cadenza.node.model_runner import ModelRunner
-from cadenza.node.models.config import ModelConfig
-from cadenza.node.models.generation import SamplingDefaults
-from cadenza.node.request import Request, RequestStatus, SamplingParams
-from cadenza.node.scheduler import Scheduler, SchedulerOutput
-from cadenza.node.tokenizer import Tokenizer
+from cadenza.node.core.block_manager import KVBlockManager
+from cadenza.node.core.config import EngineConfig, SchedulerConfig, resolve_max_model_len
+from cadenza.node.frontend.detokenizer import IncrementalDetokenizer
+from cadenza.node.runner.model_runner import ModelRunner
+from cadenza.node.runner.models.config import ModelConfig
+from cadenza.node.runner.models.generation import SamplingDefaults
+from cadenza.node.core.request import Request, RequestStatus, SamplingParams
+from cadenza.node.core.scheduler import Scheduler, SchedulerOutput
+from cadenza.node.frontend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class Engine:
     @classmethod
     def from_model(cls, model: str | Path, **scheduler_and_cache: object) -> "Engine":
         """Convenience for scripts and tests: ``Engine.from_model(path, token_budget=64, ...)``."""
-        from cadenza.node.config import CacheConfig, SchedulerConfig
+        from cadenza.node.core.config import CacheConfig, SchedulerConfig
 
         sched = {k: v for k, v in scheduler_and_cache.items() if k in SchedulerConfig.__dataclass_fields__}
         cache = {k: v for k, v in scheduler_and_cache.items() if k in CacheConfig.__dataclass_fields__}
@@ -135,7 +135,7 @@ class Engine:
         """Queue a request in its traffic class.
 
         ``cache_salt`` keeps its prefix-cache entries apart from those of requests with another
-        salt (see :mod:`cadenza.node.block_manager`); the scheduler adds the tenant's name to it
+        salt (see :mod:`cadenza.node.core.block_manager`); the scheduler adds the tenant's name to it
         when the policy isolates tenants.
 
         Raises:

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from cadenza.node.request import SamplingParams
+from cadenza.node.core.request import SamplingParams
 
 
 def sample(

@@ -34,9 +34,9 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, generate_latest
 
-from cadenza.node.engine import RequestOutput
+from cadenza.node.core.engine import RequestOutput
 from cadenza.node.otel import make_resource, otlp_enabled
-from cadenza.node.scheduler import SchedulerOutput
+from cadenza.node.core.scheduler import SchedulerOutput
 
 PROVIDER = "cadenza"
 # Bucket boundaries from the GenAI semantic conventions (metrics spec), seconds or tokens.

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from cadenza.kernels import reference
-from cadenza.node.config import ATTENTION_BACKENDS, ConfigError
+from cadenza.node.core.config import ATTENTION_BACKENDS, ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Async front of the engine: the model steps in a background thread, the event loop never blocks.
 
-The engine thread owns the :class:`~cadenza.node.engine.Engine` outright (it also loads it, so the
+The engine thread owns the :class:`~cadenza.node.core.engine.Engine` outright (it also loads it, so the
 server answers ``/health`` while the weights load). The event loop talks to it through a
 thread-safe command queue (add, abort) and gets each step's outputs back in one
 ``call_soon_threadsafe`` callback that fans them out to per-request ``asyncio.Queue`` streams.
@@ -21,12 +21,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cadenza.node.admission import AdmissionError
-from cadenza.node.engine import Engine, RequestOutput
-from cadenza.node.request import Request, SamplingParams
+from cadenza.node.core.admission import AdmissionError
+from cadenza.node.core.engine import Engine, RequestOutput
+from cadenza.node.core.request import Request, SamplingParams
 
 if TYPE_CHECKING:
-    from cadenza.node.telemetry import Telemetry
+    from cadenza.node.frontend.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ Definitions (the names of DESIGN.md's terms):
   with each ``x-cadenza-class``; requests sent without one are grouped under ``(no class)``.
 - Prefix-cache hit rate: of the prompt tokens a cadenza server looked up in its prefix cache
   during the replay, the fraction found there (from its ``/ready`` counters, see
-  :func:`cadenza.node.bench.server_samples.prefix_cache_hits`); n/a for other servers.
+  :func:`cadenza.node.replay.server_samples.prefix_cache_hits`); n/a for other servers.
 
 When attainment is low the report adds a short hint (:func:`attainment_hint`): the offered
 load, not the client, is what to change (``--time-scale``, ``--length-scale``).
@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from cadenza.node.bench.client import RequestRecord
-from cadenza.node.bench.server_samples import prefix_cache_hits
-from cadenza.node.policy import CLASSES
+from cadenza.node.replay.client import RequestRecord
+from cadenza.node.replay.server_samples import prefix_cache_hits
+from cadenza.node.core.policy import CLASSES
 
 PERCENTILES = (50, 95, 99)
 NO_CLASS = "(no class)"
@@ -98,7 +98,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO,
         duration_s: replay wall time in seconds (rates divide by it).
         slo: objectives for goodput and attainment.
         server_samples: the replay's ``/ready`` samples
-            (:class:`~cadenza.node.bench.server_samples.ServerSampler`), for the prefix cache.
+            (:class:`~cadenza.node.replay.server_samples.ServerSampler`), for the prefix cache.
 
     Returns:
         ``completed``, ``failed``, ``duration_s``, ``request_throughput`` (req/s),

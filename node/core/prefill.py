@@ -13,7 +13,7 @@ Order of work in a step, after the decodes:
    the ``min_share`` of the budget reserved for lower classes that have work; whatever a class
    leaves goes on down. Within a class: partial prefills (requests that already hold KV) first,
    then preempted requests resuming (oldest first), then new admissions; tenants share it all by
-   weighted fair queuing (:class:`~cadenza.node.queues.ClassQueue`).
+   weighted fair queuing (:class:`~cadenza.node.core.queues.ClassQueue`).
 4. **KV headroom.** A new admission needs blocks for its whole prompt (less what the prefix cache
    holds), plus a watermark, beyond the blocks already reserved for admitted prompts — otherwise it
    waits (new prefill is delayed before anything is preempted). A partial prefill that cannot grow
@@ -33,11 +33,11 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import TYPE_CHECKING
 
-from cadenza.node.policy import CLASS_RANK, CLASSES
-from cadenza.node.request import Request
+from cadenza.node.core.policy import CLASS_RANK, CLASSES
+from cadenza.node.core.request import Request
 
 if TYPE_CHECKING:
-    from cadenza.node.scheduler import Scheduler, Step
+    from cadenza.node.core.scheduler import Scheduler, Step
 
 PREFILL_FLOOR = 16  # tokens a step always offers prefill work, whatever the step-time target
 MAX_TENANT_STATS = 1024  # tenants counted one by one in stats; the rest are summed under OTHER_TENANTS

@@ -8,8 +8,8 @@ import socket
 import aiohttp
 import pytest
 
-from cadenza.node.bench.client import ReplayConfig, api_base_url, fetch_model, replay
-from cadenza.node.bench.trace import TraceRequest
+from cadenza.node.replay.client import ReplayConfig, api_base_url, fetch_model, replay
+from cadenza.node.replay.trace import TraceRequest
 from fake_time import FakeTime
 from waiting import until
 
@@ -57,7 +57,7 @@ async def test_each_request_gets_a_ttft_and_one_itl_gap_per_token_after_the_firs
 
 
 async def test_requests_are_sent_at_their_scheduled_arrival(fake_base_url, monkeypatch):
-    from cadenza.node.bench import client
+    from cadenza.node.replay import client
 
     clock = FakeTime(oversleep=0.01)  # every sleep wakes 10 ms late, as on a loaded machine
     clock.install(monkeypatch, client)

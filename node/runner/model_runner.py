@@ -14,12 +14,12 @@ import random
 import numpy as np
 import torch
 
-from cadenza.node.backend import AttentionMetadata, select_backend
-from cadenza.node.config import CacheConfig, ConfigError, EngineConfig
-from cadenza.node.models.config import ModelConfig
-from cadenza.node.models.llama import load_model
-from cadenza.node.sampler import make_generator, sample
-from cadenza.node.scheduler import SchedulerOutput
+from cadenza.node.runner.backend import AttentionMetadata, select_backend
+from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig
+from cadenza.node.runner.models.config import ModelConfig
+from cadenza.node.runner.models.llama import load_model
+from cadenza.node.runner.sampler import make_generator, sample
+from cadenza.node.core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

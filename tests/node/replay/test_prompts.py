@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cadenza.node.bench.prompts import PromptSynthesizer, corpus_sentences, load_tokenizer
+from cadenza.node.replay.prompts import PromptSynthesizer, corpus_sentences, load_tokenizer
 
 
 @pytest.fixture(scope="module")

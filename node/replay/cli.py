@@ -1,11 +1,11 @@
 """``cadenza bench``: replay a request trace against an OpenAI-compatible endpoint.
 
-Loads a trace (:mod:`cadenza.node.bench.trace`), scales it, synthesizes prompts of the trace's
-lengths (:mod:`cadenza.node.bench.prompts`), replays it with streaming
-(:mod:`cadenza.node.bench.client`) while sampling a cadenza server's counters
-(:mod:`cadenza.node.bench.server_samples`), prints a report (:mod:`cadenza.node.bench.report`),
+Loads a trace (:mod:`cadenza.node.replay.trace`), scales it, synthesizes prompts of the trace's
+lengths (:mod:`cadenza.node.replay.prompts`), replays it with streaming
+(:mod:`cadenza.node.replay.client`) while sampling a cadenza server's counters
+(:mod:`cadenza.node.replay.server_samples`), prints a report (:mod:`cadenza.node.replay.report`),
 optionally writes everything, per-request records included, to JSON, and draws figures
-(:mod:`cadenza.node.bench.plots`). Requests can be sent as traffic classes (``--class``,
+(:mod:`cadenza.node.replay.plots`). Requests can be sent as traffic classes (``--class``,
 ``--batch-above``); each carries a W3C ``traceparent`` whose trace id is in its record.
 
 Usage::
@@ -15,7 +15,7 @@ Usage::
         --duration 120 --slo-ttft-ms 500 --slo-itl-ms 100 --json bench-results/run.json \\
         --batch-above 2048 --plot bench-results/figures
     cadenza bench --plot-only bench-results/run.json --plot bench-results/figures
-    python -m cadenza.node.bench.cli --help
+    python -m cadenza.node.replay.cli --help
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from cadenza.node.bench.client import (
+from cadenza.node.replay.client import (
     ReplayConfig, ReplayResult, RequestRecord, api_base_url, fetch_model, replay)
-from cadenza.node.bench.headers import ClassRule, request_headers
-from cadenza.node.bench.prompts import PromptSynthesizer, load_tokenizer
-from cadenza.node.bench.report import SLO, format_summary, summarize
-from cadenza.node.bench.server_samples import ServerSampler
-from cadenza.node.bench.trace import ScaledTrace, TraceRequest, load_trace, scale_trace
+from cadenza.node.replay.headers import ClassRule, request_headers
+from cadenza.node.replay.prompts import PromptSynthesizer, load_tokenizer
+from cadenza.node.replay.report import SLO, format_summary, summarize
+from cadenza.node.replay.server_samples import ServerSampler
+from cadenza.node.replay.trace import ScaledTrace, TraceRequest, load_trace, scale_trace
 from cadenza.node.embedded import embedded_model_dir
-from cadenza.node.policy import CLASSES
+from cadenza.node.core.policy import CLASSES
 
 OUTPUT_DIR = "bench-results"  # the folder the help suggests for --json and --plot (git-ignored)
 DESCRIPTION = (
@@ -183,7 +183,7 @@ def _document(args: argparse.Namespace, model: str, scaled: ScaledTrace, summary
 
 
 def _plot(document: dict[str, Any], out_dir: Path, long_prompt_tokens: int | None) -> int:
-    from cadenza.node.bench.plots import write_plots
+    from cadenza.node.replay.plots import write_plots
 
     try:
         paths = write_plots(document, out_dir, long_prompt_tokens)
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for ``python -m cadenza.node.bench.cli``."""
+    """Entry point for ``python -m cadenza.node.replay.cli``."""
     parser = argparse.ArgumentParser(prog="cadenza bench", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
