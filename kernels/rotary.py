@@ -3,7 +3,7 @@
 GPT-NeoX "rotate half" layout, as Hugging Face Llama: with ``x = [x1, x2]`` split in halves,
 ``x1' = x1 cos - x2 sin`` and ``x2' = x2 cos + x1 sin``, angles looked up by position in a
 ``cos_sin_cache`` built with ``rope_theta`` and any ``rope_scaling`` (linear, Llama 3) — see
-:mod:`cadenza.node.models.rope`. RoFormer: Su et al., 2021. One program per token rotates all its
+:mod:`cadenza.node.runner.models.rope`. RoFormer: Su et al., 2021. One program per token rotates all its
 query and key heads; arithmetic in fp32.
 """
 
