@@ -47,11 +47,10 @@ from cadenza.node.gateway.state import (
 )
 from cadenza.node.gateway.upstreams import ROLES, Upstreams
 from cadenza.node.server.errors import error_middleware, error_response
+from cadenza.node.wire import MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 
-# Same bound as a replica (node/server/app.py): long prompts sent as token ids fit.
-MAX_BODY_BYTES = 32 * 2**20
 
 
 class UpstreamSource(Protocol):

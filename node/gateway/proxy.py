@@ -41,10 +41,10 @@ from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream
 from cadenza.node.core.policy import PolicyError, check_class
 from cadenza.node.server.errors import APIError, error_body
 from cadenza.node.server.http import body_timeout, send
+from cadenza.node.wire import CLASS_HEADER
 
 logger = logging.getLogger(__name__)
 
-CLASS_HEADER = "x-cadenza-class"
 MAX_ATTEMPTS = 2  # the first try and at most one retry
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 

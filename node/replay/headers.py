@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cadenza.node.core.policy import CLASSES
+from cadenza.node.wire import CLASS_HEADER, TRACEPARENT_HEADER
 
-CLASS_HEADER = "x-cadenza-class"
-TRACEPARENT_HEADER = "traceparent"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,17 @@
+"""What every HTTP process of a pool agrees on: header names and body limits, defined once.
+
+The engine server (:mod:`cadenza.node.server`), the gateway (:mod:`cadenza.node.gateway`) and the
+trace-replay client (:mod:`cadenza.node.replay`) all read these; a pool whose gateway accepted a
+body its engines refuse, or that spelled a header two ways, would fail in ways no single process
+could explain.
+"""
+
+from __future__ import annotations
+
+CLASS_HEADER = "x-cadenza-class"  # the request's traffic class: interactive | batch | background
+TENANT_HEADER = "x-cadenza-tenant"  # who sent it (fair queuing and quotas within a class)
+TRACEPARENT_HEADER = "traceparent"  # W3C trace context; the request's span is its child
+REQUEST_ID_HEADER = "x-request-id"  # the completion's id, on every response
+
+# OpenAI request bodies are small; 32 MiB leaves room for long prompts sent as token ids.
+MAX_BODY_BYTES = 32 * 2**20
