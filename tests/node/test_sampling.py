@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadenza.node.core.engine import Engine
+from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import Request, RequestStatus, SamplingParams
 from cadenza.node.runner.sampler import make_generator, sample
 
@@ -52,6 +52,30 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 def test_top_p_always_keeps_the_most_likely_token():
     assert frequencies(SamplingParams(temperature=1.0, top_p=0.01), n=200) == [1.0, 0, 0, 0]
+
+
+def test_one_batch_applies_each_rows_own_parameters():
+    logits = torch.tensor([PROBS] * 4).log()
+    rows = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1 + 1),
+            SamplingParams(temperature=1.0, top_p=0.01), SamplingParams(temperature=1.0)]
+    seen: list[set[int]] = [set() for _ in rows]
+    gens = [None] + [make_generator(i, torch.device("cpu")) for i in range(3)]
+    for _ in range(300):
+        for i, token in enumerate(sample(logits, rows, gens)):
+            seen[i].add(token)
+    assert seen == [{0}, {0, 1}, {0}, {0, 1, 2, 3}]
+
+
+def test_a_rows_draw_depends_only_on_its_own_generator():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    sp = SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
+
+    def draws(batch_rows: int) -> list[int]:
+        g = make_generator(7, torch.device("cpu"))
+        others = [make_generator(100 + i, torch.device("cpu")) for i in range(batch_rows - 1)]
+        return [sample(logits[:batch_rows], [sp] * batch_rows, [g, *others])[0] for _ in range(20)]
+
+    assert draws(1) == draws(3)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +140,7 @@ def test_stop_token_ids_finish_with_stop_and_add_no_text(engine):
 
 def test_eos_from_the_model_finishes_with_stop(engine, monkeypatch):
     first = run(engine, PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0][0]
-    monkeypatch.setattr(engine, "eos_token_ids", frozenset({first}))
+    monkeypatch.setattr(engine.core, "eos_token_ids", frozenset({first}))
     tokens, _, reason = run(engine, PROMPT, SamplingParams(max_tokens=10, temperature=0))
     assert tokens == [first] and reason == "stop"
 
@@ -140,3 +164,19 @@ def test_a_degenerate_distribution_falls_back_to_argmax_instead_of_failing():
     g = make_generator(0, torch.device("cpu"))
     assert sample(logits, [SamplingParams(temperature=1.0)], [g]) in ([0], [1], [2])
     assert sample(torch.tensor([[0.0, 5.0, 1.0]]), [SamplingParams(temperature=1e-30)], [g]) == [1]
+
+
+def test_a_stop_string_ends_the_request_in_the_core_so_no_further_token_is_scheduled(engine):
+    _, full, _ = run(engine, PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    finished, aborted = engine.stats().num_finished, engine.stats().num_aborted
+    engine.add_request("s", PROMPT, SamplingParams(max_tokens=40, temperature=0, stop=(stop,), ignore_eos=True))
+    while True:
+        (out,) = [o for o in engine.step() if o.request_id == "s"]
+        if out.finished:
+            break
+    assert out.finish_reason == "stop" and out.num_output_tokens < 40
+    assert "s" not in engine.scheduler.requests and not engine.block_manager.holds("s")
+    assert engine.scheduler.schedule().is_empty  # the next step has no row for it
+    stats = engine.stats()
+    assert stats.num_finished == finished + 1 and stats.num_aborted == aborted  # finished as stopped
