@@ -9,11 +9,13 @@ queue drains. Nothing already admitted is ever dropped. No torch here.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
-from cadenza.node.core.policy import Policy
+from collections.abc import Callable
+
+from cadenza.node.core.policy import Policy, PolicyError, check_class, check_tenant
 from cadenza.node.core.request import Request
+from cadenza.node.core.stats import EngineStats, retry_after
 
 
 class AdmissionError(ValueError):
@@ -57,10 +59,26 @@ class DrainRate:
 
     def retry_after(self, queued: int, now: float) -> int:
         """Seconds until ``queued`` requests ahead have drained (1 to 300)."""
-        rate = self.per_second(now)
-        if rate is None:
-            return 1
-        return int(min(300, max(1, math.ceil(queued / rate))))
+        return retry_after(queued, self.per_second(now))
+
+
+def check_published(req: Request, policy: Policy, max_model_len: int, stats: EngineStats) -> None:
+    """:func:`check_admission` against an engine's last published stats: how the front end
+    refuses at once, without asking the core (which checks again when the request arrives).
+
+    Raises:
+        AdmissionError: as :func:`check_admission`.
+    """
+    try:
+        req.traffic_class = check_class(req.traffic_class)  # canonical: lower-case
+        check_tenant(req.tenant)
+    except PolicyError as exc:
+        raise AdmissionError(400, str(exc), "bad_class_or_tenant") from None
+    cls = stats.classes.get(req.traffic_class)
+    tenant = stats.tenants.get(req.tenant)
+    check_admission(req, policy, max_model_len, cls.waiting if cls else 0,
+                    tenant.live if tenant else 0, tenant.queued_prompt_tokens if tenant else 0,
+                    cls.retry_after if cls else (lambda _queued: 1), cls.queue_limit if cls else None)
 
 
 def check_admission(
@@ -70,8 +88,7 @@ def check_admission(
     class_depth: int,
     tenant_live: int,
     tenant_queued_tokens: int,
-    drain: DrainRate,
-    now: float,
+    retry_after: Callable[[int], int],
     queue_limit: int | None = None,
 ) -> None:
     """Refuse ``req`` if it cannot or should not be queued now.
@@ -82,6 +99,7 @@ def check_admission(
             ``max_queue_depth``; the scheduler passes the bound derived from its capacity).
         tenant_live: the tenant's live requests (waiting or running).
         tenant_queued_tokens: the tenant's prompt tokens waiting.
+        retry_after: seconds until a given number of the class's queued requests have drained.
 
     Raises:
         AdmissionError: with the status, a message for the client and ``Retry-After`` for 429.
@@ -95,12 +113,12 @@ def check_admission(
     if limit is not None and class_depth >= limit:
         raise AdmissionError(
             429, f"the {req.traffic_class} queue is full ({class_depth} requests waiting); retry later",
-            "queue_full", drain.retry_after(class_depth, now))
+            "queue_full", retry_after(class_depth))
     tenant = policy.tenant(req.tenant)
     if tenant.max_concurrent is not None and tenant_live >= tenant.max_concurrent:
         raise AdmissionError(
             429, f"tenant {req.tenant!r} has {tenant_live} requests in flight, its limit; retry later",
-            "tenant_concurrency", drain.retry_after(1, now))
+            "tenant_concurrency", retry_after(1))
     limit = tenant.max_queued_prompt_tokens
     if limit is not None:
         if req.num_prompt_tokens > limit:
@@ -110,4 +128,4 @@ def check_admission(
         if tenant_queued_tokens + req.num_prompt_tokens > limit:
             raise AdmissionError(
                 429, f"tenant {req.tenant!r} has {tenant_queued_tokens} prompt tokens queued (limit {limit}); "
-                "retry later", "tenant_tokens", drain.retry_after(class_depth or 1, now))
+                "retry later", "tenant_tokens", retry_after(class_depth or 1))

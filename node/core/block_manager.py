@@ -18,7 +18,10 @@ only after the step that wrote the block's KV (:meth:`commit`), so a block is ne
 reuse before its KV exists.
 
 Accounting is exact: ``num_used_blocks`` (ref > 0) + ``num_cached_free_blocks`` +
-``num_plain_free_blocks`` == ``num_blocks``. No torch here.
+``num_plain_free_blocks`` == ``num_blocks``. The manager also owns the *reservation* of admitted
+prompts: blocks a prompt still needs to finish its prefill are counted at admission
+(:meth:`KVBlockManager.admit`) and used up as its chunks allocate them, so a new admission sees
+``headroom`` net of what others already have a claim on. No torch here.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 HASH_BYTES = 16  # SHA-256 truncated to 128 bits
 _ROOT_HASH = hashlib.sha256(b"cadenza-prefix-cache-v2").digest()[:HASH_BYTES]
@@ -43,7 +46,16 @@ def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 class KVBlockManager:
-    """Allocates KV blocks to requests.
+    """Allocates KV blocks to requests; the scheduler's only view of KV memory.
+
+    The API is narrow: grow a request's table to hold ``n`` tokens or say no
+    (:meth:`allocate_slots`), admit a request with its prefix-cache hit and a reservation for the
+    rest of its prompt (:meth:`admit`), register computed blocks (:meth:`commit`), free
+    (:meth:`free`). Block tables, ref counts and the hash map stay inside.
+
+    Invariants (:meth:`consistent`): every block is used (ref > 0), cached-but-free or plain free,
+    exactly once; a block's ref count is the number of tables holding it; the reserved total is
+    the sum of what admitted prompts still need beyond their tables.
 
     Args:
         num_blocks: blocks in the pool.
@@ -57,14 +69,16 @@ class KVBlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self.block_tables: dict[str, list[int]] = {}
-        self.ref_counts = [0] * num_blocks
+        self._tables: dict[str, list[int]] = {}
+        self._refs = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # hash -> block holding that prefix's KV
         self._plain_free: deque[int] = deque(range(num_blocks))  # free, never hashed (or evicted)
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # free, hashed; oldest first
         self._hashes: dict[str, list[bytes]] = {}  # request -> chained hashes of its full blocks
         self._committed: dict[str, int] = {}  # request -> leading blocks of its table already committed
+        self._reserved: dict[str, int] = {}  # request -> blocks its admitted prompt still needs
+        self.num_reserved_blocks = 0  # sum of _reserved
         self.num_evictions = 0
 
     # -- accounting -------------------------------------------------------------------------------
@@ -86,44 +100,60 @@ class KVBlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    # -- allocation --------------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
 
-    def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """Blocks to add so the request's table holds ``num_tokens`` tokens (0 if it already does)."""
-        have = len(self.block_tables.get(request_id, ()))
-        return max(0, -(-num_tokens // self.block_size) - have)
+    def num_blocks_held(self, request_id: str) -> int:
+        return len(self._tables.get(request_id, ()))
+
+    def holds(self, request_id: str) -> bool:
+        """True while the request has a table (it was allocated or admitted and not freed)."""
+        return request_id in self._tables
 
     def capacity(self, request_id: str) -> int:
         """Tokens the request could hold now: its own blocks plus every allocatable block."""
-        have = len(self.block_tables.get(request_id, ()))
-        return (have + self.num_free_blocks) * self.block_size
+        return (self.num_blocks_held(request_id) + self.num_free_blocks) * self.block_size
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        """True when the request's table can grow to hold ``num_tokens`` tokens."""
-        return self.num_blocks_needed(request_id, num_tokens) <= self.num_free_blocks
+    def headroom(self, cached: Sequence[int]) -> int:
+        """Blocks a new admission whose prefix hit is ``cached`` may take now: the free ones,
+        less those of its own hit (adopted, not allocated) and those reserved for admitted
+        prompts."""
+        refs = self._refs
+        evictable = sum(1 for b in cached if refs[b] == 0)
+        return self.num_free_blocks - evictable - self.num_reserved_blocks
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        """Grow the request's table to hold ``num_tokens`` tokens; return the new block ids.
+    def reclaimable(self, request_id: str, keep: Collection[int] = ()) -> int:
+        """Blocks that freeing the request would give back: those it alone holds (less any in
+        ``keep``, e.g. a newcomer's prefix hit) plus its reservation."""
+        refs = self._refs
+        table = self._tables.get(request_id, ())
+        return sum(1 for b in table if refs[b] == 1 and b not in keep) + self._reserved.get(request_id, 0)
 
-        Raises:
-            MemoryError: not enough allocatable blocks (check ``can_allocate`` first); nothing changes.
-        """
-        needed = self.num_blocks_needed(request_id, num_tokens)
-        if needed > self.num_free_blocks:
-            raise MemoryError(f"request {request_id} needs {needed} KV blocks, {self.num_free_blocks} free")
-        table = self.block_tables.setdefault(request_id, [])
-        new = [self._take() for _ in range(needed)]
-        table.extend(new)
-        return new
+    # -- allocation --------------------------------------------------------------------------------
 
-    def append_slot(self, request_id: str, num_tokens: int) -> bool:
-        """Fast path for a decode: make room for token ``num_tokens - 1``; False if no block is free."""
-        table = self.block_tables[request_id]
-        if num_tokens <= len(table) * self.block_size:
+    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
+        """Grow the request's table to hold ``num_tokens`` tokens; False, changing nothing, when
+        too few blocks are free. New blocks come out of the request's reservation first."""
+        table = self._tables.get(request_id)
+        have = 0 if table is None else len(table)
+        needed = -(-num_tokens // self.block_size) - have
+        if needed <= 0:
+            if table is None:
+                self._tables[request_id] = []
             return True
-        if not self._plain_free and not self._cached_free:
+        if needed > len(self._plain_free) + len(self._cached_free):
             return False
-        table.append(self._take())
+        if table is None:
+            table = self._tables[request_id] = []
+        take = self._take
+        for _ in range(needed):
+            table.append(take())
+        reserved = self._reserved.get(request_id)
+        if reserved:
+            used = min(reserved, needed)
+            self._reserved[request_id] = reserved - used
+            self.num_reserved_blocks -= used
         return True
 
     def _take(self) -> int:
@@ -136,11 +166,31 @@ class KVBlockManager:
                 del self._cached[h]  # type: ignore[arg-type]
             self._hash_of[block] = None
             self.num_evictions += 1
-        self.ref_counts[block] = 1
+        self._refs[block] = 1
         return block
 
+    def admit(self, request_id: str, cached: Sequence[int], num_tokens: int) -> None:
+        """Start the request's table with its prefix hit ``cached`` (shared blocks, one more
+        reference each) and reserve the blocks the rest of its ``num_tokens`` will need.
+
+        Raises:
+            ValueError: the request already holds blocks.
+        """
+        if self._tables.get(request_id):
+            raise ValueError(f"request {request_id} already holds blocks")
+        refs = self._refs
+        for block in cached:
+            if refs[block] == 0:
+                del self._cached_free[block]
+            refs[block] += 1
+        self._tables[request_id] = list(cached)
+        reserve = max(0, self.blocks_for(num_tokens) - len(cached))
+        if reserve:
+            self._reserved[request_id] = reserve
+            self.num_reserved_blocks += reserve
+
     def free(self, request_id: str, keep_hashes: bool = False) -> int:
-        """Release the request's blocks; the number it held (0 if none).
+        """Release the request's blocks and reservation; the number of blocks it held (0 if none).
 
         Blocks nobody else uses become free — cached-but-free if they hold a committed prefix
         (tail blocks first, so a prefix outlives its suffixes), plain free otherwise.
@@ -150,10 +200,11 @@ class KVBlockManager:
         if not keep_hashes:
             self._hashes.pop(request_id, None)
         self._committed.pop(request_id, None)
-        table = self.block_tables.pop(request_id, None)
+        self.num_reserved_blocks -= self._reserved.pop(request_id, 0)
+        table = self._tables.pop(request_id, None)
         if not table:
             return 0
-        refs = self.ref_counts
+        refs = self._refs
         for block in reversed(table):
             refs[block] -= 1
             if refs[block] == 0:
@@ -164,8 +215,23 @@ class KVBlockManager:
         return len(table)
 
     def block_table(self, request_id: str) -> list[int]:
-        """The request's block ids in token order (empty if it holds none)."""
-        return self.block_tables.get(request_id, [])
+        """The request's block ids in token order (empty if it holds none). The live list: the
+        runner reads it, nobody outside this class changes it."""
+        return self._tables.get(request_id, [])
+
+    def consistent(self) -> bool:
+        """Check the invariants (the class docstring); for tests and debugging: O(blocks)."""
+        holders: dict[int, int] = {}
+        for table in self._tables.values():
+            for b in table:
+                holders[b] = holders.get(b, 0) + 1
+        free = set(self._plain_free) | set(self._cached_free)
+        return (all(self._refs[b] == n for b, n in holders.items())
+                and all(self._refs[b] == 0 for b in range(self.num_blocks) if b not in holders)
+                and not free & holders.keys()
+                and len(free) + len(holders) == self.num_blocks
+                and len(self._plain_free) + len(self._cached_free) == len(free)
+                and self.num_reserved_blocks == sum(self._reserved.values()) >= 0)
 
     # -- prefix caching -----------------------------------------------------------------------------
 
@@ -187,22 +253,12 @@ class KVBlockManager:
             blocks.append(block)
         return blocks
 
-    def adopt_prefix(self, request_id: str, blocks: Sequence[int]) -> None:
-        """Start the request's (empty) table with shared cached blocks, taking a reference each."""
-        if self.block_tables.get(request_id):
-            raise ValueError(f"request {request_id} already holds blocks")
-        for block in blocks:
-            if self.ref_counts[block] == 0:
-                del self._cached_free[block]
-            self.ref_counts[block] += 1
-        self.block_tables[request_id] = list(blocks)
-
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                salt: bytes = b"") -> None:
         """Register the hashes of the request's blocks that are now full and computed."""
         if not self.prefix_caching:
             return
-        table = self.block_tables.get(request_id)
+        table = self._tables.get(request_id)
         if not table:
             return
         full = min(num_computed_tokens // self.block_size, len(table))

@@ -31,43 +31,77 @@ Each chunk is at most ``chunk_size``. No torch here.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import NamedTuple
 
+from cadenza.node.core.block_manager import KVBlockManager
+from cadenza.node.core.config import SchedulerConfig
+from cadenza.node.core.cost_model import StepCostModel
 from cadenza.node.core.policy import CLASS_RANK, CLASSES
+from cadenza.node.core.preemption import Preemption
+from cadenza.node.core.queues import ClassQueue
 from cadenza.node.core.request import Request
-
-if TYPE_CHECKING:
-    from cadenza.node.core.scheduler import Scheduler, Step
+from cadenza.node.core.stats import SchedulerStats
+from cadenza.node.core.step import Step
 
 PREFILL_FLOOR = 16  # tokens a step always offers prefill work, whatever the step-time target
 MAX_TENANT_STATS = 1024  # tenants counted one by one in stats; the rest are summed under OTHER_TENANTS
 OTHER_TENANTS = "_other"
 
 
+class PrefillContext(NamedTuple):
+    """What the prefill adder reads and changes — and nothing else of the scheduler.
+
+    Attributes:
+        config: the knobs in force (budget, chunk cap, running cap, the policy).
+        running: running requests, oldest first (admissions are inserted by ``start_running``).
+        queues: the class queues.
+        kv: the KV block manager.
+        preemption: victim choice and preemption, shared with the decode part.
+        cost_model: the step-time model (time budget, chunk sizing).
+        stats: counters.
+        now: the clock when the step is built (seconds, monotonic).
+        step_seconds: recent mean step time (aging looks one step ahead).
+        watermark_blocks: KV blocks kept free when admitting, while anything runs.
+        cache_salt: a request's prefix-cache salt.
+        start_running: moves a queued request into ``running`` (records its admission).
+    """
+
+    config: SchedulerConfig
+    running: list[Request]
+    queues: dict[str, ClassQueue]
+    kv: KVBlockManager
+    preemption: Preemption
+    cost_model: StepCostModel
+    stats: SchedulerStats
+    now: float
+    step_seconds: float
+    watermark_blocks: int
+    cache_salt: Callable[[Request], bytes]
+    start_running: Callable[[Request, Step], None]
+
+
 class PrefillAdder:
     """Fills one step's prefill part (see the module docstring)."""
 
-    def __init__(self, sched: Scheduler, step: Step) -> None:
-        self.sched = sched
+    def __init__(self, ctx: PrefillContext, step: Step) -> None:
+        self.ctx = ctx
         self.step = step
-        self.bm = sched.block_manager
-        self.policy = sched.policy
-        self.chunk_cap = sched.config.effective_chunk_size
-        self.max_running = sched.config.max_running
+        self.kv = ctx.kv
+        self.queues = ctx.queues
+        self.stats = ctx.stats
+        self.policy = ctx.config.policy
+        self.chunk_cap = ctx.config.effective_chunk_size
+        self.max_running = ctx.config.max_running
         self.used = dict.fromkeys(CLASSES, 0)
         self.partials: dict[str, dict[str, deque[Request]]] = {c: defaultdict(deque) for c in CLASSES}
         self.wanted: dict[str, int] = {}  # partial prefill -> tokens it wanted this step
-        self.reserved = 0  # blocks admitted prompts still need
-        bs = self.bm.block_size
-        tables = self.bm.block_tables
         self._lowest_rank: int | None = None  # of the classes running when the step began (lazily)
-        for req in sched.running:
-            n = len(req.token_ids)
-            if req.num_computed_tokens < n - 1:
-                self.reserved += max(0, -(-n // bs) - len(tables.get(req.request_id, ())))
-                if req.request_id not in step.prefills:
-                    self.partials[req.traffic_class][req.tenant].append(req)
-                    self.wanted[req.request_id] = min(n - req.num_computed_tokens, self.chunk_cap)
+        prefills = step.prefills
+        for req in ctx.running:
+            if not req.is_decoding and req.request_id not in prefills:
+                self.partials[req.traffic_class][req.tenant].append(req)
+                self.wanted[req.request_id] = min(req.num_new_tokens, self.chunk_cap)
         self.admissions_open = not step.out.preempted  # memory is short: delay new prefill first
         self.seconds_left = self._time_budget()
 
@@ -76,11 +110,10 @@ class PrefillAdder:
         interactive stream (whose inter-token latency the target protects) and the cost model is
         calibrated; else None (no time limit)."""
         target = self.policy.step_time_target_ms
-        model = self.sched.cost_model
+        model = self.ctx.cost_model
         if target is None or not model.ready:
             return None
-        if not any(r.traffic_class == "interactive" and r.num_computed_tokens == len(r.token_ids) - 1
-                   for r in self.sched.running):
+        if not any(r.traffic_class == "interactive" and r.is_decoding for r in self.ctx.running):
             return None
         decode_only = self.step.out.features()._replace(prefill_tokens=0, prefill_attention_tokens=0.0)
         return target / 1000.0 - (model.predict(decode_only) or 0.0)
@@ -95,7 +128,7 @@ class PrefillAdder:
     def run(self) -> None:
         if self.left > 0:
             self._admit_aged()
-            has_work = {c: bool(self.partials[c]) or len(self.sched.queues[c]) > 0 for c in CLASSES}
+            has_work = {c: bool(self.partials[c]) or len(self.queues[c]) > 0 for c in CLASSES}
             budget = self.left
             reserve = {c: min(int(self.policy.classes[c].min_share * budget), self._cap(c)) if has_work[c] else 0
                        for c in CLASSES}
@@ -111,13 +144,13 @@ class PrefillAdder:
 
     def _cap(self, cls: str) -> int:
         cap = self.policy.classes[cls].max_prefill_tokens
-        return self.sched.config.token_budget if cap is None else cap
+        return self.ctx.config.token_budget if cap is None else cap
 
     def _admit_aged(self) -> None:
-        now = self.sched.clock() + self.sched.step_seconds  # the age once this step has run
+        now = self.ctx.now + self.ctx.step_seconds  # the age once this step has run
         for cls in CLASSES:
             max_age = self.policy.classes[cls].max_queue_age_s
-            oldest = self.sched.queues[cls].oldest()
+            oldest = self.queues[cls].oldest()
             if max_age is None or oldest is None or now - oldest.arrival_time < max_age:
                 continue
             if not self._admit(oldest, self.left):
@@ -126,7 +159,7 @@ class PrefillAdder:
 
     def _fill_class(self, cls: str, room: int) -> None:
         limit = self.used[cls] + room
-        queue = self.sched.queues[cls]
+        queue = self.queues[cls]
         partials = self.partials[cls]
         while partials and self.used[cls] < limit and self.left > 0:  # 1. partial prefills, by WFQ
             tenant = min(partials, key=lambda t: queue.service[t])
@@ -154,7 +187,7 @@ class PrefillAdder:
         """Tokens of the request's next chunk from ``start``: prompt, cap, room, budget, time."""
         n = min(len(req.token_ids) - start, self.chunk_cap, room, self.left)
         if self.seconds_left is not None:
-            fits = self.sched.cost_model.max_chunk(self.seconds_left, start)
+            fits = self.ctx.cost_model.max_chunk(self.seconds_left, start)
             floor = PREFILL_FLOOR if self.step.out.num_prefill_tokens == 0 else 0
             n = min(n, max(fits, floor))
         return n
@@ -164,14 +197,14 @@ class PrefillAdder:
         n = self._chunk(req, req.num_computed_tokens, room)
         if n <= 0:
             return
-        fits = self.bm.capacity(req.request_id) - req.num_computed_tokens
+        fits = self.kv.capacity(req.request_id) - req.num_computed_tokens
         while fits <= 0:
-            self.sched.stats.allocation_failures += 1
-            victim = self.sched.victim_for(req, include_self=False)
+            self.stats.allocation_failures += 1
+            victim = self.ctx.preemption.victim_for(req, include_self=False)
             if victim is None:
                 return
             self._preempt(victim)
-            fits = self.bm.capacity(req.request_id) - req.num_computed_tokens
+            fits = self.kv.capacity(req.request_id) - req.num_computed_tokens
         self._grant(req, min(n, fits))
 
     def _admit(self, req: Request, room: int) -> bool:
@@ -179,11 +212,11 @@ class PrefillAdder:
         displacing running requests of strictly lower classes when that is what it lacks."""
         if not self.admissions_open and not self._displaceable(req):
             return False
-        bm, bs = self.bm, self.bm.block_size
-        cached = bm.match_prefix(req.request_id, req.token_ids, self.sched.cache_salt(req))
-        need = -(-len(req.token_ids) // bs) - len(cached)
-        start = len(cached) * bs
-        slots_short = len(self.sched.running) + 1 - self.max_running
+        kv = self.kv
+        cached = kv.match_prefix(req.request_id, req.token_ids, self.ctx.cache_salt(req))
+        need = kv.blocks_for(len(req.token_ids)) - len(cached)
+        start = len(cached) * kv.block_size
+        slots_short = len(self.ctx.running) + 1 - self.max_running
         kv_short = need - self._headroom(cached)
         if slots_short > 0 or kv_short > 0:
             victims = self._victims_for(self._displaceable(req), cached, slots_short, kv_short)
@@ -191,36 +224,36 @@ class PrefillAdder:
                 if slots_short > 0:
                     self.admissions_open = False
                 else:
-                    self.sched.stats.kv_admission_delays += 1
+                    self.stats.kv_admission_delays += 1
                 return False
             for victim in victims:
                 self._preempt(victim, close_admissions=False)
-            self.sched.stats.num_admission_preemptions += len(victims)
+            self.stats.num_admission_preemptions += len(victims)
         n = self._chunk(req, start, room)
         if n <= 0:
             return False
-        self.sched.start_running(req, self.step)
-        bm.adopt_prefix(req.request_id, cached)
+        self.ctx.start_running(req, self.step)
+        kv.admit(req.request_id, cached, len(req.token_ids))  # the prefix hit, and a claim on the rest
         req.num_computed_tokens = req.num_cached_tokens = start
-        stats = self.sched.stats
+        stats = self.stats
         stats.prefix_cache_queried_tokens += len(req.token_ids)
         stats.prefix_cache_hit_tokens += start
         self._grant(req, n)
-        self.reserved += max(0, need - -(-(start + n) // bs) + len(cached))
         return True
 
     def _grant(self, req: Request, n: int) -> None:
         start = req.num_computed_tokens
-        self.bm.allocate(req.request_id, start + n)
-        self.step.add_prefill(req, start, n, self.bm.block_tables[req.request_id])
+        if not self.kv.allocate_slots(req.request_id, start + n):  # n was sized to what is free
+            raise MemoryError(f"request {req.request_id}: no KV blocks for a chunk of {n} tokens")
+        self.step.add_prefill(req, start, n, self.kv.block_table(req.request_id))
         if self.seconds_left is not None:
-            self.seconds_left -= self.sched.cost_model.chunk_cost(n, start)
+            self.seconds_left -= self.ctx.cost_model.chunk_cost(n, start)
         self._account(req, n)
 
     def _account(self, req: Request, n: int) -> None:
         self.used[req.traffic_class] += n
-        self.sched.queues[req.traffic_class].charge(req.tenant, n, self.policy.tenant(req.tenant).weight)
-        stats = self.sched.stats
+        self.queues[req.traffic_class].charge(req.tenant, n, self.policy.tenant(req.tenant).weight)
+        stats = self.stats
         stats.prefill_tokens_admitted += n
         stats.prefill_tokens_by_class[req.traffic_class] += n
         by_tenant = stats.prefill_tokens_by_tenant
@@ -232,41 +265,30 @@ class PrefillAdder:
     def _headroom(self, cached: list[int]) -> int:
         """Blocks a new admission may take now: free ones, less its own cached prefix (adopted,
         not allocated), the blocks admitted prompts still need, and the watermark."""
-        bm = self.bm
-        evictable = sum(1 for b in cached if bm.ref_counts[b] == 0)
-        watermark = self.sched.watermark_blocks if self.sched.running else 0
-        return bm.num_free_blocks - evictable - self.reserved - watermark
+        watermark = self.ctx.watermark_blocks if self.ctx.running else 0
+        return self.kv.headroom(cached) - watermark
 
     def _displaceable(self, req: Request) -> list[Request]:
         """Running requests ``req`` may displace, in the order they go: strictly lower classes,
         the lowest and then the newest first; none protected, none admitted in this step."""
         rank = CLASS_RANK[req.traffic_class]
         if self._lowest_rank is None:
-            self._lowest_rank = max((CLASS_RANK[c] for c in {r.traffic_class for r in self.sched.running}), default=-1)
+            self._lowest_rank = max((CLASS_RANK[c] for c in {r.traffic_class for r in self.ctx.running}), default=-1)
         if rank >= self._lowest_rank:  # nothing of a lower class ran when the step began
             return []
         admitted_now = {r.request_id for r, _phase, _queued in self.step.out.admitted}
-        victims = [r for r in self.sched.running
-                   if CLASS_RANK[r.traffic_class] > rank and not self.sched.protected(r)
-                   and r.request_id not in admitted_now]
-        victims.sort(key=self.sched._victim_key, reverse=True)
-        return victims
+        return self.ctx.preemption.displaceable(rank, admitted_now)
 
     def _victims_for(self, candidates: list[Request], cached: list[int], slots: int, blocks: int) -> list[Request] | None:
         """The shortest prefix of ``candidates`` whose preemption frees ``slots`` running slots and
         ``blocks`` KV blocks for an admission whose cached prefix is ``cached``; None if even all
         of them would not (then nobody is preempted)."""
-        bm, bs = self.bm, self.bm.block_size
         keep = set(cached)  # shared with the newcomer: freeing them gains it nothing
         chosen: list[Request] = []
         for victim in candidates:
             if slots <= 0 and blocks <= 0:
                 break
-            table = bm.block_tables.get(victim.request_id, ())
-            blocks -= sum(1 for b in table if bm.ref_counts[b] == 1 and b not in keep)
-            n = len(victim.token_ids)
-            if victim.num_computed_tokens < n - 1:  # a partial prefill: its reservation goes too
-                blocks -= max(0, -(-n // bs) - len(table))
+            blocks -= self.kv.reclaimable(victim.request_id, keep)  # a partial prefill's reservation too
             slots -= 1
             chosen.append(victim)
         return chosen if slots <= 0 and blocks <= 0 else None
@@ -277,10 +299,7 @@ class PrefillAdder:
         chunk = self.step.prefills.get(victim.request_id)
         if chunk is not None:
             self._account(victim, -chunk.num_tokens)
-        n, bs = len(victim.token_ids), self.bm.block_size
-        if victim.num_computed_tokens < n - 1:
-            self.reserved -= max(0, -(-n // bs) - len(self.bm.block_tables.get(victim.request_id, ())))
-        self.sched._preempt(victim, self.step)  # unschedules it and refunds the step's budget
+        self.ctx.preemption.preempt(victim, self.step)  # unschedules it, refunds the budget, frees its KV
         if close_admissions:
             self.admissions_open = False
         self.wanted.pop(victim.request_id, None)
@@ -296,4 +315,4 @@ class PrefillAdder:
         for req_id, wanted in self.wanted.items():
             chunk = self.step.prefills.get(req_id)
             deferred += max(0, wanted - (chunk.num_tokens if chunk else 0))
-        self.sched.stats.prefill_tokens_deferred += deferred
+        self.stats.prefill_tokens_deferred += deferred

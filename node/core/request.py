@@ -138,6 +138,17 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def num_new_tokens(self) -> int:
+        """Tokens whose KV is not computed yet: the whole prompt when it arrives, 1 once decoding."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every token but the last sampled one is computed, so its next row is one token (a
+        decode); otherwise a running request is mid-prefill. The one place this rule lives."""
+        return self.num_computed_tokens == len(self.token_ids) - 1
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 

@@ -173,8 +173,8 @@ def test_without_a_configured_depth_each_queue_is_bounded_by_the_engines_capacit
             engine.add(make_request(10, max_tokens=100, traffic_class=cls))
         assert refused.value.status == 429 and refused.value.reason == "queue_full"
         assert refused.value.retry_after >= 1
-    snapshot = sched.snapshot()["classes"]
-    assert snapshot["interactive"]["queue_limit"] == 16 and snapshot["batch"]["queue_limit"] == 128
+    snapshot = sched.snapshot().classes
+    assert snapshot["interactive"].queue_limit == 16 and snapshot["batch"].queue_limit == 128
     sched.reconfigure(dataclasses.replace(sched.config, policy=sched.policy.updated(
         {"classes": {"interactive": {"max_queue_depth": 17}}})))  # an explicit depth overrides it
     engine.add(make_request(10, max_tokens=100))
@@ -326,8 +326,8 @@ def test_an_interactive_request_displaces_the_newest_batch_decode_when_every_slo
     assert steps <= 2  # scheduled at once, not after a batch request's 900 tokens
     assert [r for out in engine.record.steps[before:] for r in out.preempted] == [batch[-1]]  # the newest
     assert sched.stats.num_admission_preemptions == 1
-    classes = sched.snapshot()["classes"]  # counted by the victim's class (the controller's signal)
-    assert classes["batch"]["preemptions"] == 1 and classes["interactive"]["preemptions"] == 0
+    classes = sched.snapshot().classes  # counted by the victim's class (the controller's signal)
+    assert classes["batch"].preemptions == 1 and classes["interactive"].preemptions == 0
     engine.run()
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in [*batch, inter])
     assert batch[-1].num_output_tokens == 900  # it resumed and finished all of it

@@ -14,7 +14,8 @@ from cadenza.node.core.block_manager import KVBlockManager
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.core.policy import Policy, default_class_policies
 from cadenza.node.core.request import Request, SamplingParams
-from cadenza.node.core.scheduler import Scheduler, SchedulerOutput
+from cadenza.node.core.scheduler import Scheduler
+from cadenza.node.core.step import SchedulerOutput
 
 _ids = itertools.count()
 

@@ -1,0 +1,147 @@
+"""The engine's published counters and gauges, typed: what ``/ready``, ``/metrics`` and the front
+end's fast admission checks read.
+
+The core builds an :class:`EngineStats` between steps (at most every few hundred milliseconds,
+whenever a request finishes, and when it goes idle) and sends it with the step's outputs, so no
+reader ever walks scheduler structures that are changing under it. Counters are monotonic since
+start; gauges are the state when the snapshot was taken. No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """The scheduler's monotonic counters since start (its gauges are read from its state when
+    a snapshot is taken)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_admission_preemptions: int = 0  # of those, to let a waiting request of a higher class in
+    num_recomputed_tokens: int = 0  # computed tokens whose KV a preemption dropped
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_cancelled_before_first_token: int = 0
+    prefill_tokens_admitted: int = 0  # prefill tokens scheduled into steps
+    decode_tokens: int = 0  # decode tokens scheduled into steps
+    prefill_tokens_deferred: int = 0  # chunk tokens partial prefills wanted but did not get
+    decode_steps_delayed: int = 0  # decodes that could not run in a step
+    allocation_failures: int = 0  # KV block allocations that failed (then preempt or wait)
+    kv_admission_delays: int = 0  # admissions held back for lack of KV headroom
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    rejected: Counter = field(default_factory=Counter)  # by reason
+    prefill_tokens_by_class: Counter = field(default_factory=Counter)
+    preemptions_by_class: Counter = field(default_factory=Counter)  # by the victim's class
+    prefill_tokens_by_tenant: Counter = field(default_factory=Counter)
+
+
+@dataclass(slots=True)
+class ClassStats:
+    """One traffic class.
+
+    Attributes:
+        waiting, running: requests queued / running now.
+        queue_limit: most requests the class may have waiting (429 beyond).
+        oldest_queue_age_s: seconds the oldest waiting request has waited (0 if none).
+        prefill_tokens: prefill tokens the class has been given (counter).
+        preemptions: requests of the class preempted by recompute (counter, by victim's class).
+        drain_per_s: requests leaving the queue per second recently (None: too few to say);
+            the front end's ``Retry-After`` comes from it.
+    """
+
+    waiting: int = 0
+    running: int = 0
+    queue_limit: int = 0
+    oldest_queue_age_s: float = 0.0
+    prefill_tokens: int = 0
+    preemptions: int = 0
+    drain_per_s: float | None = None
+
+    def retry_after(self, queued: int) -> int:
+        """Seconds until ``queued`` requests ahead have drained at the recent rate (1 to 300)."""
+        return retry_after(queued, self.drain_per_s)
+
+
+@dataclass(slots=True)
+class TenantLoad:
+    """A tenant with a quota: its live requests and queued prompt tokens."""
+
+    live: int = 0
+    queued_prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of one engine (see the module docstring); ``to_dict()`` is ``/ready``'s JSON.
+
+    Block counts are KV blocks; ``*_tokens`` are tokens; times are seconds or, where the name
+    says so, milliseconds.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_reserved: int = 0
+    kv_blocks_cached: int = 0
+    kv_blocks_free: int = 0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_admission_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_cancelled_before_first_token: int = 0
+    prefill_tokens_admitted: int = 0
+    decode_tokens: int = 0
+    prefill_tokens_deferred: int = 0
+    decode_steps_delayed: int = 0
+    allocation_failures: int = 0
+    kv_admission_delays: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_evictions: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)  # refused requests, by reason
+    cost_model_error: float | None = None  # mean relative error of the step-time model
+    classes: dict[str, ClassStats] = field(default_factory=dict)
+    tenants: dict[str, TenantLoad] = field(default_factory=dict)  # tenants with a quota only
+    step_time_ms_mean: float | None = None  # over the last 1,024 steps
+    step_time_ms_p99: float | None = None
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use (0 with no blocks)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def with_rejected(self, extra: dict[str, int]) -> "EngineStats":
+        """A copy whose ``rejected`` also counts ``extra`` (refusals the front end made itself)."""
+        if not extra:
+            return self
+        merged = dict(self.rejected)
+        for reason, n in extra.items():
+            merged[reason] = merged.get(reason, 0) + n
+        return dataclasses.replace(self, rejected=merged)
+
+    def to_dict(self) -> dict:
+        """The JSON shape of ``/ready`` (step times only once some step has run)."""
+        out = {f: getattr(self, f) for f in self.__slots__ if f not in ("classes", "tenants")}
+        out["classes"] = {name: {f: getattr(c, f) for f in c.__slots__} for name, c in self.classes.items()}
+        out["tenants"] = {name: {f: getattr(t, f) for f in t.__slots__} for name, t in self.tenants.items()}
+        for key in ("step_time_ms_mean", "step_time_ms_p99"):
+            if out[key] is None:
+                del out[key]
+        return out
+
+
+def retry_after(queued: int, per_second: float | None) -> int:
+    """Seconds until ``queued`` requests have drained at ``per_second`` (1 to 300; 1 when the
+    rate is unknown)."""
+    if not per_second:
+        return 1
+    return int(min(300, max(1, math.ceil(queued / per_second))))
