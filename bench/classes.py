@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from bench.common import CONV_TRACE, ROOT, hit_rate, machine, pct, prompt_ids, report
 from cadenza.node.replay.trace import TraceRequest, load_trace, scale_trace
 from cadenza.node.embedded import ensure_embedded_model
-from cadenza.node.core.engine import Engine
+from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import SamplingParams
 
 CODE_TRACE = ROOT / "data" / "traces" / "azure2023" / "AzureLLMInferenceTrace_code.csv"
@@ -147,7 +147,7 @@ def main() -> None:
               f"batch {results[name]['batch_output_tokens_per_s']} output tok/s")
     itl_ratio = results["fcfs"]["interactive_itl_p99_ms"] / results["policy"]["interactive_itl_p99_ms"]
     batch_ratio = results["policy"]["batch_output_tokens_per_s"] / results["fcfs"]["batch_output_tokens_per_s"]
-    error = policy.stats()["cost_model_error"]
+    error = policy.stats().cost_model_error
     hits = {"fcfs": round(hit_rate(fcfs), 4), "policy": round(hit_rate(policy), 4)}
     preempted = {name: e.scheduler.stats.num_preemptions for name, e in (("fcfs", fcfs), ("policy", policy))}
     print(f"prefix caching on; hit rate {hits}; preemptions {preempted}")

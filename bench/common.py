@@ -53,3 +53,74 @@ def hit_rate(engine) -> float:
     """Share of the prompt tokens an engine looked up that its prefix cache served (0 when none)."""
     stats = engine.scheduler.stats
     return stats.prefix_cache_hit_tokens / stats.prefix_cache_queried_tokens if stats.prefix_cache_queried_tokens else 0.0
+
+
+def tiny_random_llama(path: Path, like: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+    """A random Llama with SmolLM2's tokenizer and vocabulary but tiny layers, written once to
+    ``path`` — a model whose forward pass costs next to nothing, so the host side shows."""
+    if (path / "config.json").exists():
+        return path
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (like / name).exists():
+            shutil.copy(like / name, path / name)
+    base = json.loads((like / "config.json").read_text())
+    config = LlamaConfig(vocab_size=base["vocab_size"], hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=hidden // 4, max_position_embeddings=2048, tie_word_embeddings=True,
+                         bos_token_id=base.get("bos_token_id"), eos_token_id=base.get("eos_token_id"))
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str], port: int, log: Path, timeout_s: float = 300.0, env: dict | None = None):
+    """``cadenza serve ARGS --port PORT`` as a subprocess, returned once ``/ready`` answers 200.
+
+    Raises:
+        RuntimeError: it exited or did not get ready in time (its log attached).
+    """
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    out = open(log, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "cadenza.node.cli", "serve", *args, "--port", str(port)],
+                            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"cadenza serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2).status == 200:
+                return proc
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"cadenza serve not ready after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def stop_server(proc) -> None:
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

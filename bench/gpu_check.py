@@ -111,7 +111,7 @@ def prefill_throughput(do_bench) -> dict:
 
 def engine_step() -> dict:
     from cadenza.node.embedded import ensure_embedded_model
-    from cadenza.node.core.engine import Engine
+    from cadenza.node.frontend.llm import Engine
     from cadenza.node.core.request import SamplingParams
 
     model = ensure_embedded_model()

@@ -25,7 +25,7 @@ import time
 
 from bench.common import conv_trace, hit_rate, machine, pct, prompt_ids, report
 from cadenza.node.embedded import ensure_embedded_model
-from cadenza.node.core.engine import Engine
+from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import SamplingParams
 
 ROUNDS = 5

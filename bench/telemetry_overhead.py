@@ -19,7 +19,7 @@ import time
 from bench.common import conv_trace, hit_rate, machine, prompt_ids, report
 from cadenza.node.replay.trace import scale_trace
 from cadenza.node.embedded import ensure_embedded_model
-from cadenza.node.core.engine import Engine
+from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import SamplingParams
 from cadenza.node.frontend.telemetry import Telemetry
 

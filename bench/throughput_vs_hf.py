@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 from bench.common import conv_trace, hit_rate, machine, prompt_ids, report
 from cadenza.node.replay.trace import scale_trace
 from cadenza.node.embedded import ensure_embedded_model
-from cadenza.node.core.engine import Engine
+from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import SamplingParams
 
 NUM_REQUESTS, LENGTH_SCALE, MAX_INPUT, MAX_OUTPUT, HF_BATCH, ROUNDS = 64, 1 / 8, 512, 128, 8, 2

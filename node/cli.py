@@ -8,15 +8,12 @@ import argparse
 import logging
 import os
 import sys
-from functools import partial
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import yaml
 
 from cadenza.node.core.config import (
-    ATTENTION_BACKENDS,
-    DTYPES,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -24,8 +21,9 @@ from cadenza.node.core.config import (
     listen_problem,
     port_argument,
 )
-from cadenza.node.embedded import EmbeddedModelError
+from cadenza.node.core.knobs import KNOBS, Knob
 from cadenza.node.core.policy import CLASSES, Policy
+from cadenza.node.embedded import EmbeddedModelError
 from cadenza.node.server.http import add_http_arguments
 
 logger = logging.getLogger("cadenza")
@@ -59,37 +57,56 @@ environment:
 """
 
 
+def _knob_type(knob: Knob):
+    """The argparse ``type`` of a knob: its kind, ``none`` for a nullable knob's None."""
+    def parse(value: str):
+        if knob.nullable and value.lower() in ("none", "off"):
+            return None
+        try:
+            return knob.kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be {'an integer' if knob.kind is int else 'a number'}"
+                f"{' or none' if knob.nullable else ''}, got {value!r}") from None
+    parse.__name__ = knob.kind.__name__
+    return parse
+
+
+def _add_knob(group, knob: Knob) -> None:
+    help_text = knob.help.rstrip(".")
+    if knob.kind is bool:
+        group.add_argument(knob.cli, action=argparse.BooleanOptionalAction, default=knob.default, help=help_text)
+    elif knob.kind is str:
+        group.add_argument(knob.cli, choices=knob.choices, default=knob.default, help=help_text)
+    else:
+        group.add_argument(knob.cli, type=chunk_size_arg if knob.name == "chunk_size" else _knob_type(knob),
+                           default=knob.default, help=help_text)
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine knobs shared by every command that starts an engine."""
-    d_sched, d_cache = SchedulerConfig(), CacheConfig()
+    """Engine knobs shared by every command that starts an engine (the flags of
+    :data:`cadenza.node.core.knobs.KNOBS`, plus the model, device, threads and policy file)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", help="a local Hugging Face model folder (config.json, *.safetensors, tokenizer.json); "
                                    "default: the embedded SmolLM2-135M-Instruct")
     g.add_argument("--served-model-name", help="model id clients send (default: the folder name)")
-    g.add_argument("--token-budget", type=int, default=d_sched.token_budget, help="tokens per step, decode + prefill")
-    g.add_argument("--chunk-size", type=chunk_size_arg, default=d_sched.chunk_size,
-                   help="most prompt tokens a request prefills per step ('none' = unlimited)")
-    g.add_argument("--max-num-seqs", type=int, default=d_sched.max_num_seqs, help="most requests running at once")
-    g.add_argument("--max-model-len", type=int, default=None, help="most tokens per request (default: the model's)")
-    g.add_argument("--block-size", type=int, default=d_cache.block_size, help="tokens per KV block")
     kv = g.add_mutually_exclusive_group()
-    kv.add_argument("--num-kv-blocks", type=int, help="KV blocks in the pool")
-    kv.add_argument("--kv-cache-gib", type=float, help="KV cache size in GiB (default: 1 on CPU)")
-    kv.add_argument("--kv-cache-fraction", type=float, default=d_cache.kv_cache_fraction,
-                    help="fraction of free GPU memory for the KV cache (default: %(default)s)")
-    g.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    p = parser.add_argument_group("scheduling policy")
+    for knob in KNOBS:
+        if knob.cli is None:
+            continue
+        if knob.name in ("num_kv_blocks", "kv_cache_fraction"):
+            _add_knob(kv, knob)
+            if knob.name == "num_kv_blocks":
+                kv.add_argument("--kv-cache-gib", type=float, help="KV cache size in GiB (default: 1 on CPU)")
+        else:
+            _add_knob(p if knob.section == "policy" or knob.name == "prefix_caching" else g, knob)
     g.add_argument("--device", default="auto", help="auto (cuda when a GPU is visible, else cpu), cpu or cuda[:N]")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="kernels: auto (CADENZA_ATTENTION_BACKEND, else triton on CUDA, torch elsewhere)")
-    g.add_argument("--seed", type=int, default=0, help="seed of every request that brings no seed of its own")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads (default: OMP_NUM_THREADS, else the CPUs this process may use: "
                         "its affinity mask capped by its cgroup CPU quota)")
-    p = parser.add_argument_group("scheduling policy")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d_sched.prefix_caching,
-                   help="reuse the KV blocks of identical prompt prefixes")
-    p.add_argument("--step-time-target-ms", type=float, default=None,
-                   help="shrink prefill chunks so predicted steps stay within this (decode reservation in time)")
+    g.add_argument("--engine-process", choices=("on", "off"), default="on",
+                   help="run the engine core in its own process (on), or in a thread of the server (off)")
     p.add_argument("--policy", type=Path, default=None, metavar="FILE",
                    help="JSON or YAML with classes/tenants settings (the shape of GET /admin/config)")
 
@@ -118,34 +135,23 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             policy = policy.updated(yaml.safe_load(args.policy.read_text()) or {})
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigError(f"policy: cannot read {args.policy}: {exc}") from None
-    if args.step_time_target_ms is not None:
-        policy = policy.updated({"step_time_target_ms": args.step_time_target_ms})
+    sections: dict[str, dict] = {"engine": {}, "scheduler": {}, "cache": {}, "policy": {}}
+    for knob in KNOBS:
+        if knob.cli is not None and (knob.section != "policy" or getattr(args, knob.name) is not None):
+            sections[knob.section][knob.name] = getattr(args, knob.name)
+    if sections["policy"]:
+        policy = policy.updated(sections["policy"])
     return EngineConfig(
         model=model,
         served_model_name=args.served_model_name,
-        dtype=args.dtype,
         device=device,
-        attention_backend=args.attention_backend,
-        seed=args.seed,
-        scheduler=SchedulerConfig(
-            token_budget=args.token_budget,
-            chunk_size=args.chunk_size,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            prefix_caching=args.prefix_caching,
-            policy=policy,
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_bytes=kv_bytes,
-            kv_cache_fraction=args.kv_cache_fraction,
-        ),
+        **sections["engine"],
+        scheduler=SchedulerConfig(**sections["scheduler"], policy=policy),
+        cache=CacheConfig(**sections["cache"], kv_cache_bytes=kv_bytes),
     )
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cadenza.node.core.engine import Engine
     from cadenza.node.runner.models.config import check_model_folder
     from cadenza.node.server.app import serve
     from cadenza.node.server.http import http_timeouts_from_args
@@ -166,10 +172,13 @@ def _serve(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise ConfigError(f"device: {config.device} requested but this torch build sees no CUDA device")
-    apply_threads(threads)
-    logger.info("serving %s from %s on http://%s:%d/v1", config.model_name, config.model, args.host, args.port)
-    return serve(partial(Engine, config), config.model_name, args.host, args.port, args.default_class,
-                 timeouts=timeouts)
+    engine_process = args.engine_process == "on"
+    if not engine_process:
+        apply_threads(threads)
+    logger.info("serving %s from %s on http://%s:%d/v1 (engine core %s)", config.model_name, config.model,
+                args.host, args.port, "in its own process" if engine_process else "in a thread")
+    return serve(config, args.host, args.port, args.default_class, timeouts=timeouts,
+                 engine_process=engine_process, threads=threads)
 
 
 def _model_hint(model: str | None) -> str:

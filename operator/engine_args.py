@@ -14,19 +14,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from cadenza.node.core.knobs import BY_CRD, BY_NAME
 from cadenza.node.core.policy import Policy, PolicyError
 
-# spec.engine key -> (config section, field, `cadenza serve` flag)
+# spec.engine key -> (config section, field, `cadenza serve` flag): the plain knobs of the registry
 ENGINE_KNOBS: dict[str, tuple[str, str, str]] = {
-    "tokenBudget": ("scheduler", "token_budget", "--token-budget"),
-    "chunkSize": ("scheduler", "chunk_size", "--chunk-size"),
-    "maxNumSeqs": ("scheduler", "max_num_seqs", "--max-num-seqs"),
-    "maxModelLen": ("scheduler", "max_model_len", "--max-model-len"),
-    "prefixCaching": ("scheduler", "prefix_caching", "--prefix-caching"),
-    "blockSize": ("cache", "block_size", "--block-size"),
-    "kvCacheFraction": ("cache", "kv_cache_fraction", "--kv-cache-fraction"),
-}
-POLICY_KEYS = ("stepTimeTargetMs", "classes", "tenants")
+    crd: (k.section, k.name, k.cli) for crd, k in BY_CRD.items() if k.section in ("scheduler", "cache") and k.cli}
+POLICY_KEYS = tuple(crd for crd, k in BY_CRD.items() if k.section == "policy")
 _CLASS_FIELDS = {"maxPrefillTokens": "max_prefill_tokens", "minShare": "min_share",
                  "maxQueueAgeS": "max_queue_age_s", "maxQueueDepth": "max_queue_depth"}
 _TENANT_FIELDS = {"weight": "weight", "maxConcurrent": "max_concurrent",
@@ -110,9 +104,9 @@ def serve_args(engine: Mapping[str, Any]) -> list[str]:
     return args
 
 
-# What a running replica can change through PUT /admin/config (spec.engine keys).
-LIVE_KEYS = ("tokenBudget", "chunkSize", "maxNumSeqs", "stepTimeTargetMs", "classes", "tenants")
-_LIVE_DEFAULTS = {"token_budget": 512, "chunk_size": 256}
+# What a running replica can change through PUT /admin/config (spec.engine keys), from the registry.
+LIVE_KEYS = tuple(crd for crd, k in BY_CRD.items() if k.live)
+_LIVE_DEFAULTS = {name: BY_NAME[name].default for name in ("token_budget", "chunk_size")}
 
 
 def live_document(engine: Mapping[str, Any]) -> dict[str, Any]:
@@ -121,7 +115,8 @@ def live_document(engine: Mapping[str, Any]) -> dict[str, Any]:
     tenant policies) — how a role changes in place."""
     doc: dict[str, Any] = {"token_budget": engine.get("tokenBudget", _LIVE_DEFAULTS["token_budget"]),
                            "chunk_size": engine.get("chunkSize", _LIVE_DEFAULTS["chunk_size"])}
-    if "maxNumSeqs" in engine:
-        doc["max_num_seqs"] = engine["maxNumSeqs"]
+    for key in ("maxNumSeqs", "prefixCaching"):
+        if key in engine:
+            doc[BY_CRD[key].name] = engine[key]
     doc.update(policy_document(engine))
     return doc

@@ -74,17 +74,74 @@ def test_kernels_import_nothing_of_cadenza_outside_kernels():
 
 
 def test_operator_imports_only_the_node_config_and_policy():
-    # config and policy: the engine's own checks; otel: how every cadenza process reads OTEL_*.
-    allowed = {"cadenza.node.core.config", "cadenza.node.core.policy", "cadenza.node.otel"}
+    # config, policy and the knob registry: the engine's own checks and knob names; otel: how
+    # every cadenza process reads OTEL_*.
+    allowed = {"cadenza.node.core.config", "cadenza.node.core.policy", "cadenza.node.core.knobs", "cadenza.node.otel"}
     for py in (ROOT / "operator").rglob("*.py"):
         for name in imports_of(py):
             if name.startswith("cadenza.node"):
                 assert name in allowed, f"{py.name} imports {name}"
 
 
+def cadenza_imports(folder: str) -> dict[Path, set[str]]:
+    """Each module under ``node/<folder>`` and the cadenza modules it imports (lazy ones too)."""
+    return {py: {n for n in imports_of(py) if n.startswith("cadenza")} for py in (ROOT / "node" / folder).rglob("*.py")}
+
+
+def test_the_engine_core_never_imports_the_front_end_or_the_server():
+    for py, names in cadenza_imports("core").items():
+        outside = [n for n in names if n.startswith(("cadenza.node.frontend", "cadenza.node.server",
+                                                     "cadenza.node.gateway", "cadenza.node.replay"))]
+        assert not outside, f"core/{py.name} imports {outside}"
+
+
+def test_the_runner_imports_only_step_data_of_the_scheduler():
+    # of the core: the step's rows (step.py), and the configuration and request types they carry
+    allowed = {"cadenza.node.core.step", "cadenza.node.core.config", "cadenza.node.core.request"}
+    for py, names in cadenza_imports("runner").items():
+        core = [n for n in names if n.startswith("cadenza.node.core") and n not in allowed]
+        assert not core, f"runner/{py.name} imports {core}"
+        assert not [n for n in names if n.startswith(("cadenza.node.frontend", "cadenza.node.server"))]
+
+
+def test_the_front_end_and_server_never_import_the_runner_or_the_scheduler():
+    # they see the core through its messages, stats, config and knobs (and, for the offline
+    # Engine and the in-thread core, the EngineCore class) - never scheduler or runner internals
+    internals = ("cadenza.node.core.scheduler", "cadenza.node.core.prefill", "cadenza.node.core.decode",
+                 "cadenza.node.core.block_manager", "cadenza.node.runner.model_runner", "cadenza.node.runner.backend")
+    for folder in ("frontend", "server"):
+        for py, names in cadenza_imports(folder).items():
+            assert not [n for n in names if n.startswith(internals)], f"{folder}/{py.name} reaches into the core"
+
+
+def test_the_node_has_no_import_cycle():
+    graph: dict[str, set[str]] = {}
+    for folder in ("core", "runner", "frontend", "server", "gateway", "replay"):
+        for py, names in cadenza_imports(folder).items():
+            graph["cadenza.node." + ".".join(py.relative_to(ROOT / "node").with_suffix("").parts)] = names
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, " -> ".join((*path[path.index(module):], module))
+        if module in done or module not in graph:
+            return
+        for name in graph[module]:
+            visit(name, (*path, module))
+        done.add(module)
+
+    for module in graph:
+        visit(module, ())
+
+
+def test_no_scheduler_or_kv_module_is_over_about_three_hundred_lines():
+    long = {py.name: n for py in (ROOT / "node" / "core").glob("*.py") if (n := len(py.read_text().splitlines())) > 330}
+    assert not long
+
+
 def test_scheduler_and_block_manager_never_import_torch():
     code = (
-        "import sys; import cadenza.node.core.scheduler, cadenza.node.core.block_manager; "
+        "import sys; import cadenza.node.core.scheduler, cadenza.node.core.block_manager, "
+        "cadenza.node.core.messages, cadenza.node.core.knobs; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

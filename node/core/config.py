@@ -167,6 +167,45 @@ class EngineConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def from_knobs(cls, model: str, **knobs: object) -> "EngineConfig":
+        """``EngineConfig.from_knobs(path, token_budget=64, num_kv_blocks=32, seed=1)``: every
+        field of the engine, scheduler and cache sections by name (scripts and tests).
+
+        Raises:
+            ConfigError: an unknown name, or an invalid value.
+        """
+        sections: dict[str, dict[str, object]] = {"engine": {}, "scheduler": {}, "cache": {}}
+        for name, value in knobs.items():
+            for section, kind in (("scheduler", SchedulerConfig), ("cache", CacheConfig), ("engine", cls)):
+                if name in kind.__dataclass_fields__ and name not in ("scheduler", "cache", "model"):
+                    sections[section][name] = value
+                    break
+            else:
+                raise ConfigError(f"{name}: unknown engine setting")
+        return cls(model=model, scheduler=SchedulerConfig(**sections["scheduler"]),
+                   cache=CacheConfig(**sections["cache"]), **sections["engine"])
+
+    def to_dict(self) -> dict:
+        """JSON- and msgpack-ready (the policy as :meth:`Policy.to_dict`); :meth:`from_dict`
+        inverts it."""
+        scheduler = {f.name: getattr(self.scheduler, f.name) for f in dataclasses.fields(self.scheduler)}
+        scheduler["policy"] = self.scheduler.policy.to_dict()
+        engine = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("scheduler", "cache")}
+        return {**engine, "scheduler": scheduler, "cache": dataclasses.asdict(self.cache)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "EngineConfig":
+        """The configuration :meth:`to_dict` wrote.
+
+        Raises:
+            ConfigError, PolicyError: an invalid value; KeyError: a missing section.
+        """
+        scheduler = dict(data["scheduler"])
+        scheduler["policy"] = Policy().updated(scheduler.get("policy") or {})
+        rest = {k: v for k, v in data.items() if k not in ("scheduler", "cache")}
+        return cls(**rest, scheduler=SchedulerConfig(**scheduler), cache=CacheConfig(**data["cache"]))
+
 
 def resolve_max_model_len(
     requested: int | None, model_max: int, kv_capacity_tokens: int

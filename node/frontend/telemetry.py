@@ -11,12 +11,13 @@ exporters only:
   failures are logged by the SDK's background exporters, never raised, and never block serving.
 - **Prometheus** text at ``GET /metrics`` (the SDK's Prometheus reader, on a private registry).
 
-Where the work happens: a request's span is opened by the HTTP handler (parented from the
-incoming W3C ``traceparent``); the engine thread adds its prefill-chunk and preemption events and
-records per-step metrics (:meth:`Telemetry.on_step`); per-token metrics (TTFT, ITL, TPOT) are
-recorded on the event loop as outputs are dispatched (:meth:`Telemetry.on_output`). Gauges and
-counters of the scheduler are read at collection time from the snapshot the engine thread
-publishes, so nothing walks scheduler structures from another thread.
+Where the work happens — all of it in the front end, on the event loop, never in the engine core:
+a request's span is opened by the HTTP handler (parented from the incoming W3C ``traceparent``);
+each step's :class:`~cadenza.node.core.messages.StepRecord` from the core adds the prefill-chunk
+and preemption events and the per-step metrics (:meth:`Telemetry.on_step`); per-token metrics
+(TTFT, ITL, TPOT) are recorded as outputs are dispatched (:meth:`Telemetry.on_output`). Gauges and
+counters of the scheduler are read at collection time from the typed
+:class:`~cadenza.node.core.stats.EngineStats` the core last published.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, generate_latest
 
-from cadenza.node.core.engine import RequestOutput
+from cadenza.node.core.messages import StepRecord
+from cadenza.node.core.stats import EngineStats
+from cadenza.node.frontend.output_processor import RequestOutput
 from cadenza.node.otel import make_resource, otlp_enabled
-from cadenza.node.core.scheduler import SchedulerOutput
 
 PROVIDER = "cadenza"
 # Bucket boundaries from the GenAI semantic conventions (metrics spec), seconds or tokens.
@@ -69,25 +71,30 @@ class _Tracked:
 
 
 
-def _preemptions_by_reason(stats: dict) -> list[tuple[dict, str]]:
+def _preemptions_by_reason(stats: EngineStats) -> list[tuple[dict, int]]:
     """Preemptions split by why: a decode or chunk lacked a KV block, or a higher class took the
     victim's slot or blocks at admission (the two add up to ``num_preemptions``)."""
-    if "num_preemptions" not in stats:
-        return []
-    admission = stats.get("num_admission_preemptions", 0)
-    return [({"cadenza.reason": "kv_growth"}, stats["num_preemptions"] - admission),
+    admission = stats.num_admission_preemptions
+    return [({"cadenza.reason": "kv_growth"}, stats.num_preemptions - admission),
             ({"cadenza.reason": "admission"}, admission)]
+
+
+def _prefill_tokens(stats: EngineStats) -> list[tuple[dict, int]]:
+    return [({"cadenza.outcome": "admitted"}, stats.prefill_tokens_admitted),
+            ({"cadenza.outcome": "deferred"}, stats.prefill_tokens_deferred)]
 
 class Telemetry:
     """Traces and metrics of one server (or one in-process engine).
 
     Args:
         model_name: ``gen_ai.request.model`` / ``gen_ai.response.model``.
-        stats: returns the engine's latest published counters (gauges read them at collection).
+        stats: returns the engine's latest published :class:`EngineStats` (gauges read them at
+            collection; before the engine has published any, nothing is observed).
         otlp: export over OTLP/HTTP; None decides from the ``OTEL_*`` environment.
     """
 
-    def __init__(self, model_name: str, stats: Callable[[], Mapping] = dict, otlp: bool | None = None) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None] = lambda: None,
+                 otlp: bool | None = None) -> None:
         self.model_name = model_name
         self._stats = stats
         resource = make_resource()
@@ -134,9 +141,7 @@ class Telemetry:
                              explicit_bucket_boundaries_advisory=STEP_TOKEN_BUCKETS)
         counters = {
             "cadenza.scheduler.prefill_tokens": ("{token}", "Prefill tokens admitted to steps or deferred",
-                                                 lambda s: [({"cadenza.outcome": k.rsplit("_", 1)[-1]}, s[k])
-                                                            for k in ("prefill_tokens_admitted",
-                                                                      "prefill_tokens_deferred") if k in s]),
+                                                 _prefill_tokens),
             "cadenza.scheduler.decode_steps_delayed": ("{step}", "Decodes that could not run in a step", None),
             "cadenza.scheduler.preemptions": ("{preemption}", "Requests preempted by recompute, by reason",
                                               _preemptions_by_reason),
@@ -163,31 +168,38 @@ class Telemetry:
     def _reader(self, key) -> Callable[[CallbackOptions], list[Observation]]:
         def read(_options: CallbackOptions) -> list[Observation]:
             stats = self._stats()
+            if stats is None:
+                return []
             if callable(key):
                 return [Observation(value, attrs) for attrs, value in key(stats)]
-            return [Observation(stats[key])] if key in stats else []
+            return [Observation(getattr(stats, key))]
 
         return read
 
     def _kv_blocks(self, _options: CallbackOptions) -> list[Observation]:
         stats = self._stats()
-        return [Observation(stats[f"kv_blocks_{state}"], {"cadenza.kv.state": state})
-                for state in ("used", "reserved", "cached", "free") if f"kv_blocks_{state}" in stats]
+        if stats is None:
+            return []
+        return [Observation(getattr(stats, f"kv_blocks_{state}"), {"cadenza.kv.state": state})
+                for state in ("used", "reserved", "cached", "free")]
 
     def _requests(self, _options: CallbackOptions) -> list[Observation]:
+        stats = self._stats()
         out = []
-        for cls, info in self._stats().get("classes", {}).items():
+        for cls, info in (stats.classes if stats is not None else {}).items():
             for state in ("running", "waiting"):
-                out.append(Observation(info[state], {"cadenza.request.class": cls, "cadenza.request.state": state}))
+                out.append(Observation(getattr(info, state), {"cadenza.request.class": cls,
+                                                              "cadenza.request.state": state}))
         return out
 
     def _preempted_by_class(self, _options: CallbackOptions) -> list[Observation]:
-        return [Observation(info["preemptions"], {"cadenza.request.class": cls})
-                for cls, info in self._stats().get("classes", {}).items() if "preemptions" in info]
+        stats = self._stats()
+        return [Observation(info.preemptions, {"cadenza.request.class": cls})
+                for cls, info in (stats.classes if stats is not None else {}).items()]
 
     def _cost_model_error(self, _options: CallbackOptions) -> list[Observation]:
-        error = self._stats().get("cost_model_error")
-        return [] if error is None else [Observation(error)]
+        stats = self._stats()
+        return [] if stats is None or stats.cost_model_error is None else [Observation(stats.cost_model_error)]
 
     # -- requests (event loop thread) -------------------------------------------------------------
 
@@ -264,32 +276,33 @@ class Telemetry:
             t.span.set_attributes(t.extra)
             t.span.end(end_time=t.ns(now))
 
-    # -- steps (engine thread) --------------------------------------------------------------------
+    # -- steps ----------------------------------------------------------------------------------
 
-    def on_step(self, out: SchedulerOutput, seconds: float, now: float) -> None:
-        """Per-step metrics, and the span events only the engine thread sees."""
-        self.step_duration.record(seconds)
-        if out.predicted_seconds is not None:
-            self.step_predicted.record(out.predicted_seconds)
-        if out.num_prefill_tokens:
-            self.step_tokens.record(out.num_prefill_tokens, {"cadenza.token.kind": "prefill"})
-        if out.num_decode_tokens:
-            self.step_tokens.record(out.num_decode_tokens, {"cadenza.token.kind": "decode"})
+    def on_step(self, step: StepRecord, now: float) -> None:
+        """Per-step metrics, and the span events of the requests in the step (``now``: when the
+        step ended, ``time.monotonic()`` seconds)."""
+        self.step_duration.record(step.seconds)
+        if step.predicted_seconds is not None:
+            self.step_predicted.record(step.predicted_seconds)
+        if step.num_prefill_tokens:
+            self.step_tokens.record(step.num_prefill_tokens, {"cadenza.token.kind": "prefill"})
+        if step.num_decode_tokens:
+            self.step_tokens.record(step.num_decode_tokens, {"cadenza.token.kind": "decode"})
         tracked = self._tracked
-        for req, phase, waited in out.admitted:
-            self.queue_delay.record(waited, {"cadenza.request.class": req.traffic_class, "cadenza.queue.phase": phase})
-            t = tracked.get(req.request_id)
+        for request_id, cls, phase, waited in step.admitted:
+            self.queue_delay.record(waited, {"cadenza.request.class": cls, "cadenza.queue.phase": phase})
+            t = tracked.get(request_id)
             if t is not None and phase == "admission":
                 t.extra["cadenza.queue_time"] = waited
-        for row in out.prefill_rows:
-            t = tracked.get(row.request.request_id)
+        for request_id, start, num_tokens in step.chunks:
+            t = tracked.get(request_id)
             if t is not None and t.span is not None:
-                t.span.add_event("prefill_chunk", {"cadenza.chunk.tokens": row.num_tokens,
-                                                   "cadenza.chunk.position": row.start}, timestamp=t.ns(now))
-        for req in out.preempted:
-            t = tracked.get(req.request_id)
+                t.span.add_event("prefill_chunk", {"cadenza.chunk.tokens": num_tokens,
+                                                   "cadenza.chunk.position": start}, timestamp=t.ns(now))
+        for request_id, times in step.preempted:
+            t = tracked.get(request_id)
             if t is not None and t.span is not None:
-                t.span.add_event("preempted", {"cadenza.preemptions": req.num_preemptions}, timestamp=t.ns(now))
+                t.span.add_event("preempted", {"cadenza.preemptions": times}, timestamp=t.ns(now))
 
     # -- export ---------------------------------------------------------------------------------
 

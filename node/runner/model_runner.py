@@ -19,7 +19,7 @@ from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig
 from cadenza.node.runner.models.config import ModelConfig
 from cadenza.node.runner.models.llama import load_model
 from cadenza.node.runner.sampler import make_generator, sample
-from cadenza.node.core.scheduler import SchedulerOutput
+from cadenza.node.core.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

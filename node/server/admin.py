@@ -6,11 +6,12 @@ Changes take effect from the next engine step. The endpoint needs ``Authorizatio
 secret takes effect without a restart). With neither set, the endpoint refuses everyone. A
 missing or wrong token is a 401; an invalid change is a 400 and nothing changes.
 
-``PUT`` takes any subset of: ``token_budget``, ``chunk_size`` (``null`` = no cap),
-``max_num_seqs``, ``prefix_caching``, ``step_time_target_ms``, ``classes`` (per class, any of
-``max_prefill_tokens``, ``min_share``, ``max_queue_age_s``, ``max_queue_depth``), ``tenants`` (per
-tenant ``weight``, ``max_concurrent``, ``max_queued_prompt_tokens``; ``null`` removes a tenant),
-``default_tenant``, ``max_preemptions``, ``watermark``.
+``PUT`` takes any subset of the live knobs of :mod:`cadenza.node.core.knobs`: ``token_budget``,
+``chunk_size`` (``null`` = no cap), ``max_num_seqs``, ``prefix_caching``, ``step_time_target_ms``,
+``classes`` (per class, any of ``max_prefill_tokens``, ``min_share``, ``max_queue_age_s``,
+``max_queue_depth``), ``tenants`` (per tenant ``weight``, ``max_concurrent``,
+``max_queued_prompt_tokens``; ``null`` removes a tenant), ``default_tenant``, ``max_preemptions``,
+``watermark``, ``tenant_cache_isolation``. ``max_model_len`` is shown but cannot change.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from cadenza.node.frontend.async_engine import EngineCommandError, EngineDeadError
-from cadenza.node.core.config import SchedulerConfig
+from cadenza.node.frontend.client import EngineCommandError, EngineDeadError
 from cadenza.node.server.errors import APIError
 from cadenza.node.server.http import body_timeout
 from cadenza.node.server.openai_api import ENGINE
@@ -54,24 +54,12 @@ def _authorize(request: web.Request) -> None:
         raise APIError(401, "missing or wrong bearer token", headers=challenge)
 
 
-def config_view(config: SchedulerConfig) -> dict:
-    """The live knobs as JSON (``max_model_len`` is shown but cannot change)."""
-    return {
-        "token_budget": config.token_budget,
-        "chunk_size": config.chunk_size,
-        "max_num_seqs": config.max_num_seqs,
-        "max_model_len": config.max_model_len,
-        "prefix_caching": config.prefix_caching,
-        **config.policy.to_dict(),
-    }
-
-
 async def get_config(request: web.Request) -> web.Response:
     _authorize(request)
     engine = request.app[ENGINE]
-    if engine.engine is None:
+    if engine.info is None:
         raise APIError(503, "the model is still loading", headers={"Retry-After": "5"})
-    return web.json_response(config_view(engine.engine.scheduler.config))
+    return web.json_response(engine.config_view)
 
 
 async def put_config(request: web.Request) -> web.Response:
@@ -83,8 +71,6 @@ async def put_config(request: web.Request) -> web.Response:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(changes, dict) or not changes:
         raise APIError(400, "request body must be a non-empty JSON object of settings")
-    if "max_model_len" in changes:
-        raise APIError(400, "max_model_len: cannot change on a running server", param="max_model_len")
     try:
         config = await request.app[ENGINE].reconfigure(changes)
     except (ValueError, TypeError) as exc:
@@ -93,7 +79,7 @@ async def put_config(request: web.Request) -> web.Response:
         raise APIError(503, str(exc), headers={"Retry-After": "5"}) from None
     except EngineCommandError as exc:  # a bug, logged by the engine; nothing changed, it serves on
         raise APIError(500, f"the change failed inside the engine and was not applied: {exc}") from None
-    return web.json_response(config_view(config))
+    return web.json_response(config)
 
 
 def add_routes(app: web.Application) -> None:

@@ -1,6 +1,6 @@
 """The aiohttp application: OpenAI-compatible routes, health probes, engine lifecycle.
 
-``/health`` is liveness (200 while the engine thread runs or loads, 503 once it has died);
+``/health`` is liveness (200 while the engine core runs or loads, 503 once it has died);
 ``/ready`` is readiness (200 once the model is loaded, with the engine's counters);
 ``/admin/config`` reads and changes scheduling knobs live (bearer token, :mod:`.admin`);
 ``/metrics`` is Prometheus text (:mod:`cadenza.node.frontend.telemetry`, which also exports OTLP). The engine starts loading when the app
@@ -17,32 +17,38 @@ from functools import partial
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from cadenza.node.frontend.async_engine import AsyncEngine
-from cadenza.node.core.engine import Engine
+from cadenza.node.core.config import EngineConfig
 from cadenza.node.core.policy import check_class
+from cadenza.node.frontend.client import EngineClient
 from cadenza.node.server import admin, openai_api
 from cadenza.node.server.access_log import access_log_middleware
 from cadenza.node.server.errors import error_middleware, error_response
 from cadenza.node.server.http import HttpTimeouts
 from cadenza.node.server.runner import run_app
 from cadenza.node.frontend.telemetry import Telemetry
+from cadenza.node.wire import MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 
-# OpenAI request bodies are small; 32 MiB leaves room for long prompts sent as token ids.
-MAX_BODY_BYTES = 32 * 2**20
 
 
-def create_app(engine_factory: Callable[[], Engine], model_name: str, default_class: str = "interactive") -> web.Application:
-    """Build the app; the engine is built by ``engine_factory`` in its own thread at start-up.
+def create_app(config: EngineConfig, model_name: str | None = None, default_class: str = "interactive",
+               engine_process: bool = False, threads=None,
+               core_factory: Callable | None = None) -> web.Application:
+    """Build the app; the engine core starts loading when the app starts.
 
     Args:
-        engine_factory: returns a loaded :class:`Engine`.
-        model_name: the id clients must send as ``model``.
+        config: the engine configuration.
+        model_name: the id clients must send as ``model`` (default: ``config.model_name``).
         default_class: traffic class of requests without an ``x-cadenza-class`` header.
+        engine_process: run the engine core in its own process (``cadenza serve`` does by
+            default); else in a thread of this one (tests).
+        threads: torch threads of a core process (a :class:`ThreadChoice`).
+        core_factory: with a thread, builds the core from the tokenizer's EOS ids (tests).
     """
+    model_name = model_name or config.model_name
     app = web.Application(middlewares=[access_log_middleware, error_middleware], client_max_size=MAX_BODY_BYTES)
-    engine = AsyncEngine(engine_factory)
+    engine = EngineClient(config, process=engine_process, core_factory=core_factory, threads=threads)
     telemetry = Telemetry(model_name, stats=engine.stats)
     engine.telemetry = telemetry
     app[openai_api.ENGINE] = engine
@@ -84,14 +90,14 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     engine = request.app[openai_api.ENGINE]
     if engine.is_ready:
-        return web.json_response({"status": "ready", **engine.stats()})
+        return web.json_response({"status": "ready", **engine.stats().to_dict()})
     if not engine.is_alive and engine.error is not None:
         return error_response(503, f"engine failed to start: {engine.error}")
     return error_response(503, "model loading", headers={"Retry-After": "5"})
 
 
-def serve(engine_factory: Callable[[], Engine], model_name: str, host: str, port: int,
-          default_class: str = "interactive", timeouts: HttpTimeouts | None = None) -> int:
+def serve(config: EngineConfig, host: str, port: int, default_class: str = "interactive",
+          timeouts: HttpTimeouts | None = None, engine_process: bool = True, threads=None) -> int:
     """Serve until SIGINT/SIGTERM; return the process exit code.
 
     The server listens at once (probes get answers while the weights load). If the engine fails
@@ -103,7 +109,8 @@ def serve(engine_factory: Callable[[], Engine], model_name: str, host: str, port
                     admin.TOKEN_FILE_ENV)
     else:
         logger.info("admin API on: GET/PUT /admin/config with the bearer token")
-    return asyncio.run(_serve(create_app(engine_factory, model_name, default_class), host, port, timeouts))
+    app = create_app(config, default_class=default_class, engine_process=engine_process, threads=threads)
+    return asyncio.run(_serve(app, host, port, timeouts))
 
 
 async def _serve(app: web.Application, host: str, port: int, timeouts: HttpTimeouts | None = None) -> int:

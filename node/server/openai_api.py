@@ -19,24 +19,21 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from cadenza.node.core.admission import AdmissionError
-from cadenza.node.frontend.async_engine import AsyncEngine, EngineDeadError
-from cadenza.node.core.engine import Engine
 from cadenza.node.core.policy import DEFAULT_TENANT, PolicyError, check_class, check_tenant
 from cadenza.node.core.request import SamplingParams
-from cadenza.node.server.errors import APIError, error_body
-from cadenza.node.runner.models.generation import SamplingDefaults
+from cadenza.node.frontend.client import EngineClient, EngineDeadError
+from cadenza.node.frontend.input_processor import InputError, InputProcessor
+from cadenza.node.frontend.telemetry import Telemetry
 from cadenza.node.server.access_log import ACCESS
+from cadenza.node.server.errors import APIError, error_body
 from cadenza.node.server.http import body_timeout, send
 from cadenza.node.server.protocol import ChatCompletionRequest, CompletionRequest, check_sizes, parse
-from cadenza.node.frontend.telemetry import Telemetry
-from cadenza.node.frontend.tokenizer import ChatTemplateError
+from cadenza.node.wire import CLASS_HEADER, REQUEST_ID_HEADER, TENANT_HEADER, TRACEPARENT_HEADER
 
-ENGINE = web.AppKey("engine", AsyncEngine)
+ENGINE = web.AppKey("engine", EngineClient)
 TELEMETRY = web.AppKey("telemetry", Telemetry)
 MODEL_NAME = web.AppKey("model_name", str)
 DEFAULT_CLASS = web.AppKey("default_class", str)
-CLASS_HEADER = "x-cadenza-class"
-TENANT_HEADER = "x-cadenza-tenant"
 
 
 @dataclass(slots=True)
@@ -70,23 +67,16 @@ def _class_and_tenant(request: web.Request) -> tuple[str, str]:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
-    engine = _ready_engine(request)
+    inputs = _ready_inputs(request)
     traffic_class, tenant = _class_and_tenant(request)
-    body = await _body(request, CompletionRequest, engine.max_model_len)
+    body = await _body(request, CompletionRequest, inputs.max_model_len)
     _check_model(request, body.model)
     body.check_supported()
     request_id = f"cmpl-{uuid.uuid4().hex}"
     with _traced(request, request_id, "text_completion", body, body.max_tokens, traffic_class, tenant, arrival):
-        if isinstance(body.prompt, str):
-            _refuse_oversized_text(engine, len(body.prompt), "prompt")
-            prompt_ids = await _off_loop(engine.tokenizer.encode, body.prompt)
-        else:
-            prompt_ids = list(body.prompt)
-            vocab = engine.model_config.vocab_size
-            if any(not 0 <= t < vocab for t in prompt_ids):
-                raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
-        sampling = _sampling(body, len(prompt_ids), body.max_tokens, engine.max_model_len, default_fill=False,
-                             defaults=engine.sampling_defaults)
+        with _input_errors():
+            prompt_ids = await inputs.prompt(body.prompt)
+            sampling = inputs.sampling(body, len(prompt_ids), body.max_tokens, default_fill=False)
         call = _Call("text_completion", request_id, prompt_ids, sampling, body.stream, body.include_usage,
                      traffic_class, tenant, arrival, body.cache_salt)
         return await _respond(request, call)
@@ -94,33 +84,28 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
-    engine = _ready_engine(request)
+    inputs = _ready_inputs(request)
     traffic_class, tenant = _class_and_tenant(request)
-    body = await _body(request, ChatCompletionRequest, engine.max_model_len)
+    body = await _body(request, ChatCompletionRequest, inputs.max_model_len)
     _check_model(request, body.model)
     body.check_supported()
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     with _traced(request, request_id, "chat", body, body.requested_max_tokens, traffic_class, tenant, arrival):
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
-        _refuse_oversized_text(engine, sum(len(m["content"]) for m in messages), "messages",
-                               markup_tokens=len(messages) * engine.tokenizer.chat_markup_tokens)
-        try:
-            prompt_ids = await _off_loop(engine.tokenizer.encode_chat, messages)
-        except ChatTemplateError as exc:
-            raise APIError(400, f"messages: {exc}", param="messages") from None
-        sampling = _sampling(body, len(prompt_ids), body.requested_max_tokens, engine.max_model_len, default_fill=True,
-                             defaults=engine.sampling_defaults)
+        with _input_errors():
+            prompt_ids = await inputs.chat(messages)
+            sampling = inputs.sampling(body, len(prompt_ids), body.requested_max_tokens, default_fill=True)
         call = _Call("chat.completion", request_id, prompt_ids, sampling, body.stream, body.include_usage,
                      traffic_class, tenant, arrival, body.cache_salt)
         return await _respond(request, call)
 
 
 async def models(request: web.Request) -> web.Response:
-    async_engine = request.app[ENGINE]
+    client = request.app[ENGINE]
     card = {"id": request.app[MODEL_NAME], "object": "model", "created": 0, "owned_by": "cadenza"}
-    if async_engine.engine is not None:
-        card["max_model_len"] = async_engine.engine.max_model_len
+    if client.info is not None:
+        card["max_model_len"] = client.info.max_model_len
     return web.json_response({"object": "list", "data": [card]})
 
 
@@ -148,8 +133,16 @@ def _traced(request: web.Request, request_id: str, operation: str, body, max_tok
         raise
 
 
+@contextmanager
+def _input_errors():
+    """The input processor's refusals as OpenAI errors."""
+    try:
+        yield
+    except InputError as exc:
+        raise APIError(exc.status, exc.message, param=exc.param, code=exc.code) from None
+
+
 async def _off_loop(fn, *args):
-    """Tokenize in a worker thread: a long prompt must not stall every other stream's SSE."""
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
@@ -182,26 +175,11 @@ def _decode(raw: bytes, model: type, max_model_len: int):
     return parse(model, data)
 
 
-def _ready_engine(request: web.Request) -> Engine:
-    async_engine = request.app[ENGINE]
-    if not async_engine.is_ready:
+def _ready_inputs(request: web.Request) -> InputProcessor:
+    client = request.app[ENGINE]
+    if not client.is_ready or client.inputs is None:
         raise APIError(503, "the model is still loading; retry shortly", headers={"Retry-After": "5"})
-    return async_engine.engine  # type: ignore[return-value]
-
-
-def _refuse_oversized_text(engine: Engine, num_chars: int, param: str, markup_tokens: int = 0) -> None:
-    """Refuse text that cannot fit ``max_model_len`` whatever it tokenizes to, before spending
-    CPU on rendering or tokenizing it: no token covers more than ``max_token_chars`` characters
-    (doubled for normalizers that compose characters), and a chat template adds at least
-    ``markup_tokens`` (:attr:`Tokenizer.chat_markup_tokens` per message)."""
-    least = -(-num_chars // (engine.tokenizer.max_token_chars * 2)) + markup_tokens
-    if least > engine.max_model_len:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {engine.max_model_len} tokens; a prompt of "
-            f"{num_chars} characters in its content cannot fit it. Please reduce the length of the prompt.",
-            param=param, code="context_length_exceeded",
-        )
+    return client.inputs
 
 
 def _check_model(request: web.Request, model: str) -> None:
@@ -209,41 +187,13 @@ def _check_model(request: web.Request, model: str) -> None:
         raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
-def _sampling(body, prompt_len: int, max_tokens: int | None, max_model_len: int, default_fill: bool,
-              defaults: SamplingDefaults) -> SamplingParams:
-    """Sampling parameters, refusing a prompt or completion that cannot fit ``max_model_len``;
-    fields the request leaves out take the model's ``defaults`` (``generation_config.json``)."""
-    room = max_model_len - prompt_len
-    if room <= 0 or (max_tokens is not None and max_tokens > room):
-        asked = prompt_len + (max_tokens or 0)
-        raise APIError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{asked} tokens ({prompt_len} in the prompt, {max_tokens or 0} for the completion). "
-            "Please reduce the length of the prompt or completion.",
-            param="max_tokens" if room > 0 else "prompt",
-            code="context_length_exceeded",
-        )
-    if max_tokens is None:
-        max_tokens = room if default_fill else min(16, room)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=defaults.temperature if body.temperature is None else body.temperature,
-        top_p=defaults.top_p if body.top_p is None else body.top_p,
-        top_k=defaults.top_k if body.top_k is None else max(body.top_k, 0),  # -1 (vLLM) and 0: off
-        seed=body.seed,
-        stop=tuple(body.stop),
-        stop_token_ids=tuple(body.stop_token_ids),
-        ignore_eos=body.ignore_eos,
-    )
-
-
 async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
-    async_engine = request.app[ENGINE]
+    client = request.app[ENGINE]
     model = request.app[MODEL_NAME]
     created = int(time.time())
-    stream = async_engine.generate(call.request_id, call.prompt_ids, call.sampling, call.traffic_class, call.tenant,
-                                   arrival_time=call.arrival, cache_salt=call.cache_salt)
+    stream = client.generate(call.request_id, call.prompt_ids, call.sampling, call.traffic_class, call.tenant,
+                             arrival_time=call.arrival, cache_salt=call.cache_salt,
+                             traceparent=request.headers.get(TRACEPARENT_HEADER))
     chat = call.kind == "chat.completion"
     access = request.get(ACCESS, {})
     access["id"] = call.request_id
@@ -263,11 +213,11 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
         return web.json_response(
             {"id": call.request_id, "object": call.kind, "created": created, "model": model,
              "choices": [choice], "usage": _usage(last)},
-            headers={"x-request-id": call.request_id},
+            headers={REQUEST_ID_HEADER: call.request_id},
         )
 
     response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "x-request-id": call.request_id}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", REQUEST_ID_HEADER: call.request_id}
     )
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 

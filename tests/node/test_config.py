@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, resolve_max_model_len
-from cadenza.node.core.engine import Engine
+from cadenza.node.frontend.llm import Engine
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadenza.node.core.engine import Engine
+from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import RequestStatus, SamplingParams
 from tiny_models import load_reference
 
@@ -105,10 +105,10 @@ def test_greedy_outputs_are_identical_with_prefix_caching_on_and_off(tiny_llama_
         engine = Engine.from_model(tiny_llama_dir, prefix_caching=caching, **knobs)
         results[caching] = engine.generate(prompts, greedy(24))
         stats = engine.stats()
-        assert (stats["prefix_cache_hit_tokens"] > 0) == caching
-        assert stats["kv_blocks_used"] == 0
+        assert (stats.prefix_cache_hit_tokens > 0) == caching
+        assert stats.kv_blocks_used == 0
         if preempt:
-            assert stats["num_preemptions"] > 0
+            assert stats.num_preemptions > 0
     assert results[True] == results[False] == hf_greedy(tiny_llama_dir, prompts, 24)
 
 

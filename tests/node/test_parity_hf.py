@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadenza.node.core.engine import Engine
+from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import SamplingParams
 from tiny_models import LLAMA3_ROPE, build_tiny_model, load_reference
 

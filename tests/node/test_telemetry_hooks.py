@@ -1,6 +1,6 @@
 """The telemetry hooks driven by hand: a request's span events and the counters read from the stats.
 
-The engine thread calls :meth:`Telemetry.on_step` after every step and the event loop calls
+The front end calls :meth:`Telemetry.on_step` with every step's record from the engine core and
 :meth:`Telemetry.on_output` for every token; here both are fed hand-made steps and outputs, so a
 preemption (which takes a starved KV pool and hundreds of steps to cause in a real server) is one
 line. That the engine calls the hook with its steps is checked end to end in
@@ -14,15 +14,16 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from cadenza.node.core.engine import RequestOutput
+from cadenza.node.core.messages import StepRecord
 from cadenza.node.core.request import Request, SamplingParams
-from cadenza.node.core.scheduler import ScheduledRow, SchedulerOutput
+from cadenza.node.core.stats import EngineStats
+from cadenza.node.frontend.output_processor import RequestOutput
 from cadenza.node.frontend.telemetry import Telemetry
 
 ARRIVAL = 100.0  # time.monotonic() seconds of the request's arrival, as the server would pass it
 
 
-def telemetry_with_spans(stats=dict) -> tuple[Telemetry, InMemorySpanExporter]:
+def telemetry_with_spans(stats=lambda: None) -> tuple[Telemetry, InMemorySpanExporter]:
     telemetry = Telemetry("tiny", stats=stats, otlp=False)
     spans = InMemorySpanExporter()
     telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
@@ -42,12 +43,10 @@ def output(req: Request, at: float, n: int, finish_reason: str | None = None) ->
 def test_a_preemption_is_an_event_on_the_victims_span_at_the_step_that_preempted_it():
     telemetry, spans = telemetry_with_spans()
     req = start(telemetry)
-    telemetry.on_step(SchedulerOutput(rows=[ScheduledRow(req, 0, 16, False, [0])], num_prefill_tokens=16,
-                                      prefill_rows=[ScheduledRow(req, 0, 16, False, [0])]), 0.01, ARRIVAL + 0.1)
-    req.num_preemptions = 1  # the scheduler counts it on the request when it picks the victim
-    telemetry.on_step(SchedulerOutput(rows=[], preempted=[req]), 0.01, ARRIVAL + 0.2)
-    telemetry.on_step(SchedulerOutput(rows=[ScheduledRow(req, 0, 20, True, [0, 1])], num_prefill_tokens=20,
-                                      prefill_rows=[ScheduledRow(req, 0, 20, True, [0, 1])]), 0.01, ARRIVAL + 0.3)
+    rid = req.request_id
+    telemetry.on_step(StepRecord(0.01, None, 16, 0, chunks=[(rid, 0, 16)]), ARRIVAL + 0.1)
+    telemetry.on_step(StepRecord(0.01, None, 0, 0, preempted=[(rid, 1)]), ARRIVAL + 0.2)
+    telemetry.on_step(StepRecord(0.01, None, 20, 0, chunks=[(rid, 0, 20)]), ARRIVAL + 0.3)
     telemetry.on_output(output(req, ARRIVAL + 0.3, 1))
     telemetry.on_output(output(req, ARRIVAL + 0.4, 2, "length"))
 
@@ -64,8 +63,7 @@ def test_a_second_preemption_carries_the_running_count():
     telemetry, spans = telemetry_with_spans()
     req = start(telemetry)
     for n in (1, 2):
-        req.num_preemptions = n
-        telemetry.on_step(SchedulerOutput(rows=[], preempted=[req]), 0.01, ARRIVAL + n)
+        telemetry.on_step(StepRecord(0.01, None, 0, 0, preempted=[(req.request_id, n)]), ARRIVAL + n)
     telemetry.fail_request(req.request_id, "cancelled", "the client went away")
     (span,) = spans.get_finished_spans()
     assert [e.attributes["cadenza.preemptions"] for e in span.events if e.name == "preempted"] == [1, 2]
@@ -74,15 +72,14 @@ def test_a_second_preemption_carries_the_running_count():
 def test_preempting_a_request_the_server_does_not_trace_is_ignored():
     telemetry, spans = telemetry_with_spans()
     traced = start(telemetry, "traced")
-    offline = Request("offline", [3] * 8, SamplingParams())  # added to the engine directly, no span
-    telemetry.on_step(SchedulerOutput(rows=[], preempted=[offline]), 0.01, ARRIVAL + 1)
+    telemetry.on_step(StepRecord(0.01, None, 0, 0, preempted=[("offline", 1)]), ARRIVAL + 1)  # no span
     telemetry.on_output(output(traced, ARRIVAL + 2, 1, "length"))
     (span,) = spans.get_finished_spans()
     assert "preempted" not in [e.name for e in span.events]
 
 
 def test_preemptions_are_counted_by_reason_from_the_engine_counters():
-    stats = {"num_preemptions": 5, "num_admission_preemptions": 2, "num_recomputed_tokens": 70}
+    stats = EngineStats(num_preemptions=5, num_admission_preemptions=2, num_recomputed_tokens=70)
     telemetry, _ = telemetry_with_spans(stats=lambda: stats)
     families = {f.name: f for f in text_string_to_metric_families(telemetry.prometheus_text().decode())}
     by_reason = {s.labels["cadenza_reason"]: s.value for s in families["cadenza_scheduler_preemptions"].samples

@@ -7,7 +7,7 @@ import torch
 
 from cadenza.node.runner.backend import ENV_VAR, TorchBackend, TritonBackend, resolve_backend_name, select_backend
 from cadenza.node.core.config import ConfigError
-from cadenza.node.core.engine import Engine
+from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import SamplingParams
 
 PROMPT_LENS = [1, 4, 17, 33, 70]

@@ -42,7 +42,7 @@ def itl_target_ms(model) -> float:
 
     import torch
 
-    from cadenza.node.core.engine import Engine
+    from cadenza.node.frontend.llm import Engine
     from cadenza.node.runner.sampler import SamplingParams
 
     threads = torch.get_num_threads()

@@ -132,13 +132,14 @@ def test_an_invalid_pool_file_is_refused_before_anything_starts(tmp_path, tiny_l
     assert result.returncode == 2 and "spec.engine" in result.stderr and "chunkSize" in result.stderr
 
 
-# Loaded by every process of the pool (PYTHONPATH): in a replica, the first engine step after the
-# trigger file appears raises what no handler catches, so the engine thread dies, process alive.
+# Loaded by every process of the pool (PYTHONPATH): in a replica's engine core process, the first
+# step after the trigger file appears raises what no handler catches, so the core dies while the
+# replica's server process lives on.
 CRASH_ONCE = """
 import os, sys
 trigger = os.environ.get("CADENZA_TEST_ENGINE_CRASH_FILE")
-if trigger and "serve" in sys.argv:
-    from cadenza.node.core.engine import Engine
+if trigger and "--fd" in sys.argv:
+    from cadenza.node.core.engine_core import EngineCore as Engine
 
     class SimulatedEngineCrash(BaseException):
         pass

@@ -6,9 +6,10 @@ from __future__ import annotations
 import http.server
 import threading
 
-from cadenza.node.gateway.metrics import GatewayMetrics
-from cadenza.node.core.scheduler import SchedulerOutput
+from cadenza.node.core.messages import StepRecord
+from cadenza.node.core.stats import ClassStats, EngineStats
 from cadenza.node.frontend.telemetry import Telemetry
+from cadenza.node.gateway.metrics import GatewayMetrics
 
 
 def serve_metrics(metrics: GatewayMetrics | Telemetry) -> http.server.ThreadingHTTPServer:
@@ -35,23 +36,21 @@ class FakeEngine:
     """A real :class:`Telemetry` over stats we set, as an engine's ``/metrics`` would show them."""
 
     def __init__(self, total_blocks: int = 100) -> None:
-        self.stats = {"kv_blocks_used": 0, "kv_blocks_reserved": 0, "kv_blocks_cached": 0,
-                      "kv_blocks_free": total_blocks, "classes": {
-                          cls: {"running": 0, "waiting": 0, "preemptions": 0} for cls in ("interactive", "batch")}}
+        self.stats = EngineStats(kv_blocks_total=total_blocks, kv_blocks_free=total_blocks,
+                                 classes={cls: ClassStats() for cls in ("interactive", "batch")})
         self.telemetry = Telemetry("m", lambda: self.stats, otlp=False)
         self.total = total_blocks
 
     def load(self, *, used: int = 0, reserved: int = 0, waiting: dict | None = None,
              preempted: dict | None = None, steps_s: tuple[float, ...] = ()) -> None:
-        self.stats.update(kv_blocks_used=used, kv_blocks_reserved=reserved, kv_blocks_free=self.total - used)
+        stats = self.stats
+        stats.kv_blocks_used, stats.kv_blocks_reserved, stats.kv_blocks_free = used, reserved, self.total - used
         for cls, n in (waiting or {}).items():
-            self.stats["classes"][cls]["waiting"] = n
+            stats.classes[cls].waiting = n
         for cls, n in (preempted or {}).items():
-            self.stats["classes"][cls]["preemptions"] = n
+            stats.classes[cls].preemptions = n
         for seconds in steps_s:
-            out = SchedulerOutput(rows=[])
-            out.predicted_seconds = seconds
-            self.telemetry.on_step(out, seconds, 0.0)
+            self.telemetry.on_step(StepRecord(seconds, seconds, 0, 0), 0.0)
 
     def text(self) -> str:
         return self.telemetry.prometheus_text().decode()

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from functools import partial
 
 import pytest
 
 from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from cadenza.node.core.engine import Engine
+from cadenza.node.core.engine_core import EngineCore
 from cadenza.node.server.app import create_app
 from cadenza.node.server.openai_api import ENGINE, TELEMETRY
 from step_gate import StepGate
@@ -27,14 +26,14 @@ async def client(aiohttp_client, tiny_llama_dir):
         scheduler=SchedulerConfig(token_budget=64, chunk_size=16, max_model_len=MAX_MODEL_LEN),
         cache=CacheConfig(block_size=16, num_kv_blocks=64),
     )
-    app = create_app(partial(Engine, config), MODEL)
+    app = create_app(config, MODEL)
     client = await aiohttp_client(app)
     await app[ENGINE].wait_ready()
     return client
 
 
-def engine_of(client) -> Engine:
-    return client.app[ENGINE].engine
+def engine_of(client) -> EngineCore:
+    return client.app[ENGINE].core
 
 
 async def sse_events(resp) -> list:
@@ -69,7 +68,7 @@ async def test_completion_returns_text_and_usage(client):
     assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length" and isinstance(choice["text"], str)
-    prompt_len = len(engine_of(client).tokenizer.encode("Hello there"))
+    prompt_len = len(client.app[ENGINE].tokenizer.encode("Hello there"))
     assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 4, "total_tokens": prompt_len + 4}
 
 
@@ -251,30 +250,30 @@ async def test_unknown_route_and_wrong_method_answer_in_openai_format(client):
 # -- cancellation ------------------------------------------------------------------------------------
 
 
-def record_aborts(engine: Engine, monkeypatch) -> list[dict]:
+def record_aborts(engine: EngineCore, monkeypatch) -> list[dict]:
     """Record each abort's request state as the engine thread applies it."""
     seen: list[dict] = []
     original = engine.abort_request
 
-    def abort(request_id: str) -> bool:
+    def abort(request_id: str, reason: str = "abort") -> bool:
         req = engine.scheduler.requests.get(request_id)
         if req is not None:
             seen.append({"id": request_id, "computed": req.num_computed_tokens,
                          "prompt": req.num_prompt_tokens, "output": req.num_output_tokens})
-        return original(request_id)
+        return original(request_id, reason)
 
     monkeypatch.setattr(engine, "abort_request", abort)
     return seen
 
 
-def record_outputs(engine: Engine, monkeypatch) -> list[str]:
+def record_outputs(engine: EngineCore, monkeypatch) -> list[str]:
     produced: list[str] = []
     original = engine.step
 
     def step():
-        outputs = original()
-        produced.extend(o.request_id for o in outputs)
-        return outputs
+        deltas, record = original()
+        produced.extend(d.request_id for d in deltas)
+        return deltas, record
 
     monkeypatch.setattr(engine, "step", step)
     return produced
@@ -378,7 +377,7 @@ async def test_huge_shapes_are_refused_before_they_are_validated_item_by_item(cl
     monkeypatch.setattr("cadenza.node.server.openai_api.parse", lambda model, body: validated.append(1) or
                         original(model, body))
     rendered = []
-    monkeypatch.setattr(engine_of(client).tokenizer, "encode_chat", lambda *a, **k: rendered.append(1))
+    monkeypatch.setattr(client.app[ENGINE].tokenizer, "encode_chat", lambda *a, **k: rendered.append(1))
     body = {**GOOD_CHAT, "messages": [{"role": "user", "content": "x"}] * 250_000}
     resp = await client.post("/v1/chat/completions", data=json.dumps(body).encode(),
                              headers={"Content-Type": "application/json"})
@@ -404,11 +403,11 @@ async def test_unset_sampling_fields_take_the_models_generation_config(aiohttp_c
     config = EngineConfig(model=str(model), served_model_name=MODEL,
                           scheduler=SchedulerConfig(token_budget=64, chunk_size=16, max_model_len=MAX_MODEL_LEN),
                           cache=CacheConfig(block_size=16, num_kv_blocks=64))
-    app = create_app(partial(Engine, config), MODEL)
+    app = create_app(config, MODEL)
     client = await aiohttp_client(app)
-    engine = await app[ENGINE].wait_ready()
-    assert (engine.sampling_defaults.temperature, engine.sampling_defaults.top_k, engine.sampling_defaults.top_p) == (
-        0.0, 5, 1.0)  # the out-of-range top_p is ignored
+    await app[ENGINE].wait_ready()
+    defaults = app[ENGINE].inputs.defaults
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.0, 5, 1.0)  # the out-of-range top_p is ignored
     body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 8, "ignore_eos": True}
     texts = {(await (await client.post("/v1/completions", json={**body, "seed": seed})).json())["choices"][0]["text"]
              for seed in range(4)}

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from functools import partial
 
 import pytest
 
 from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from cadenza.node.core.engine import Engine
 from cadenza.node.core.policy import ClassPolicy, Policy, TenantPolicy, default_class_policies
 from cadenza.node.server.admin import TOKEN_ENV, TOKEN_FILE_ENV
 from cadenza.node.server.app import create_app
@@ -33,7 +31,7 @@ async def client(aiohttp_client, tiny_llama_dir, monkeypatch):
         scheduler=SchedulerConfig(token_budget=64, chunk_size=16, max_num_seqs=2, max_model_len=1024, policy=policy),
         cache=CacheConfig(block_size=16, num_kv_blocks=128),
     )
-    app = create_app(partial(Engine, config), MODEL, default_class="batch")
+    app = create_app(config, MODEL, default_class="batch")
     client = await aiohttp_client(app)
     await app[ENGINE].wait_ready()
     return client
@@ -48,13 +46,13 @@ async def test_class_and_tenant_headers_route_the_request(client):
                                                                     "x-cadenza-tenant": "acme"})
     assert resp.status == 200
     stats = client.app[ENGINE].stats()
-    assert stats["classes"]["interactive"]["prefill_tokens"] > 0
-    assert client.app[ENGINE].engine.scheduler.stats.prefill_tokens_by_tenant["acme"] > 0
+    assert stats.classes["interactive"].prefill_tokens > 0
+    assert client.app[ENGINE].core.scheduler.stats.prefill_tokens_by_tenant["acme"] > 0
 
 
 async def test_requests_without_a_class_header_take_the_server_default(client):
     assert (await client.post("/v1/completions", json=body())).status == 200
-    assert client.app[ENGINE].stats()["classes"]["batch"]["prefill_tokens"] > 0
+    assert client.app[ENGINE].stats().classes["batch"].prefill_tokens > 0
 
 
 @pytest.mark.parametrize("header, value", [("x-cadenza-class", "urgent"), ("x-cadenza-tenant", "no spaces please")])
@@ -67,17 +65,19 @@ async def test_invalid_class_or_tenant_header_is_a_400(client, header, value):
 
 def slow_steps(client, monkeypatch, seconds: float = 0.02) -> StepGate:
     """Each step takes ``seconds`` more (long requests stay running while a test looks)."""
-    return StepGate(client.app[ENGINE].engine.runner, monkeypatch, delay_s=seconds)
+    return StepGate(client.app[ENGINE].core.runner, monkeypatch, delay_s=seconds)
 
 
 async def test_a_full_queue_is_refused_at_once_with_429_and_retry_after(client, monkeypatch):
     gate = slow_steps(client, monkeypatch)
-    sched = client.app[ENGINE].engine.scheduler
+    sched = client.app[ENGINE].core.scheduler
     long = body(max_tokens=500, ignore_eos=True)
     busy = [asyncio.ensure_future(client.post("/v1/completions", json=long)) for _ in range(2)]  # both slots
     await until(lambda: sched.num_running == 2)
     queued = asyncio.ensure_future(client.post("/v1/completions", json=long, headers={"x-cadenza-class": "background"}))
     await until(lambda: len(sched.queues["background"]) == 1)  # the background queue (depth 1) is full
+    # ... and the front end knows it from the stats the core publishes (every 0.2 s while busy)
+    await until(lambda: client.app[ENGINE].stats().classes["background"].waiting == 1)
     gate.hold()
     try:
         await gate.held()  # no step can end, so no answer below can have waited for one
@@ -89,7 +89,7 @@ async def test_a_full_queue_is_refused_at_once_with_429_and_retry_after(client, 
     assert int(resp.headers["Retry-After"]) >= 1
     error = (await resp.json())["error"]
     assert error["type"] == "rate_limit_error" and error["code"] == "queue_full"
-    assert client.app[ENGINE].stats()["rejected"]["queue_full"] == 1  # refused on the HTTP thread, counted
+    assert client.app[ENGINE].stats().rejected["queue_full"] == 1  # refused on the HTTP thread, counted
     for task in (*busy, queued):
         task.cancel()
     await until(lambda: sched.num_running == 0 and sched.num_waiting == 0)
@@ -98,7 +98,7 @@ async def test_a_full_queue_is_refused_at_once_with_429_and_retry_after(client, 
 
 async def test_a_tenant_over_its_concurrency_quota_gets_429(client, monkeypatch):
     slow_steps(client, monkeypatch)
-    sched = client.app[ENGINE].engine.scheduler
+    sched = client.app[ENGINE].core.scheduler
     headers = {"x-cadenza-tenant": "capped"}
     slow = asyncio.ensure_future(client.post("/v1/completions", json=body(max_tokens=500, ignore_eos=True),
                                              headers=headers))
@@ -142,7 +142,7 @@ async def test_put_changes_knobs_live_from_the_next_step(client):
     view = await resp.json()
     assert view["token_budget"] == 32 and view["chunk_size"] == 8 and view["step_time_target_ms"] == 250
     assert view["classes"]["batch"]["max_prefill_tokens"] == 8 and view["tenants"]["gold"]["weight"] == 3
-    config = client.app[ENGINE].engine.scheduler.config
+    config = client.app[ENGINE].core.scheduler.config
     assert config.token_budget == 32 and config.policy.tenant("gold").weight == 3
     assert (await client.get("/admin/config", headers=AUTH)).status == 200
     assert (await client.post("/v1/completions", json=body())).status == 200
@@ -242,7 +242,7 @@ async def test_odd_admin_changes_get_an_answer_and_the_server_keeps_serving(clie
 
 
 async def test_a_bug_in_an_engine_command_is_a_500_and_the_engine_goes_on(client, monkeypatch):
-    engine = client.app[ENGINE].engine
+    engine = client.app[ENGINE].core
 
     def broken_reconfigure(changes):
         raise KeyError("a bug")

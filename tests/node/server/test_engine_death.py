@@ -4,10 +4,8 @@ answering 503 forever while its process lives."""
 from __future__ import annotations
 
 import asyncio
-from functools import partial
 
 from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from cadenza.node.core.engine import Engine
 from cadenza.node.server.app import create_app, until_stopped_or_failed
 from cadenza.node.server.openai_api import ENGINE
 
@@ -20,9 +18,10 @@ async def test_the_server_exits_with_1_when_its_loaded_engine_dies(aiohttp_clien
     config = EngineConfig(model=str(tiny_llama_dir), served_model_name="tiny",
                           scheduler=SchedulerConfig(token_budget=64, chunk_size=16, max_model_len=256),
                           cache=CacheConfig(num_kv_blocks=64))
-    app = create_app(partial(Engine, config), "tiny")
+    app = create_app(config, "tiny")
     client = await aiohttp_client(app)
-    engine = await app[ENGINE].wait_ready()
+    await app[ENGINE].wait_ready()
+    engine = app[ENGINE].core
     stop = asyncio.Event()
     serving = asyncio.ensure_future(until_stopped_or_failed(app, stop))
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
@@ -42,7 +41,7 @@ async def test_the_server_exits_with_1_when_its_loaded_engine_dies(aiohttp_clien
 async def test_the_server_exits_with_0_when_stopped(aiohttp_client, tiny_llama_dir):
     config = EngineConfig(model=str(tiny_llama_dir), served_model_name="tiny",
                           scheduler=SchedulerConfig(max_model_len=256), cache=CacheConfig(num_kv_blocks=64))
-    app = create_app(partial(Engine, config), "tiny")
+    app = create_app(config, "tiny")
     await aiohttp_client(app)
     await app[ENGINE].wait_ready()
     stop = asyncio.Event()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from functools import partial
 
 import pytest
 from aiohttp import web
@@ -16,7 +15,6 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status as ProtoStatus
 from prometheus_client.parser import text_string_to_metric_families
 
 from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from cadenza.node.core.engine import Engine
 from cadenza.node.core.policy import Policy
 from cadenza.node.server.app import create_app
 from cadenza.node.server.openai_api import ENGINE, TELEMETRY
@@ -85,7 +83,7 @@ def make_client(aiohttp_client, tiny_llama_dir, num_kv_blocks=64, **policy):
     )
 
     async def start():
-        client = await aiohttp_client(create_app(partial(Engine, config), MODEL))
+        client = await aiohttp_client(create_app(config, MODEL))
         await client.app[ENGINE].wait_ready()
         return client
 

@@ -1,0 +1,178 @@
+"""Decode speed on the real model, and where a step's time goes: ``python -m bench.decode_speed``.
+
+SmolLM2-135M-Instruct (fp32 on CPU: 540 MB of weights read once per step, so a step's floor is
+memory bandwidth). Over HTTP against ``cadenza serve`` (the engine core in its own process):
+
+- **single stream**: one request at a time (a 32-token prompt, 128 output tokens, EOS ignored),
+  three times; output tok/s = tokens after the first / time from the first to the last token.
+- **concurrency 8**: the first 64 requests of the Azure 2023 conversation trace (prompts /4,
+  capped at 512 tokens; outputs capped at 64, at least 8, EOS ignored), 8 in flight at a time;
+  output tok/s = all output tokens / wall time.
+
+Then, in process, the same engine core stepping 1 and 8 decoding streams: per step, *model time*
+(the forward pass and logits, timed around the model call) versus *host time* (everything else of
+the step: scheduling, the runner's metadata building, sampling, the outputs). The bandwidth floor
+is the weights' bytes over this machine's measured copy bandwidth.
+
+Targets (peer figures measured on this machine with llama.cpp's ``llama-server`` on the same F32
+weights: 38 tok/s single stream, 38.6 tok/s at concurrency 8): single stream ≥ 0.8× and
+concurrency 8 ≥ 1.2× those, host time ≤ 20 % of a decode step. Last line JSON (``ratio``: single
+stream over the peer's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import torch
+
+from bench.common import conv_trace, free_port, machine, prompt_ids, report, start_server, stop_server
+from cadenza.node.embedded import ensure_embedded_model
+from cadenza.node.replay.trace import scale_trace
+
+PEER_SINGLE, PEER_CONC8 = 38.0, 38.6  # llama.cpp llama-server, same weights, this machine
+SINGLE_TOKENS, CONC_REQUESTS, CONCURRENCY = 128, 64, 8
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], n: int) -> list[float]:
+    """Arrival times of each streamed token."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
+    times = []
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                times.append(time.perf_counter())
+    return times
+
+
+async def single_stream(url: str, prompt: list[int]) -> list[float]:
+    rates = []
+    async with aiohttp.ClientSession() as session:
+        await stream_one(session, url, prompt, 8)  # warm up
+        for _ in range(3):
+            times = await stream_one(session, url, prompt, SINGLE_TOKENS)
+            rates.append((len(times) - 1) / (times[-1] - times[0]))
+    return rates
+
+
+async def concurrent(url: str, prompts: list[list[int]], outputs: list[int]) -> float:
+    gate = asyncio.Semaphore(CONCURRENCY)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        async def one(prompt, n):
+            async with gate:
+                body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+                async with session.post(f"{url}/v1/completions", json=body) as resp:
+                    return (await resp.json())["usage"]["completion_tokens"]
+
+        started = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outputs))))
+        return tokens / (time.perf_counter() - started)
+
+
+def step_split(model: Path, streams: int, steps: int = 40) -> dict:
+    """Median model and host milliseconds per decode step with ``streams`` decoding."""
+    from cadenza.node.core.engine_core import EngineCore
+    from cadenza.node.core.messages import AddRequest
+    from cadenza.node.core.request import SamplingParams
+
+    core = EngineCore.from_model(model, token_budget=512, chunk_size=256, kv_cache_bytes=256 * 2**20)
+    model_s: list[float] = []
+    forward = core.runner.model.forward
+    logits = core.runner.model.compute_logits
+
+    def timed(fn):
+        def run(*args, **kwargs):
+            started = time.perf_counter()
+            out = fn(*args, **kwargs)
+            model_s[-1] += time.perf_counter() - started
+            return out
+        return run
+
+    core.runner.model.forward, core.runner.model.compute_logits = timed(forward), timed(logits)
+    sp = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
+    for i in range(streams):
+        core.add_request(AddRequest(f"s{i}", [10 + i] * 32, sp))
+    while any(not r.is_decoding for r in core.scheduler.running) or core.scheduler.num_waiting:
+        model_s.append(0.0)
+        core.step()
+    walls = []
+    for _ in range(steps):
+        model_s.append(0.0)
+        started = time.perf_counter()
+        core.step()
+        walls.append(time.perf_counter() - started)
+    models = model_s[-steps:]
+    step_ms = statistics.median(walls) * 1e3
+    model_ms = statistics.median(models) * 1e3
+    return {"step_ms": round(step_ms, 2), "model_ms": round(model_ms, 2), "host_ms": round(step_ms - model_ms, 2),
+            "host_share": round((step_ms - model_ms) / step_ms, 3)}
+
+
+def bandwidth_floor_ms(model: Path) -> float:
+    from safetensors import safe_open
+
+    size = 0
+    for f in model.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            size += sum(st.get_tensor(k).numel() * 4 for k in st.keys())
+    src = torch.empty(size // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - started)
+    read_gbs = 2 * size / min(times) / 1e9  # a copy reads and writes
+    return size / (read_gbs * 1e9) * 1e3
+
+
+def main() -> None:
+    model = ensure_embedded_model()
+    workdir = Path(tempfile.mkdtemp(prefix="cadenza-decode-"))
+    port = free_port()
+    proc = start_server(["--model", str(model), "--served-model-name", "m", "--max-num-seqs", "16"], port,
+                        workdir / "serve.log")
+    url = f"http://127.0.0.1:{port}"
+    trace, scaling = scale_trace(conv_trace(), length_scale=1 / 4, num_requests=CONC_REQUESTS)
+    prompts = prompt_ids(model, [min(512, max(4, r.input_len)) for r in trace])
+    outputs = [min(64, max(8, r.output_len)) for r in trace]
+    try:
+        single = asyncio.run(single_stream(url, prompt_ids(model, [32])[0]))
+        conc8 = asyncio.run(concurrent(url, prompts, outputs))
+    finally:
+        stop_server(proc)
+    split = {n: step_split(model, n) for n in (1, 8)}
+    floor = bandwidth_floor_ms(model)
+    s = statistics.median(single)
+    print(f"single stream: {s:.1f} output tok/s (rounds {', '.join(f'{x:.1f}' for x in single)}); "
+          f"{s / PEER_SINGLE:.2f}x llama.cpp's {PEER_SINGLE} (target >= 0.8)")
+    print(f"concurrency {CONCURRENCY}, {CONC_REQUESTS} Azure conversation requests: {conc8:.1f} output tok/s; "
+          f"{conc8 / PEER_CONC8:.2f}x llama.cpp's {PEER_CONC8} (target >= 1.2)")
+    for n, row in split.items():
+        print(f"decode step with {n} stream(s): {row['step_ms']} ms = {row['model_ms']} ms model + {row['host_ms']} ms "
+              f"host ({row['host_share']:.0%}; target <= 20%); bandwidth floor {floor:.1f} ms")
+    report({
+        "benchmark": "decode_speed",
+        "ratio": round(s / PEER_SINGLE, 3),
+        "target": 0.8,
+        "single_stream_tok_s": round(s, 2),
+        "concurrency8_tok_s": round(conc8, 2),
+        "concurrency8_ratio": round(conc8 / PEER_CONC8, 3),
+        "concurrency8_target": 1.2,
+        "step_split": split,
+        "bandwidth_floor_ms": round(floor, 2),
+        "peer": {"single_stream_tok_s": PEER_SINGLE, "concurrency8_tok_s": PEER_CONC8, "server": "llama.cpp llama-server"},
+        "workload": {"trace": "azure2023 conv", "requests": CONC_REQUESTS, "length_scale": scaling.length_scale},
+        "pass": s >= 0.8 * PEER_SINGLE and conc8 >= 1.2 * PEER_CONC8 and all(r["host_share"] <= 0.2 for r in split.values()),
+        "machine": machine(),
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The engine core in its own process versus in a thread: ``python -m bench.frontend_overhead``.
+
+A tiny random Llama (2 layers, 64 wide, SmolLM2's tokenizer and 49,152-token vocabulary), so the
+forward pass costs next to nothing and what the host does per token — HTTP, SSE, detokenizing, stop
+strings, telemetry — decides the throughput. 256 streaming clients at once over HTTP against
+``cadenza serve``; prompts and output lengths are the first 256 requests of the Azure 2023
+conversation trace (prompts /8, capped at 256 tokens; outputs at least 16, capped at 64, EOS
+ignored). ``--engine-process on`` and ``off`` run the same workload, interleaved, three rounds
+each; per round: output tokens/s (all tokens / wall time from the first request to the last
+answer) and the step loop's share of that wall time (the summed model time of its steps, from the
+server's ``cadenza.step.duration`` histogram). Target: tokens/s with the core in its own process ≥
+1.5× in a thread (median of the per-round ratios); last line JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from bench.common import conv_trace, free_port, machine, prompt_ids, report, start_server, stop_server, tiny_random_llama
+from cadenza.node.embedded import ensure_embedded_model
+from cadenza.node.replay.trace import scale_trace
+
+CLIENTS, ROUNDS = 256, 3
+SERVE_ARGS = ["--token-budget", "1024", "--chunk-size", "256", "--max-num-seqs", str(CLIENTS),
+              "--kv-cache-gib", "0.25", "--max-model-len", "1024", "--threads", "1"]
+
+
+async def replay(url: str, prompts: list[list[int]], outputs: list[int]) -> tuple[int, float]:
+    """Send every request at once, streaming; (output tokens, wall seconds)."""
+    async def one(session: aiohttp.ClientSession, prompt: list[int], n: int) -> int:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        tokens = 0
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                if line.startswith(b"data: {") and b'"usage": {' in line:
+                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+        return tokens
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(one(session, p, n) for p, n in zip(prompts, outputs)))
+        return sum(counts), time.perf_counter() - started
+
+
+def step_seconds(url: str) -> float:
+    """The server's summed step model time so far (``cadenza_step_duration_seconds_sum``)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("cadenza_step_duration_seconds_sum"))
+
+
+def run_mode(model: Path, mode: str, prompts, outputs, workdir: Path) -> dict:
+    port = free_port()
+    proc = start_server(["--model", str(model), "--served-model-name", "tiny", "--engine-process", mode, *SERVE_ARGS],
+                        port, workdir / f"serve-{mode}.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(replay(url, prompts[:8], [8] * 8))  # warm up: first compile and allocations
+        before = step_seconds(url)
+        tokens, wall = asyncio.run(replay(url, prompts, outputs))
+        busy = step_seconds(url) - before
+    finally:
+        stop_server(proc)
+    return {"tokens_per_s": tokens / wall, "step_share": busy / wall, "tokens": tokens, "wall_s": wall}
+
+
+def main() -> None:
+    smol = ensure_embedded_model()
+    workdir = Path(tempfile.mkdtemp(prefix="cadenza-frontend-"))
+    model = tiny_random_llama(workdir / "tiny-llama", like=smol)
+    trace, scaling = scale_trace(conv_trace(), length_scale=1 / 8, num_requests=CLIENTS)
+    prompts = prompt_ids(model, [min(256, max(4, r.input_len)) for r in trace])
+    outputs = [min(64, max(16, r.output_len)) for r in trace]
+    results: dict[str, list[dict]] = {"on": [], "off": []}
+    for r in range(ROUNDS):
+        for mode in ("on", "off"):
+            results[mode].append(run_mode(model, mode, prompts, outputs, workdir))
+            last = results[mode][-1]
+            print(f"round {r + 1} engine process {mode:>3}: {last['tokens_per_s']:7.1f} output tok/s, "
+                  f"step loop {last['step_share']:.0%} of wall time ({last['tokens']} tokens in {last['wall_s']:.1f} s)")
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(results["on"], results["off"])]
+    ratio = statistics.median(ratios)
+    med = {m: {k: round(statistics.median(x[k] for x in v), 3) for k in ("tokens_per_s", "step_share")}
+           for m, v in results.items()}
+    print(f"output tok/s, core in its own process / in a thread: {ratio:.2f}x (target >= 1.5); step loop share "
+          f"{med['on']['step_share']:.0%} vs {med['off']['step_share']:.0%}")
+    report({
+        "benchmark": "frontend_overhead",
+        "ratio": round(ratio, 3),
+        "target": 1.5,
+        "per_round_ratios": [round(x, 3) for x in ratios],
+        "median": med,
+        "workload": {"trace": "azure2023 conv", "clients": CLIENTS, "length_scale": scaling.length_scale,
+                     "prompts": "capped at 256", "outputs": "16 to 64"},
+        "model": "random Llama, 2 layers x 64, SmolLM2 vocabulary",
+        "pass": ratio >= 1.5,
+        "machine": machine(),
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""The engine core's messages: what crosses the boundary between the front end and the core.
+
+The core sees token ids only. In: :class:`AddRequest`, :class:`AbortRequests` (with a reason: a
+client gone, or a stop string the front end matched), :class:`Reconfigure` (answered by
+:class:`ReconfigureResult`), :class:`Shutdown`. Out: :class:`EngineReady` once the model is
+loaded (or :class:`EngineDead` if it cannot be), then one :class:`StepOutputs` per step — each
+request's new token ids and finish reason, the step's record for telemetry, and now and then the
+typed :class:`~cadenza.node.core.stats.EngineStats`.
+
+Every type is a slotted dataclass with a type tag; :func:`encode` / :func:`decode` write them as
+msgpack with each object an extension of its tag (no pickle: a frame can only ever build these
+types). A frame with an unknown tag is refused with :class:`MessageError`. The same objects are
+passed unencoded when the core runs in a thread of the server's process. The wire form follows
+vLLM V1's engine-core messages (``vllm/v1/engine/__init__.py``) in spirit: token ids in, token ids
+out, one batch of outputs per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from cadenza.node.core.request import SamplingParams
+from cadenza.node.core.stats import ClassStats, EngineStats, TenantLoad
+
+ABORT_REASONS = ("abort", "stop")  # a client gone or a caller's abort; a stop string matched
+FRAME_HEADER = struct.Struct(">I")  # each frame: payload length (bytes, big-endian), then msgpack
+MAX_FRAME_BYTES = 256 * 2**20
+
+
+class MessageError(ValueError):
+    """A frame that does not decode to a known message (unknown tag, bad fields, too large)."""
+
+
+# -- in: front end -> core -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Queue a request (token ids already checked against the vocabulary and ``max_model_len``).
+
+    ``arrival_time`` is ``time.monotonic()`` seconds in the front end (the same clock in every
+    process of a machine); ``traceparent`` is the W3C trace context of the request's span.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    traffic_class: str = "interactive"
+    tenant: str = "default"
+    arrival_time: float = 0.0
+    cache_salt: str | None = None
+    traceparent: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequests:
+    """End requests now and free their KV. ``reason``: ``abort`` (counted as aborted) or ``stop``
+    (the front end matched a stop string: the request finishes as stopped)."""
+
+    request_ids: list[str]
+    reason: str = "abort"
+
+    def __post_init__(self) -> None:
+        if self.reason not in ABORT_REASONS:
+            raise MessageError(f"reason: must be one of {', '.join(ABORT_REASONS)}, got {self.reason!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Reconfigure:
+    """Change live knobs (the keys of ``PUT /admin/config``); answered by a ReconfigureResult
+    with the same ``call_id``."""
+
+    call_id: int
+    changes: dict
+
+
+@dataclass(frozen=True, slots=True)
+class StartCore:
+    """The first frame to a core process: its configuration (:meth:`EngineConfig.to_dict`), the
+    end-of-sequence ids only the tokenizer knows, and its torch threads (None: torch's own)."""
+
+    config: dict
+    eos_token_ids: list[int] = field(default_factory=list)
+    threads: int | None = None
+    threads_reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Stop after the current step; requests still live end as aborted."""
+
+
+# -- out: core -> front end ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReady:
+    """The core has loaded its model; what the front end needs to check and serve requests.
+
+    ``config`` is the live configuration as ``GET /admin/config`` shows it.
+    """
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_kv_blocks: int
+    block_size: int
+    config: dict
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDead:
+    """The core could not load (``loaded`` False) or its loop died; it exits after this."""
+
+    error: str
+    loaded: bool = False
+    kind: str = "RuntimeError"  # the exception's type: a config error needs no traceback
+
+
+@dataclass(frozen=True, slots=True)
+class ReconfigureResult:
+    """The configuration now in force, or why nothing changed (``error_kind``: ``invalid`` —
+    the caller's input, a 400 — or ``internal``, a bug: a 500)."""
+
+    call_id: int
+    config: dict | None = None
+    error: str | None = None
+    error_kind: str | None = None
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What one step produced for one request: its new token ids (at most one today), the finish
+    reason once it is finished (``stop`` | ``length`` | ``abort``), and its counts so far.
+    (Not frozen: hundreds are built per step, and a frozen dataclass is slower to build.)"""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    """A request that ended without a finish reason: refused on arrival (``admission``, with the
+    HTTP status, machine-readable reason and ``Retry-After``), bad input (``invalid``), a bug
+    inside the core (``internal``) or a failed step (``step``)."""
+
+    request_id: str
+    kind: str
+    message: str
+    status: int = 500
+    reason: str = ""
+    retry_after: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One step as telemetry sees it (seconds of model time, tokens by kind, and the events of
+    the requests' spans).
+
+    Attributes:
+        admitted: ``(request_id, class, phase, seconds queued)``; phase ``admission`` | ``resume``.
+        chunks: ``(request_id, start position, tokens)`` of each prefill chunk.
+        preempted: ``(request_id, times preempted so far)``.
+    """
+
+    seconds: float
+    predicted_seconds: float | None
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    admitted: list[tuple[str, str, str, float]] = field(default_factory=list)
+    chunks: list[tuple[str, int, int]] = field(default_factory=list)
+    preempted: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutputs:
+    """Everything one pass of the core's loop produced. ``time``: ``time.monotonic()`` when the
+    step ended; ``step`` is None when no step ran (only failures or fresh stats to report)."""
+
+    time: float
+    outputs: list[RequestDelta] = field(default_factory=list)
+    step: StepRecord | None = None
+    stats: EngineStats | None = None
+    failures: list[RequestFailure] = field(default_factory=list)
+
+
+# -- encoding --------------------------------------------------------------------------------------
+
+
+def _sampling_to_wire(sp: SamplingParams) -> list:
+    return [sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed, list(sp.stop),
+            sorted(sp.stop_token_ids), sp.ignore_eos]
+
+
+def _sampling_from_wire(v: list) -> SamplingParams:
+    max_tokens, temperature, top_p, top_k, seed, stop, stop_ids, ignore_eos = v
+    return SamplingParams(max_tokens, temperature, top_p, top_k, seed, tuple(stop), frozenset(stop_ids), ignore_eos)
+
+
+def _fields_to_wire(obj: Any) -> list:
+    return [getattr(obj, f) for f in obj.__slots__]
+
+
+def _plain(cls: type) -> Callable[[list], Any]:
+    return lambda v: cls(*v)
+
+
+def _with_tuples(cls: type, *indexes: int) -> Callable[[list], Any]:
+    """A decoder that turns the list fields at ``indexes`` back into lists of tuples."""
+    def build(v: list) -> Any:
+        for i in indexes:
+            v[i] = [tuple(x) for x in v[i]]
+        return cls(*v)
+    return build
+
+
+# tag -> (type, to wire, from wire); tags are part of the protocol: never reuse one.
+_TYPES: dict[int, tuple[type, Callable[[Any], list], Callable[[list], Any]]] = {
+    1: (AddRequest, _fields_to_wire, _plain(AddRequest)),
+    2: (AbortRequests, _fields_to_wire, _plain(AbortRequests)),
+    3: (Reconfigure, _fields_to_wire, _plain(Reconfigure)),
+    4: (Shutdown, _fields_to_wire, _plain(Shutdown)),
+    6: (StartCore, _fields_to_wire, _plain(StartCore)),
+    5: (SamplingParams, _sampling_to_wire, _sampling_from_wire),
+    10: (EngineReady, _fields_to_wire, _plain(EngineReady)),
+    11: (EngineDead, _fields_to_wire, _plain(EngineDead)),
+    12: (ReconfigureResult, _fields_to_wire, _plain(ReconfigureResult)),
+    13: (RequestDelta, _fields_to_wire, _plain(RequestDelta)),
+    14: (RequestFailure, _fields_to_wire, _plain(RequestFailure)),
+    15: (StepRecord, _fields_to_wire, _with_tuples(StepRecord, 4, 5, 6)),
+    16: (StepOutputs, _fields_to_wire, _plain(StepOutputs)),
+    17: (EngineStats, _fields_to_wire, _plain(EngineStats)),
+    18: (ClassStats, _fields_to_wire, _plain(ClassStats)),
+    19: (TenantLoad, _fields_to_wire, _plain(TenantLoad)),
+}
+_TAG_OF = {cls: tag for tag, (cls, _enc, _dec) in _TYPES.items()}
+MESSAGE_TYPES = tuple(cls for cls, _enc, _dec in _TYPES.values())
+
+
+def _default(obj: Any) -> msgpack.ExtType:
+    tag = _TAG_OF.get(type(obj))
+    if tag is None:
+        raise TypeError(f"cannot encode {type(obj).__name__}: not an engine message type")
+    return msgpack.ExtType(tag, msgpack.packb(_TYPES[tag][1](obj), default=_default, use_bin_type=True))
+
+
+def _ext_hook(tag: int, data: bytes) -> Any:
+    entry = _TYPES.get(tag)
+    if entry is None:
+        raise MessageError(f"unknown message tag {tag}")
+    values = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    if not isinstance(values, list):
+        raise MessageError(f"bad frame: tag {tag} holds a {type(values).__name__}, not its fields")
+    return entry[2](values)
+
+
+def encode(message: Any) -> bytes:
+    """One message as msgpack bytes (without the frame header).
+
+    Raises:
+        TypeError: not one of :data:`MESSAGE_TYPES` (or it holds something that is not).
+    """
+    if type(message) not in _TAG_OF:
+        raise TypeError(f"cannot encode {type(message).__name__}: not an engine message type")
+    return msgpack.packb(message, default=_default, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    """The message ``data`` holds.
+
+    Raises:
+        MessageError: not msgpack, an unknown tag, fields that do not fit the type, or a frame
+            whose top level is not a message.
+    """
+    try:
+        message = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    except MessageError:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # ExtraData, bad arity, bad values
+        raise MessageError(f"bad frame: {type(exc).__name__}: {exc}") from None
+    if type(message) not in _TAG_OF:
+        raise MessageError(f"bad frame: a {type(message).__name__}, not a message")
+    return message
+
+
+def frame(message: Any) -> bytes:
+    """``message`` encoded, with its length header: what goes on the socket."""
+    body = encode(message)
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+def check_frame_length(length: int) -> int:
+    """The payload length a header announced, or MessageError if no real frame is that large."""
+    if length > MAX_FRAME_BYTES:
+        raise MessageError(f"frame of {length} bytes announced, over the {MAX_FRAME_BYTES}-byte limit")
+    return length
+
+
+def replace(message: Any, **changes: Any) -> Any:
+    """A copy of a (frozen) message with some fields changed."""
+    return dataclasses.replace(message, **changes)

@@ -1,0 +1,355 @@
+"""The front end's client of the engine core: requests in, per-request output streams out.
+
+The core runs in its own process by default (:class:`ProcessCore`: ``python -m
+cadenza.node.core.process`` over a Unix socket pair, msgpack frames) or in a thread of this
+process (:class:`ThreadCore`, ``--engine-process off``: the same loop and the same message
+objects through a queue, for tests and the simulator). Either way the event loop never runs model
+code and HTTP code never touches engine objects: it calls :meth:`EngineClient.generate`,
+:meth:`~EngineClient.reconfigure` and :meth:`~EngineClient.stats`.
+
+Each step's :class:`~cadenza.node.core.messages.StepOutputs` arrives on the event loop; the
+:class:`~cadenza.node.frontend.output_processor.OutputProcessor` detokenizes it and matches stop
+strings, telemetry records the step and every token, and each request's ``asyncio.Queue`` gets
+its delta. If the core dies — its process exits or is killed, its loop raises — every request in
+flight gets :class:`EngineDeadError` at once and ``is_alive`` turns False (``/health`` answers 503;
+the server then exits so that its supervisor restarts the replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+from cadenza.node.core.admission import AdmissionError, check_published
+from cadenza.node.core.config import EngineConfig
+from cadenza.node.core.knobs import policy_from_view
+from cadenza.node.core.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineReady,
+    Reconfigure,
+    ReconfigureResult,
+    StepOutputs,
+)
+from cadenza.node.core.request import Request, SamplingParams
+from cadenza.node.core.stats import EngineStats
+from cadenza.node.frontend.errors import (
+    CONFIG_ERRORS,
+    EngineCommandError,
+    EngineDeadError,
+    EngineLoadError,
+    failure_error,
+)
+from cadenza.node.frontend.input_processor import InputProcessor
+from cadenza.node.frontend.output_processor import OutputProcessor, RequestOutput
+from cadenza.node.frontend.transports import SHUTDOWN_TIMEOUT_S, ProcessCore, ThreadCore
+
+if TYPE_CHECKING:
+    from cadenza.node.core.engine_core import EngineCore
+    from cadenza.node.frontend.telemetry import Telemetry
+    from cadenza.node.frontend.tokenizer import Tokenizer
+    from cadenza.node.runner.threads import ThreadChoice
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineClient", "EngineCommandError", "EngineDeadError", "EngineLoadError"]
+
+
+# -- the client ------------------------------------------------------------------------------------
+
+
+class EngineClient:
+    """Streams requests through an engine core and its outputs back to asyncio.
+
+    Args:
+        config: the engine configuration (its model folder holds the tokenizer).
+        process: run the core in its own process (True) or in a thread (False).
+        telemetry: records steps and tokens (optional).
+        load_tokenizer: load the tokenizer (needed for text; token-id-only tests skip it).
+        core_factory: with ``process`` False, builds the core (tests inject one); default
+            ``EngineCore(config, eos_token_ids)``.
+        threads: torch threads of a core process.
+    """
+
+    def __init__(self, config: EngineConfig, process: bool = True, telemetry: "Telemetry | None" = None,
+                 load_tokenizer: bool = True, core_factory: Callable[[list[int]], "EngineCore"] | None = None,
+                 threads: "ThreadChoice | None" = None) -> None:
+        self.config = config
+        self.telemetry = telemetry
+        self._process = process
+        self._load_tokenizer = load_tokenizer
+        self._core_factory = core_factory
+        self._threads = threads
+        self.transport: ThreadCore | ProcessCore | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.inputs: InputProcessor | None = None  # once ready, with a tokenizer
+        self.outputs = OutputProcessor(None)
+        self.info: EngineReady | None = None
+        self.config_view: dict = {}
+        self.error: BaseException | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
+        self._stats = EngineStats()
+        self._policy = None
+        self._rejected: Counter = Counter()  # refused at once here, by reason
+        self._ready: asyncio.Event | None = None
+        self._died: asyncio.Event | None = None
+        self._starting: asyncio.Task | None = None
+        self._stopping = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start loading (returns at once; see :meth:`wait_ready`)."""
+        loop = asyncio.get_running_loop()
+        self._ready, self._died = asyncio.Event(), asyncio.Event()
+        self._starting = loop.create_task(self._start(loop))
+
+    async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        eos: list[int] = []
+        if self._load_tokenizer:
+            from cadenza.node.frontend.tokenizer import Tokenizer
+
+            try:
+                self.tokenizer = await loop.run_in_executor(None, Tokenizer.from_pretrained, self.config.model)
+            except Exception as exc:
+                self._fail_start(EngineLoadError(str(exc)) if isinstance(exc, (ValueError, OSError)) else exc)
+                return
+            self.outputs = OutputProcessor(self.tokenizer)
+            eos = sorted(self.tokenizer.eos_token_ids)
+        if self._process:
+            self.transport = ProcessCore(self.config, eos, self._threads)
+        else:
+            from cadenza.node.core.engine_core import EngineCore
+
+            factory = self._core_factory or (lambda ids: EngineCore(self.config, ids))
+            self.transport = ThreadCore(lambda: factory(eos))
+        self.transport.start(self._on_message, loop)
+
+    def _fail_start(self, exc: BaseException) -> None:
+        self.error = exc
+        assert self._ready is not None
+        self._ready.set()
+
+    async def wait_ready(self) -> EngineReady:
+        """Wait until the core has loaded.
+
+        Raises:
+            EngineDeadError: loading failed (the cause is chained).
+        """
+        assert self._ready is not None, "start() first"
+        await self._ready.wait()
+        if self.info is None:
+            raise EngineDeadError(f"engine failed to start: {self.error}") from self.error
+        return self.info
+
+    async def wait_dead(self) -> BaseException | None:
+        """Return once a loaded core has died; the error that ended it."""
+        assert self._died is not None, "start() first"
+        await self._died.wait()
+        return self.error
+
+    @property
+    def is_ready(self) -> bool:
+        return self.info is not None and self.is_alive
+
+    @property
+    def is_alive(self) -> bool:
+        """The core runs (loading or serving) and has not failed."""
+        if self.error is not None or self._ready is None or self._stopping:
+            return False
+        return self.transport is None or self.transport.alive() or self.info is None
+
+    @property
+    def core(self) -> "EngineCore | None":
+        """The in-thread core (``process`` False) for white-box tests; None in process mode."""
+        return self.transport.core if isinstance(self.transport, ThreadCore) else None
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.info is not None
+        return self.info.max_model_len
+
+    async def shutdown(self) -> None:
+        """Stop the core after its current step; live requests end with EngineDeadError."""
+        self._stopping = True
+        if self._starting is not None and not self._starting.done():
+            await asyncio.wait({self._starting}, timeout=SHUTDOWN_TIMEOUT_S)
+        if self.transport is not None:
+            await self.transport.stop()
+        self._fail_all(EngineDeadError("server shutting down"))
+
+    # -- messages from the core -----------------------------------------------------------------
+
+    def _on_message(self, message: object) -> None:
+        if isinstance(message, StepOutputs):
+            self._on_step(message)
+        elif isinstance(message, ReconfigureResult):
+            self._on_reconfigured(message)
+        elif isinstance(message, EngineReady):
+            self.info = message
+            self._set_config(message.config)
+            if self.tokenizer is not None:
+                from cadenza.node.runner.models.generation import SamplingDefaults
+
+                self.inputs = InputProcessor(self.tokenizer, message, SamplingDefaults.from_model_dir(self.config.model))
+            assert self._ready is not None
+            self._ready.set()
+        elif isinstance(message, EngineDead):
+            self._on_dead(message)
+
+    def _on_step(self, message: StepOutputs) -> None:
+        if message.stats is not None:
+            self._stats = message.stats
+        telemetry = self.telemetry
+        if message.step is not None and telemetry is not None:
+            telemetry.on_step(message.step, message.time)
+        streams = self._streams
+        if message.outputs:
+            outputs, stopped = self.outputs.process(message.outputs, message.time)
+            if stopped:
+                self._send(AbortRequests(stopped, "stop"))
+            for out in outputs:
+                if telemetry is not None:
+                    telemetry.on_output(out)
+                stream = streams.get(out.request_id)
+                if stream is not None:
+                    stream.put_nowait(out)
+        for failure in message.failures:
+            self.outputs.drop(failure.request_id)
+            stream = streams.get(failure.request_id)
+            if stream is not None:
+                stream.put_nowait(failure_error(failure))
+
+    def _on_reconfigured(self, result: ReconfigureResult) -> None:
+        future = self._calls.pop(result.call_id, None)
+        if result.config is not None:
+            self._set_config(result.config)
+        if future is None or future.done():
+            return
+        if result.error_kind == "invalid":
+            future.set_exception(ValueError(result.error))
+        elif result.error is not None:
+            future.set_exception(EngineCommandError(result.error))
+        else:
+            future.set_result(result.config)
+
+    def _on_dead(self, message: EngineDead) -> None:
+        assert self._ready is not None and self._died is not None
+        if not message.loaded or self.info is None:
+            kind = EngineLoadError if message.kind in CONFIG_ERRORS else RuntimeError
+            self._fail_start(kind(message.error))
+            return
+        if self._stopping:
+            return
+        logger.error("the engine core died: %s", message.error)
+        self.error = EngineDeadError(message.error)
+        self._fail_all(EngineDeadError(f"engine stopped: {message.error}"))
+        self._died.set()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream.put_nowait(exc)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(exc)
+        self._calls.clear()
+
+    def _set_config(self, view: dict) -> None:
+        self.config_view = view
+        self._policy = policy_from_view(view)
+
+    def _send(self, message: object) -> None:
+        if self.transport is not None:
+            self.transport.send(message)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        traffic_class: str = "interactive",
+        tenant: str = "default",
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        traceparent: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs until one is finished.
+
+        Admission control runs here first against the last published stats (a full queue or a
+        tenant at its quota is refused at once, not after the core's current step); the core
+        checks again. Leaving the iteration early (client gone, task cancelled) aborts the
+        request: its KV blocks are freed before the core's next step.
+
+        Raises:
+            AdmissionError: refused (400/413/429 with ``retry_after``).
+            ValueError: the engine refused the request (message for the client).
+            EngineDeadError: the core is not running.
+        """
+        if not self.is_ready:
+            raise EngineDeadError("engine is not ready")
+        probe = Request(request_id, prompt_token_ids, sampling, traffic_class=traffic_class, tenant=tenant)
+        try:
+            check_published(probe, self._policy, self.max_model_len, self._stats)
+        except AdmissionError as exc:
+            self._rejected[exc.reason] += 1
+            raise
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self.outputs.add_request(request_id, sampling)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._send(AddRequest(request_id, list(prompt_token_ids), sampling, probe.traffic_class, tenant, arrival,
+                              cache_salt, traceparent))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.outputs.drop(request_id)
+                self._send(AbortRequests([request_id]))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (from the event loop's thread)."""
+        self.outputs.drop(request_id)
+        self._send(AbortRequests([request_id]))
+
+    async def reconfigure(self, changes: dict) -> dict:
+        """Change live knobs in the core, effective from its next step.
+
+        Returns:
+            The configuration now in force, as ``GET /admin/config`` shows it.
+
+        Raises:
+            ValueError: an invalid change (nothing changed); EngineDeadError: not running;
+            EngineCommandError: the change failed inside the engine (a bug; the engine goes on).
+        """
+        if not self.is_ready:
+            raise EngineDeadError("engine is not ready")
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._send(Reconfigure(call_id, changes))
+        return await future
+
+    def stats(self) -> EngineStats:
+        """The core's counters as it last published them, with this front end's own refusals
+        counted in ``rejected``."""
+        return self._stats.with_rejected(self._rejected)
