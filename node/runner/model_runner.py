@@ -79,49 +79,58 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> list[int]:
-        """Run one step; return one sampled token per row with ``sample`` set, in row order."""
+        """Run one step; return one sampled token per row with ``sample`` set, in row order.
+
+        The batch's index arrays are built with a handful of vectorised numpy operations over
+        all rows (not per row): token ``j`` of row ``i`` sits at position ``start_i + j`` and in
+        slot ``table_i[pos // block_size] * block_size + pos % block_size``.
+        """
         bs = self.block_size
-        ids: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        logit_rows: list[int] = []
-        params, generators = [], []
-        for req, start, n, do_sample, table in step.rows:
-            end = start + n
-            ids.append(req.token_ids[start:end])
-            pos = np.arange(start, end)
-            slots.append(np.asarray(table)[pos // bs] * bs + pos % bs)
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(end)
-            tables.append(table)
+        rows = step.rows
+        num_rows = len(rows)
+        ids: list[int] = []
+        extend = ids.extend
+        starts = np.empty(num_rows, dtype=np.int64)
+        counts = np.empty(num_rows, dtype=np.int64)
+        width = 0
+        params, generators, sampled = [], [], []
+        for i, (req, start, n, do_sample, table) in enumerate(rows):
+            extend(req.token_ids[start : start + n])
+            starts[i] = start
+            counts[i] = n
+            if len(table) > width:
+                width = len(table)
             if do_sample:
-                logit_rows.append(query_start[-1] - 1)
-                params.append(req.sampling)
-                generators.append(None if req.sampling.greedy else self._generator(req.request_id, req.sampling.seed))
+                sampled.append(i)
+                sp = req.sampling
+                params.append(sp)
+                generators.append(None if sp.greedy else self._generator(req.request_id, sp.seed))
+        table_arr = np.zeros((num_rows, width), dtype=np.int64)
+        for i, row in enumerate(rows):
+            table = row.block_table
+            table_arr[i, : len(table)] = table
+        query_start = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        seq_lens = starts + counts
+        row_of_token = np.repeat(np.arange(num_rows), counts)
+        positions = np.arange(len(ids)) - np.repeat(query_start[:-1] - starts, counts)
+        slots = table_arr[row_of_token, positions // bs] * bs + positions % bs
 
         dev = self.device
-        input_ids = torch.from_numpy(np.concatenate([np.asarray(x, dtype=np.int64) for x in ids])).to(dev)
-        positions = torch.from_numpy(
-            np.concatenate([np.arange(e - (q1 - q0), e) for e, q0, q1 in zip(seq_lens, query_start, query_start[1:])])
-        ).to(dev)
-        width = max(len(t) for t in tables)
-        table_arr = np.zeros((len(tables), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table_arr[i, : len(t)] = t
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots).astype(np.int64)).to(dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(table_arr).to(dev),
-            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])),
-            max_seq_len=max(seq_lens),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(table_arr.astype(np.int32)).to(dev),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
         )
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not logit_rows:
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        hidden = self.model(input_ids, torch.from_numpy(positions).to(dev), self.kv_caches, meta)
+        if not sampled:
             return []
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+        last = torch.from_numpy(query_start[1:][sampled] - 1).to(dev)
+        logits = self.model.compute_logits(hidden[last])
         return sample(logits, params, generators)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:

@@ -122,8 +122,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden_size]`` -> fp32 logits ``[R, vocab_size]``."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return (hidden @ self.embed_tokens.weight.t()).float()
+
+    def untie_lm_head(self) -> None:
+        """Give tied embeddings an LM head module of their own (the same weight tensor), so the
+        head can be swapped for a faster layer like any other linear."""
+        if self.lm_head is None:
+            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
+                                     device=self.embed_tokens.weight.device, dtype=self.embed_tokens.weight.dtype)
+            self.lm_head.weight = self.embed_tokens.weight
 
     def load_weights(self, path: str | Path) -> None:
         """Load every ``*.safetensors`` file of a Hugging Face folder, fusing q/k/v and gate/up.
@@ -181,7 +190,13 @@ def load_model(
     model = model.to_empty(device=device)
     model.cos_sin = cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling).to(device)
     model.load_weights(path)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if device.type == "cpu" and dtype == torch.float32:
+        from cadenza.node.runner.packed_linear import pack_linears
+
+        model.untie_lm_head()
+        pack_linears(model, device, dtype)
+    return model
 
 
 def _shard_offsets(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
