@@ -18,11 +18,11 @@ from cadenza.node.core.stats import SchedulerStats
 from cadenza.node.core.step import ScheduledRow, Step, new_row
 
 
-def schedule_decodes(step: Step, running: list[Request], kv: KVBlockManager, preemption: Preemption,
+def schedule_decodes(step: Step, decodes: list[Request], kv: KVBlockManager, preemption: Preemption,
                      stats: SchedulerStats) -> None:
-    """Add a one-token row to ``step`` for every decoding request in ``running`` that fits."""
+    """Add a one-token row to ``step`` for every request of ``decodes`` (running and decoding,
+    oldest first) that fits."""
     out = step.out
-    decodes = [r for r in running if r.num_computed_tokens == len(r.token_ids) - 1]  # Request.is_decoding, inlined
     if len(decodes) > step.budget_left:  # the budget was lowered live: highest classes first
         decodes.sort(key=lambda r: (CLASS_RANK[r.traffic_class], r.arrival_time))
     is_running = RequestStatus.RUNNING

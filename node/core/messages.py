@@ -211,6 +211,18 @@ def _fields_to_wire(obj: Any) -> list:
     return [getattr(obj, f) for f in obj.__slots__]
 
 
+def _step_outputs_to_wire(out: StepOutputs) -> list:
+    # the hot message (one per step, hundreds of deltas): deltas go inline as field lists, not as
+    # an extension each, which would cost a nested packb call per delta
+    return [out.time, [[d.request_id, d.new_token_ids, d.finish_reason, d.num_prompt_tokens, d.num_output_tokens,
+                        d.num_cached_tokens] for d in out.outputs], out.step, out.stats, out.failures]
+
+
+def _step_outputs_from_wire(v: list) -> StepOutputs:
+    time_, deltas, step, stats, failures = v
+    return StepOutputs(time_, [RequestDelta(*d) for d in deltas], step, stats, failures)
+
+
 def _plain(cls: type) -> Callable[[list], Any]:
     return lambda v: cls(*v)
 
@@ -238,7 +250,7 @@ _TYPES: dict[int, tuple[type, Callable[[Any], list], Callable[[list], Any]]] = {
     13: (RequestDelta, _fields_to_wire, _plain(RequestDelta)),
     14: (RequestFailure, _fields_to_wire, _plain(RequestFailure)),
     15: (StepRecord, _fields_to_wire, _with_tuples(StepRecord, 4, 5, 6)),
-    16: (StepOutputs, _fields_to_wire, _plain(StepOutputs)),
+    16: (StepOutputs, _step_outputs_to_wire, _step_outputs_from_wire),
     17: (EngineStats, _fields_to_wire, _plain(EngineStats)),
     18: (ClassStats, _fields_to_wire, _plain(ClassStats)),
     19: (TenantLoad, _fields_to_wire, _plain(TenantLoad)),

@@ -40,7 +40,7 @@ from cadenza.node.core.cost_model import StepCostModel
 from cadenza.node.core.policy import CLASS_RANK, CLASSES
 from cadenza.node.core.preemption import Preemption
 from cadenza.node.core.queues import ClassQueue
-from cadenza.node.core.request import Request
+from cadenza.node.core.request import Request, RequestStatus
 from cadenza.node.core.stats import SchedulerStats
 from cadenza.node.core.step import Step
 
@@ -55,6 +55,8 @@ class PrefillContext(NamedTuple):
     Attributes:
         config: the knobs in force (budget, chunk cap, running cap, the policy).
         running: running requests, oldest first (admissions are inserted by ``start_running``).
+        prefilling: those of ``running`` mid-prefill when the step began, oldest first.
+        interactive_decoding: an interactive request was decoding when the step began.
         queues: the class queues.
         kv: the KV block manager.
         preemption: victim choice and preemption, shared with the decode part.
@@ -69,6 +71,8 @@ class PrefillContext(NamedTuple):
 
     config: SchedulerConfig
     running: list[Request]
+    prefilling: list[Request]
+    interactive_decoding: bool
     queues: dict[str, ClassQueue]
     kv: KVBlockManager
     preemption: Preemption
@@ -98,8 +102,8 @@ class PrefillAdder:
         self.wanted: dict[str, int] = {}  # partial prefill -> tokens it wanted this step
         self._lowest_rank: int | None = None  # of the classes running when the step began (lazily)
         prefills = step.prefills
-        for req in ctx.running:
-            if not req.is_decoding and req.request_id not in prefills:
+        for req in ctx.prefilling:
+            if req.status is RequestStatus.RUNNING and req.request_id not in prefills:
                 self.partials[req.traffic_class][req.tenant].append(req)
                 self.wanted[req.request_id] = min(req.num_new_tokens, self.chunk_cap)
         self.admissions_open = not step.out.preempted  # memory is short: delay new prefill first
@@ -113,7 +117,7 @@ class PrefillAdder:
         model = self.ctx.cost_model
         if target is None or not model.ready:
             return None
-        if not any(r.traffic_class == "interactive" and r.is_decoding for r in self.ctx.running):
+        if not self.ctx.interactive_decoding:
             return None
         decode_only = self.step.out.features()._replace(prefill_tokens=0, prefill_attention_tokens=0.0)
         return target / 1000.0 - (model.predict(decode_only) or 0.0)

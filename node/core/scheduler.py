@@ -38,7 +38,7 @@ from cadenza.node.core.policy import CLASSES, QUEUE_DEPTH_PER_SLOT, PolicyError,
 from cadenza.node.core.preemption import Preemption, victim_key
 from cadenza.node.core.prefill import PrefillAdder, PrefillContext
 from cadenza.node.core.queues import ClassQueue
-from cadenza.node.core.request import Request, RequestStatus
+from cadenza.node.core.request import Request, RequestStatus, split_by_phase
 from cadenza.node.core.scheduler_interface import SchedulerInterface
 from cadenza.node.core.stats import ClassStats, EngineStats, SchedulerStats, TenantLoad
 from cadenza.node.core.step import SchedulerOutput, Step, TokenUpdate, new_row
@@ -180,8 +180,11 @@ class Scheduler(SchedulerInterface):
         self.stats.num_steps += 1
         step = Step(self.config.token_budget)
         failures = self.stats.allocation_failures
-        schedule_decodes(step, self.running, self.block_manager, self.preemption, self.stats)
-        PrefillAdder(self._prefill_context(), step).run()
+        decoding, prefilling = split_by_phase(self.running)
+        schedule_decodes(step, decoding, self.block_manager, self.preemption, self.stats)
+        running = RequestStatus.RUNNING  # a decode may have been preempted just now
+        interactive = any(r.traffic_class == "interactive" and r.status is running for r in decoding)
+        PrefillAdder(self._prefill_context(prefilling, interactive), step).run()
         if not step.out.rows and self.running and self.stats.allocation_failures > failures:
             # Every running request is blocked on KV and none may be preempted (all protected):
             # break the deadlock with the lowest-priority one.
@@ -192,8 +195,8 @@ class Scheduler(SchedulerInterface):
             step.out.predicted_seconds = self.cost_model.predict(step.out.features())
         return step.out
 
-    def _prefill_context(self) -> PrefillContext:
-        return PrefillContext(self.config, self.running, self.queues, self.block_manager, self.preemption,
+    def _prefill_context(self, prefilling: list[Request], interactive_decoding: bool) -> PrefillContext:
+        return PrefillContext(self.config, self.running, prefilling, interactive_decoding, self.queues, self.block_manager, self.preemption,
                               self.cost_model, self.stats, self.clock(), self.step_seconds, self.watermark_blocks,
                               self.cache_salt, self.start_running)
 
