@@ -55,27 +55,18 @@ def hit_rate(engine) -> float:
     return stats.prefix_cache_hit_tokens / stats.prefix_cache_queried_tokens if stats.prefix_cache_queried_tokens else 0.0
 
 
-def tiny_random_llama(path: Path, like: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
-    """A random Llama with SmolLM2's tokenizer and vocabulary but tiny layers, written once to
-    ``path`` — a model whose forward pass costs next to nothing, so the host side shows."""
+def tiny_random_llama(path: Path) -> Path:
+    """A random Llama of 2 layers, 64 wide, with the tests' 384-token BPE tokenizer, written once to
+    ``path``: a model whose forward pass and LM head cost next to nothing, so the host side shows
+    (built by ``tests/support/tiny_models.py``, the same builder the test suite uses)."""
     if (path / "config.json").exists():
         return path
-    import shutil
+    import sys
 
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
+    from tiny_models import build_tiny_model
 
-    path.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if (like / name).exists():
-            shutil.copy(like / name, path / name)
-    base = json.loads((like / "config.json").read_text())
-    config = LlamaConfig(vocab_size=base["vocab_size"], hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=hidden // 4, max_position_embeddings=2048, tie_word_embeddings=True,
-                         bos_token_id=base.get("bos_token_id"), eos_token_id=base.get("eos_token_id"))
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    return path
+    return build_tiny_model(path, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
 
 
 def free_port() -> int:
