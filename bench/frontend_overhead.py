@@ -36,13 +36,11 @@ async def replay(url: str, prompts: list[list[int]], outputs: list[int]) -> tupl
     async def one(session: aiohttp.ClientSession, prompt: list[int], n: int) -> int:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
-        tokens = 0
         async with session.post(f"{url}/v1/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
-            async for line in resp.content:
-                if line.startswith(b"data: {") and b'"usage": {' in line:
-                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-        return tokens
+            events = await resp.read()  # the whole stream; the client does as little as it can per token
+        usage = events.rsplit(b"data: {", 1)[1].split(b"\n", 1)[0]  # the last chunk carries usage
+        return json.loads(b"{" + usage)["usage"]["completion_tokens"]
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=1800)) as session:

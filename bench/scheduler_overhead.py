@@ -6,7 +6,8 @@
 it is by default: every decode registers its full blocks (SHA-256 block hashes), and the
 identical prompts make the 256 admissions after the first hit the cache (the hit rate is printed).
 Configurations are measured interleaved, several rounds, median per step.
-Targets: ≤ 300 µs per step with 1,000 waiting; growth from 100 to 10,000 waiting < 1.5x.
+Targets: ≤ 150 µs per step with 1,000 waiting (nano-vllm's simpler scheduler took 167–182 µs on this
+machine); growth from 100 to 10,000 waiting < 1.5x.
 """
 
 from __future__ import annotations
@@ -73,17 +74,17 @@ def main() -> None:
         print(f"{RUNNING} decoding, {n:>6} waiting: {median[n]:7.1f} µs/step (min {min(samples[n]):.1f})")
     growth = median[10_000] / median[100]
     print(f"growth 100 -> 10,000 waiting: {growth:.2f}x (target < 1.5x); "
-          f"1,000 waiting: {median[1_000]:.0f} µs (target ≤ 300 µs)")
+          f"1,000 waiting: {median[1_000]:.0f} µs (target ≤ 150 µs)")
     report({
         "benchmark": "scheduler_overhead",
         "ratio": round(growth, 3),
         "target": 1.5,
         "step_us_1000_waiting": round(median[1_000], 1),
-        "step_us_target": 300,
+        "step_us_target": 150,
         "step_us": {str(n): round(m, 1) for n, m in median.items()},
         "prefix_caching": True,
         "prefix_cache_hit_rate": round(hit_rate, 4),
-        "pass": growth < 1.5 and median[1_000] <= 300,
+        "pass": growth < 1.5 and median[1_000] <= 150,
         "machine": machine(),
     })
 

@@ -164,7 +164,7 @@ def _serve(args: argparse.Namespace) -> int:
     threads = choose_threads(args.threads)
     config = engine_config_from_args(args)
     try:
-        check_model_folder(config.model)  # fail now, not in the engine thread, on a bad folder
+        check_model_folder(config.model)  # fail now, not in the engine core, on a bad folder
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"{exc}{_model_hint(args.model)}") from None
     if config.device.startswith("cuda"):

@@ -29,7 +29,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from types import MappingProxyType
 
 HASH_BYTES = 16  # SHA-256 truncated to 128 bits
 _ROOT_HASH = hashlib.sha256(b"cadenza-prefix-cache-v2").digest()[:HASH_BYTES]
@@ -51,7 +52,8 @@ class KVBlockManager:
     The API is narrow: grow a request's table to hold ``n`` tokens or say no
     (:meth:`allocate_slots`), admit a request with its prefix-cache hit and a reservation for the
     rest of its prompt (:meth:`admit`), register computed blocks (:meth:`commit`), free
-    (:meth:`free`). Block tables, ref counts and the hash map stay inside.
+    (:meth:`free`). Ref counts and the hash map stay inside; block tables are readable through
+    the read-only ``tables`` view (the decode loop's per-row lookup) and :meth:`block_table`.
 
     Invariants (:meth:`consistent`): every block is used (ref > 0), cached-but-free or plain free,
     exactly once; a block's ref count is the number of tables holding it; the reserved total is
@@ -70,6 +72,7 @@ class KVBlockManager:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self._tables: dict[str, list[int]] = {}
+        self.tables: Mapping[str, list[int]] = MappingProxyType(self._tables)  # read-only view (hot path)
         self._refs = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # hash -> block holding that prefix's KV

@@ -26,7 +26,7 @@ def schedule_decodes(step: Step, decodes: list[Request], kv: KVBlockManager, pre
     if len(decodes) > step.budget_left:  # the budget was lowered live: highest classes first
         decodes.sort(key=lambda r: (CLASS_RANK[r.traffic_class], r.arrival_time))
     is_running = RequestStatus.RUNNING
-    bs, append, table_of = kv.block_size, out.rows.append, kv.block_table
+    bs, append, tables = kv.block_size, out.rows.append, kv.tables
     budget, count, context = step.budget_left, 0, 0  # written back to the step before any preemption
     for req in decodes:
         if req.status is not is_running:
@@ -35,7 +35,7 @@ def schedule_decodes(step: Step, decodes: list[Request], kv: KVBlockManager, pre
             stats.decode_steps_delayed += 1
             continue
         n = len(req.token_ids)
-        table = table_of(req.request_id)
+        table = tables[req.request_id]
         if n > len(table) * bs and not kv.allocate_slots(req.request_id, n):
             step.budget_left, out.num_decode_tokens, out.decode_context_tokens = (
                 budget, out.num_decode_tokens + count, out.decode_context_tokens + context)

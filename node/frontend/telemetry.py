@@ -65,6 +65,7 @@ class _Tracked:
     first: float | None = None
     last: float | None = None
     extra: dict = field(default_factory=dict)
+    class_attrs: dict = field(default_factory=dict)  # {"cadenza.request.class": ...}, built once
 
     def ns(self, mono: float) -> int:
         return self.wall_start_ns + int((mono - self.mono_start) * 1e9)
@@ -219,7 +220,8 @@ class Telemetry:
         span = self.tracer.start_span(f"{operation} {self.model_name}", context=_propagator.extract(headers),
                                       kind=SpanKind.SERVER, attributes=span_attrs, start_time=wall)
         span.add_event("queued", timestamp=wall)
-        self._tracked[request_id] = _Tracked(span, wall, arrival, attrs, traffic_class)
+        self._tracked[request_id] = _Tracked(span, wall, arrival, attrs, traffic_class,
+                                             class_attrs={"cadenza.request.class": traffic_class})
 
     def on_output(self, out: RequestOutput) -> None:
         """Record TTFT, ITL, TPOT, duration and usage as a request's outputs arrive."""
@@ -232,7 +234,7 @@ class Telemetry:
             if t.span is not None:
                 t.span.add_event("first_token", timestamp=t.ns(out.time))
         else:
-            self.itl.record(out.time - t.last, {"cadenza.request.class": t.traffic_class})
+            self.itl.record(out.time - t.last, t.class_attrs)
         t.last = out.time
         if out.finished:
             self._finish(out.request_id, t, out)

@@ -157,6 +157,11 @@ async def body_timeout(request: web.Request) -> AsyncIterator[None]:
                        headers={"Connection": "close"}) from None
 
 
+# aiohttp waits for the client (drains) only once its write buffer passes 64 KiB; below a quarter of
+# that a write returns at once, so it is sent without arming a timer.
+_UNTIMED_WRITE_BYTES = 2**14
+
+
 async def send(request: web.Request, response: web.StreamResponse, data: bytes) -> None:
     """Write ``data`` to a prepared streaming ``response`` within the app's ``send_timeout_s``.
 
@@ -164,6 +169,10 @@ async def send(request: web.Request, response: web.StreamResponse, data: bytes) 
         ConnectionResetError: the client read nothing for that long; the connection is aborted
             (aiohttp then treats the handler's end as a client disconnect).
     """
+    transport = request.transport
+    if transport is not None and transport.get_write_buffer_size() + len(data) < _UNTIMED_WRITE_BYTES:
+        await response.write(data)  # fits the buffer: cannot wait on the client, needs no timer (hot path)
+        return
     limit = request.config_dict.get(HTTP_TIMEOUTS, _DEFAULTS).send_timeout_s
     try:
         async with asyncio.timeout(limit) as deadline:
