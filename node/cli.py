@@ -138,6 +138,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     sections: dict[str, dict] = {"engine": {}, "scheduler": {}, "cache": {}, "policy": {}}
     for knob in KNOBS:
         if knob.cli is not None and (knob.section != "policy" or getattr(args, knob.name) is not None):
+            knob.check(getattr(args, knob.name))  # the registry's bounds, named: "token_budget: must be <= ..."
             sections[knob.section][knob.name] = getattr(args, knob.name)
     if sections["policy"]:
         policy = policy.updated(sections["policy"])

@@ -155,6 +155,7 @@ class EngineConfig:
             f"must be 'cpu' or 'cuda[:N]', got {self.device!r}",
         )
         _check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", f"must be an integer, got {self.seed!r}")
+        _check(-(2**63) <= self.seed < 2**63, "seed", f"must be a 64-bit signed integer, got {self.seed}")
 
     @property
     def model_name(self) -> str:

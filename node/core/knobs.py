@@ -56,6 +56,19 @@ class Knob:
     nullable: bool = False
     choices: tuple = field(default=())
 
+    def check(self, value: Any) -> None:
+        """Refuse a number outside this knob's bounds (the type is checked where the value lives).
+
+        Raises:
+            ConfigError: naming the knob and the bound.
+        """
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return
+        if self.minimum is not None and value < self.minimum:
+            raise ConfigError(f"{self.name}: must be >= {self.minimum}, got {value}")
+        if self.maximum is not None and value > self.maximum:
+            raise ConfigError(f"{self.name}: must be <= {self.maximum}, got {value}")
+
 
 _S, _C, _P = SchedulerConfig(), CacheConfig(), Policy()
 
@@ -82,7 +95,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("attention_backend", "engine", str, "auto",
          "Kernels: auto (CADENZA_ATTENTION_BACKEND, else triton on CUDA, torch elsewhere).",
          cli="--attention-backend", choices=ATTENTION_BACKENDS),
-    Knob("seed", "engine", int, 0, "Seed of every request that brings no seed of its own.", cli="--seed"),
+    Knob("seed", "engine", int, 0, "Seed of every request that brings no seed of its own.", cli="--seed",
+         minimum=-(2**63), maximum=2**63 - 1),
     Knob("step_time_target_ms", "policy", float, None,
          "Shrink prefill chunks so predicted steps stay within this while interactive streams decode.",
          cli="--step-time-target-ms", crd="stepTimeTargetMs", live=True, minimum=1, nullable=True),
@@ -126,10 +140,25 @@ def reconfigured(config: SchedulerConfig, changes: Mapping[str, Any]) -> Schedul
             raise ConfigError(f"{key}: unknown setting (live settings: {', '.join(LIVE)})")
         if not knob.live:
             raise ConfigError(f"{key}: cannot change on a running engine")
+    check_live_changes(changes)
     plain = {k: v for k, v in changes.items() if BY_NAME[k].section == "scheduler"}
     policy_changes = {k: v for k, v in changes.items() if BY_NAME[k].section == "policy"}
     policy = config.policy.updated(policy_changes) if policy_changes else config.policy
     return dataclasses.replace(config, **plain, policy=policy)
+
+
+def check_live_changes(changes: Mapping[str, Any]) -> None:
+    """The registry's bounds on the plain knobs of a ``PUT /admin/config`` body (the front end
+    checks them before sending; the core checks them again).
+
+    Raises:
+        ConfigError: a number out of its knob's bounds.
+    """
+    if isinstance(changes, Mapping):
+        for key, value in changes.items():
+            knob = BY_NAME.get(key)
+            if knob is not None and knob.kind in (int, float):
+                knob.check(value)
 
 
 def policy_from_view(view: Mapping[str, Any]) -> Policy:

@@ -262,6 +262,8 @@ MESSAGE_TYPES = tuple(cls for cls, _enc, _dec in _TYPES.values())
 def _default(obj: Any) -> msgpack.ExtType:
     tag = _TAG_OF.get(type(obj))
     if tag is None:
+        if isinstance(obj, int):  # msgpack hands over the integers it cannot carry
+            raise TypeError(f"the integer {obj} does not fit 64 bits")
         raise TypeError(f"cannot encode {type(obj).__name__}: not an engine message type")
     return msgpack.ExtType(tag, msgpack.packb(_TYPES[tag][1](obj), default=_default, use_bin_type=True))
 

@@ -107,7 +107,10 @@ def serve(sock: socket.socket) -> int:
             logger.exception("engine failed to load")
         emit(EngineDead(str(exc), loaded=False, kind=type(exc).__name__))
         return 1
-    emit(core.ready())
+    try:
+        emit(core.ready())
+    except OSError:
+        return 0  # the front end went away while the model loaded: nobody to serve
     from cadenza.node.core.loop import CoreLoop
 
     inbox: queue.SimpleQueue = queue.SimpleQueue()

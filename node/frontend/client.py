@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from cadenza.node.core.admission import AdmissionError, check_published
 from cadenza.node.core.config import EngineConfig
-from cadenza.node.core.knobs import policy_from_view
+from cadenza.node.core.knobs import check_live_changes, policy_from_view
 from cadenza.node.core.messages import (
     AbortRequests,
     AddRequest,
@@ -304,13 +304,18 @@ class EngineClient:
             self._rejected[exc.reason] += 1
             raise
         stream: asyncio.Queue = asyncio.Queue()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        add = AddRequest(request_id, list(prompt_token_ids), sampling, probe.traffic_class, tenant, arrival,
+                         cache_salt, traceparent)
+        finished = False
         self._streams[request_id] = stream
         self.outputs.add_request(request_id, sampling)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._send(AddRequest(request_id, list(prompt_token_ids), sampling, probe.traffic_class, tenant, arrival,
-                              cache_salt, traceparent))
-        finished = False
         try:
+            try:
+                self._send(add)
+            except TypeError as exc:  # never reached the core: nothing to abort there
+                finished = True
+                raise ValueError(f"the request holds a value the engine cannot take: {exc}") from None
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -343,10 +348,15 @@ class EngineClient:
         """
         if not self.is_ready:
             raise EngineDeadError("engine is not ready")
+        check_live_changes(changes)  # the registry's bounds: the same answer as the core would give
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(Reconfigure(call_id, changes))
+        try:
+            self._send(Reconfigure(call_id, changes))
+        except TypeError as exc:
+            del self._calls[call_id]
+            raise ValueError(f"changes: a value the engine cannot take ({exc})") from None
         return await future
 
     def stats(self) -> EngineStats:

@@ -113,13 +113,15 @@ class InputProcessor:
         if max_tokens is None:
             max_tokens = room if default_fill else min(16, room)
         defaults = self.defaults
+        top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)  # -1 (vLLM) and 0: off
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=defaults.temperature if body.temperature is None else body.temperature,
             top_p=defaults.top_p if body.top_p is None else body.top_p,
-            top_k=defaults.top_k if body.top_k is None else max(body.top_k, 0),  # -1 (vLLM) and 0: off
+            top_k=0 if top_k >= self.vocab_size else top_k,  # the whole vocabulary: the same as off
             seed=body.seed,
             stop=tuple(body.stop),
-            stop_token_ids=tuple(body.stop_token_ids),
+            # ids outside the vocabulary can never be sampled: they would stop nothing
+            stop_token_ids=tuple(t for t in body.stop_token_ids if t < self.vocab_size),
             ignore_eos=body.ignore_eos,
         )

@@ -121,10 +121,10 @@ class ProcessCore:
         self._reader_task = loop.create_task(self._read(ours, on_message))
 
     async def _read(self, sock: socket.socket, on_message: Callable[[object], None]) -> None:
-        reader, self._writer = await asyncio.open_unix_connection(sock=sock)
-        self._writer.write(frame(self._start))
         reason = "the engine core closed its connection"
         try:
+            reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+            self._writer.write(frame(self._start))
             while True:
                 header = await reader.readexactly(FRAME_HEADER.size)
                 (length,) = FRAME_HEADER.unpack(header)
@@ -137,7 +137,7 @@ class ProcessCore:
                 on_message(message)
         except asyncio.IncompleteReadError:
             pass
-        except (OSError, MessageError) as exc:
+        except (OSError, MessageError, TypeError) as exc:  # TypeError: a start frame that cannot be encoded
             reason = f"the engine core's connection failed: {exc}"
         if self._closing:
             return
@@ -151,8 +151,14 @@ class ProcessCore:
             return None
 
     def send(self, message: object) -> None:
+        """Queue ``message`` for the core.
+
+        Raises:
+            TypeError: it holds a value msgpack cannot carry (an integer of 64 bits or more).
+        """
+        data = frame(message)  # encode first: a message that cannot be sent raises here, not later
         if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(frame(message))
+            self._writer.write(data)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -143,3 +143,13 @@ def test_an_invalid_policy_file_is_refused_naming_the_setting(tmp_path, tiny_lla
     policy.write_text('{"classes": {"batch": {"min_share": 3}}}')
     result = serve("--model", str(tiny_llama_dir), "--policy", str(policy))
     assert result.returncode == 2 and "classes.batch.min_share" in result.stderr
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--token-budget", "2000000", "token_budget: must be <= 1048576"),
+    ("--max-num-seqs", "100000", "max_num_seqs: must be <= 65536"),
+    ("--seed", str(2**64), "seed: must be <= "),
+])
+def test_a_knob_beyond_the_registrys_bounds_exits_2_naming_it(tiny_llama_dir, flag, value, message):
+    result = serve("--model", str(tiny_llama_dir), flag, value)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

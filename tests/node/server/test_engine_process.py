@@ -108,3 +108,18 @@ async def test_a_config_the_model_cannot_serve_fails_the_start_with_the_engines_
     with pytest.raises(Exception, match="max_model_len"):
         await asyncio.wait_for(engine.wait_ready(), 120)
     await engine.shutdown()
+
+
+async def test_values_too_large_for_the_wire_are_answered_like_in_a_thread(served, monkeypatch):
+    huge = 2**64
+    resp = await served.post("/v1/completions", json=completion(top_k=huge, stop_token_ids=[huge, 10**30]))
+    assert resp.status == 200  # top_k beyond the vocabulary is off; ids outside it can stop nothing
+    monkeypatch.setenv("CADENZA_ADMIN_TOKEN", "t")
+    auth = {"Authorization": "Bearer t"}
+    refused = await served.put("/admin/config", json={"token_budget": huge}, headers=auth)
+    assert refused.status == 400 and "token_budget: must be <= 1048576" in (await refused.json())["error"]["message"]
+    weight = await served.put("/admin/config", json={"tenants": {"a": {"weight": huge}}}, headers=auth)
+    assert weight.status == 400
+    client = served.app[ENGINE]
+    assert not client._streams and not client._calls and len(client.outputs) == 0  # nothing left behind
+    assert (await served.post("/v1/completions", json=completion())).status == 200
