@@ -46,6 +46,9 @@ bench: model
 	$(BIN)/python -m bench.classes
 	$(BIN)/python -m bench.telemetry_overhead
 	$(BIN)/python -m bench.hybrid
+	$(BIN)/python -m bench.frontend_overhead
+	$(BIN)/python -m bench.engine_process
+	$(BIN)/python -m bench.decode_speed
 
 # On a machine with a CUDA GPU: native kernel tests, attention bandwidth/throughput, engine step.
 gpu-check: $(DEV_STAMP) model
