@@ -69,49 +69,19 @@ def tiny_random_llama(path: Path) -> Path:
     return build_tiny_model(path, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: list[str], port: int, log: Path, timeout_s: float = 300.0, env: dict | None = None):
-    """``cadenza serve ARGS --port PORT`` as a subprocess, returned once ``/ready`` answers 200.
-
-    Raises:
-        RuntimeError: it exited or did not get ready in time (its log attached).
-    """
-    import os
-    import subprocess
+def serving(args: list[str], log: Path):
+    """``cadenza serve ARGS`` as a subprocess, the way users start it: a context manager that
+    yields the server's root URL once ``/ready`` answers and stops it after (the test suite's
+    ``tests/support/server_process.py``; torch threads as the server chooses, unless ARGS say)."""
+    import contextlib
     import sys
-    import time
-    import urllib.request
 
-    out = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "cadenza.node.cli", "serve", *args, "--port", str(port)],
-                            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"cadenza serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2).status == 200:
-                return proc
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"cadenza serve not ready after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
+    from server_process import cadenza_server
 
+    @contextlib.contextmanager
+    def run():
+        with cadenza_server(args, log, ready_timeout=300.0, env={"OMP_NUM_THREADS": ""}) as url:
+            yield url.removesuffix("/v1")
 
-def stop_server(proc) -> None:
-    import signal
-    import subprocess
-
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return run()

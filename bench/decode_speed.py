@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 import torch
 
-from bench.common import conv_trace, free_port, machine, prompt_ids, report, start_server, stop_server
+from bench.common import conv_trace, machine, prompt_ids, report, serving
 from cadenza.node.embedded import ensure_embedded_model
 from cadenza.node.replay.trace import scale_trace
 
@@ -135,18 +135,13 @@ def bandwidth_floor_ms(model: Path) -> float:
 def main() -> None:
     model = ensure_embedded_model()
     workdir = Path(tempfile.mkdtemp(prefix="cadenza-decode-"))
-    port = free_port()
-    proc = start_server(["--model", str(model), "--served-model-name", "m", "--max-num-seqs", "16"], port,
-                        workdir / "serve.log")
-    url = f"http://127.0.0.1:{port}"
     trace, scaling = scale_trace(conv_trace(), length_scale=1 / 4, num_requests=CONC_REQUESTS)
     prompts = prompt_ids(model, [min(512, max(4, r.input_len)) for r in trace])
     outputs = [min(64, max(8, r.output_len)) for r in trace]
-    try:
+    with serving(["--model", str(model), "--served-model-name", "m", "--max-num-seqs", "16"],
+                 workdir / "serve.log") as url:
         single = asyncio.run(single_stream(url, prompt_ids(model, [32])[0]))
         conc8 = asyncio.run(concurrent(url, prompts, outputs))
-    finally:
-        stop_server(proc)
     split = {n: step_split(model, n) for n in (1, 8)}
     floor = bandwidth_floor_ms(model)
     s = statistics.median(single)

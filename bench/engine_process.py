@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import CONV_TRACE, free_port, machine, report, start_server, stop_server
+from bench.common import CONV_TRACE, machine, report, serving
 from cadenza.node.embedded import ensure_embedded_model
 
 ROUNDS = 2
@@ -28,15 +28,10 @@ REPLAY = ["--num-requests", "32", "--time-scale", "1.5", "--length-scale", "0.25
 
 
 def run_mode(model: Path, mode: str, workdir: Path, r: int) -> dict:
-    port = free_port()
-    proc = start_server(["--model", str(model), "--engine-process", mode], port, workdir / f"serve-{mode}-{r}.log")
     out = workdir / f"replay-{mode}-{r}.json"
-    try:
+    with serving(["--model", str(model), "--engine-process", mode], workdir / f"serve-{mode}-{r}.log") as url:
         subprocess.run([sys.executable, "-m", "cadenza.node.cli", "bench", "--trace", str(CONV_TRACE),
-                        "--base-url", f"http://127.0.0.1:{port}", "--json", str(out), *REPLAY],
-                       check=True, capture_output=True, text=True)
-    finally:
-        stop_server(proc)
+                        "--base-url", url, "--json", str(out), *REPLAY], check=True, capture_output=True, text=True)
     summary = json.loads(out.read_text())
     return {"output_tok_s": summary["output_tokens_per_s"], "ttft_p99_ms": summary["ttft_ms"]["p99"],
             "itl_p99_ms": summary["itl_ms"]["p99"], "failed": summary["failed"]}

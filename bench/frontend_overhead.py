@@ -23,7 +23,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.common import conv_trace, free_port, machine, prompt_ids, report, start_server, stop_server, tiny_random_llama
+from bench.common import conv_trace, machine, prompt_ids, report, serving, tiny_random_llama
 from cadenza.node.replay.trace import scale_trace
 
 CLIENTS, ROUNDS = 256, 3
@@ -58,17 +58,12 @@ def step_seconds(url: str) -> float:
 
 
 def run_mode(model: Path, mode: str, prompts, outputs, workdir: Path) -> dict:
-    port = free_port()
-    proc = start_server(["--model", str(model), "--served-model-name", "tiny", "--engine-process", mode, *SERVE_ARGS],
-                        port, workdir / f"serve-{mode}.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
+    args = ["--model", str(model), "--served-model-name", "tiny", "--engine-process", mode, *SERVE_ARGS]
+    with serving(args, workdir / f"serve-{mode}.log") as url:
         asyncio.run(replay(url, prompts[:8], [8] * 8))  # warm up: first compile and allocations
         before = step_seconds(url)
         tokens, wall = asyncio.run(replay(url, prompts, outputs))
         busy = step_seconds(url) - before
-    finally:
-        stop_server(proc)
     return {"tokens_per_s": tokens / wall, "step_share": busy / wall, "tokens": tokens, "wall_s": wall}
 
 

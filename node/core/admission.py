@@ -62,6 +62,19 @@ class DrainRate:
         return retry_after(queued, self.per_second(now))
 
 
+def canonicalize_class_and_tenant(req: Request) -> None:
+    """Give ``req`` its canonical (lower-case) class name, checking it and the tenant's.
+
+    Raises:
+        AdmissionError: 400 ``bad_class_or_tenant``.
+    """
+    try:
+        req.traffic_class = check_class(req.traffic_class)
+        check_tenant(req.tenant)
+    except PolicyError as exc:
+        raise AdmissionError(400, str(exc), "bad_class_or_tenant") from None
+
+
 def check_published(req: Request, policy: Policy, max_model_len: int, stats: EngineStats) -> None:
     """:func:`check_admission` against an engine's last published stats: how the front end
     refuses at once, without asking the core (which checks again when the request arrives).
@@ -69,11 +82,7 @@ def check_published(req: Request, policy: Policy, max_model_len: int, stats: Eng
     Raises:
         AdmissionError: as :func:`check_admission`.
     """
-    try:
-        req.traffic_class = check_class(req.traffic_class)  # canonical: lower-case
-        check_tenant(req.tenant)
-    except PolicyError as exc:
-        raise AdmissionError(400, str(exc), "bad_class_or_tenant") from None
+    canonicalize_class_and_tenant(req)
     cls = stats.classes.get(req.traffic_class)
     tenant = stats.tenants.get(req.tenant)
     check_admission(req, policy, max_model_len, cls.waiting if cls else 0,

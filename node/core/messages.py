@@ -17,7 +17,6 @@ out, one batch of outputs per step.
 
 from __future__ import annotations
 
-import dataclasses
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -318,8 +317,3 @@ def check_frame_length(length: int) -> int:
     if length > MAX_FRAME_BYTES:
         raise MessageError(f"frame of {length} bytes announced, over the {MAX_FRAME_BYTES}-byte limit")
     return length
-
-
-def replace(message: Any, **changes: Any) -> Any:
-    """A copy of a (frozen) message with some fields changed."""
-    return dataclasses.replace(message, **changes)

@@ -29,12 +29,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from cadenza.node.core.admission import AdmissionError, DrainRate, check_admission
+from cadenza.node.core.admission import AdmissionError, DrainRate, canonicalize_class_and_tenant, check_admission
 from cadenza.node.core.block_manager import KVBlockManager
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.core.cost_model import StepCostModel
 from cadenza.node.core.decode import schedule_decodes
-from cadenza.node.core.policy import CLASSES, QUEUE_DEPTH_PER_SLOT, PolicyError, check_class, check_tenant
+from cadenza.node.core.policy import CLASSES, QUEUE_DEPTH_PER_SLOT
 from cadenza.node.core.preemption import Preemption, victim_key
 from cadenza.node.core.prefill import PrefillAdder, PrefillContext
 from cadenza.node.core.queues import ClassQueue
@@ -117,11 +117,7 @@ class Scheduler(SchedulerInterface):
         Raises:
             AdmissionError: as :meth:`add_request`.
         """
-        try:
-            request.traffic_class = check_class(request.traffic_class)  # canonical: lower-case
-            check_tenant(request.tenant)
-        except PolicyError as exc:
-            raise AdmissionError(400, str(exc), "bad_class_or_tenant") from None
+        canonicalize_class_and_tenant(request)
         queue = self.queues[request.traffic_class]
         drain, now = self.drain[request.traffic_class], self.clock()
         check_admission(request, self.policy, self.config.max_model_len, len(queue),
