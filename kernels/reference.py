@@ -145,10 +145,30 @@ def paged_attention(
             query, keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
         )
         out[tokens] = o.squeeze(2)
-    for i in range(num_rows):
+    attend_long_rows(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out)
+    return out
+
+
+def attend_long_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    min_query_len: int = 2,
+) -> None:
+    """The rows of :func:`paged_attention` with at least ``min_query_len`` query tokens, one SDPA
+    each, written into ``out [T, Hq, D]`` in place (other rows are left untouched)."""
+    bs = k_cache.shape[1]
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i in range(len(lens)):
         s, e = starts[i], starts[i + 1]
         n = e - s
-        if n <= 1:
+        if n < min_query_len:
             continue
         length = lens[i]
         num_blocks = -(-length // bs)
@@ -162,7 +182,6 @@ def paged_attention(
             mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(diagonal=length - n)
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
-    return out
 
 
 def _length_groups(rows: list[int], lens: list[int]) -> list[list[int]]:

@@ -43,6 +43,12 @@ def test_wheel_contains_every_subpackage_and_module(wheel):
             assert f"{target}/{py.relative_to(ROOT / folder)}" in names
 
 
+def test_wheel_carries_the_cpu_kernels_source_it_builds_at_first_use(wheel):
+    names = set(wheel.namelist())
+    for cpp in (ROOT / "kernels" / "csrc").glob("*.cpp"):
+        assert f"cadenza/kernels/csrc/{cpp.name}" in names
+
+
 def test_wheel_declares_the_cadenza_console_script(wheel):
     entry_points = next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
     assert "cadenza = cadenza.node.cli:main" in wheel.read(entry_points).decode()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from cadenza.node.core.policy import Policy
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 class ConfigError(ValueError):
@@ -127,8 +127,9 @@ class EngineConfig:
         dtype: weights, activations and KV cache dtype; ``auto`` is bfloat16 on a CUDA device and
             float32 on the CPU.
         device: ``cpu`` or ``cuda[:N]``.
-        attention_backend: ``torch``, ``triton`` or ``auto`` (``CADENZA_ATTENTION_BACKEND``, else
-            triton on a CUDA device and torch elsewhere; see :mod:`cadenza.node.runner.backend`).
+        attention_backend: ``torch``, ``triton``, ``cpu`` (compiled CPU kernels) or ``auto``
+            (``CADENZA_ATTENTION_BACKEND``, else triton on a CUDA device, cpu for float32 on the CPU
+            where the kernels build, torch otherwise; see :mod:`cadenza.node.runner.backend`).
         seed: seeds every request that does not bring its own ``seed``.
     """
 

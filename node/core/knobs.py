@@ -93,7 +93,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("dtype", "engine", str, "auto", "Weights, activations and KV cache: auto is bfloat16 on CUDA, float32 on CPU.",
          cli="--dtype", choices=DTYPES),
     Knob("attention_backend", "engine", str, "auto",
-         "Kernels: auto (CADENZA_ATTENTION_BACKEND, else triton on CUDA, torch elsewhere).",
+         "Kernels: auto (CADENZA_ATTENTION_BACKEND, else triton on CUDA, the compiled cpu kernels for float32 on "
+         "the CPU, torch otherwise).",
          cli="--attention-backend", choices=ATTENTION_BACKENDS),
     Knob("seed", "engine", int, 0, "Seed of every request that brings no seed of its own.", cli="--seed",
          minimum=-(2**63), maximum=2**63 - 1),

@@ -1,4 +1,4 @@
-"""Kernel backends: the five ops the model runs, from plain torch or from Triton.
+"""Kernel backends: the five ops the model runs, from plain torch, Triton or compiled C++.
 
 The model never calls a kernel directly; it calls a :class:`KernelBackend`: ``rms_norm``,
 ``rotary_embedding``, ``silu_and_mul`` and ``attention`` (write the step's new K/V into the
@@ -7,11 +7,14 @@ sequence's blocks). Two backends share one contract, tested against each other:
 
 - ``torch``: :mod:`cadenza.kernels.reference`, runs anywhere;
 - ``triton``: cadenza's Triton kernels; native on a CUDA GPU, under the Triton interpreter on
-  a CPU (correct, and 50-250x slower: for tests).
+  a CPU (correct, and 50-250x slower: for tests);
+- ``cpu``: :mod:`cadenza.kernels.cpu`, C++ compiled once per machine, fp32 on the CPU (the
+  model's linear layers then use its few-row kernel too: :mod:`cadenza.node.runner.cpu_linear`).
 
 Selection: the ``attention_backend`` setting (``--attention-backend``); when it is ``auto``, the
-``CADENZA_ATTENTION_BACKEND`` environment variable (``triton`` | ``torch``); else ``triton`` on a
-CUDA device with Triton installed and ``torch`` otherwise.
+``CADENZA_ATTENTION_BACKEND`` environment variable (``triton`` | ``torch`` | ``cpu``); else
+``triton`` on a CUDA device with Triton installed, ``cpu`` for float32 on the CPU where the
+kernels build (a C++ compiler and ninja), and ``torch`` otherwise.
 """
 
 from __future__ import annotations
@@ -93,6 +96,24 @@ class TorchBackend:
         )
 
 
+class CpuBackend:
+    """cadenza's compiled CPU kernels (:mod:`cadenza.kernels.cpu`), fp32 only."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from cadenza.kernels import cpu
+
+        self._cpu = cpu
+        self.rms_norm = cpu.rms_norm
+        self.rotary_embedding = cpu.rotary_embedding
+        self.silu_and_mul = cpu.silu_and_mul
+
+    def attention(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: D102 - see the Protocol
+        return self._cpu.paged_attention(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.query_start_loc,
+                                         meta.seq_lens, meta.block_tables, scale)
+
+
 class TritonBackend:
     """cadenza's Triton kernels (:mod:`cadenza.kernels`)."""
 
@@ -114,11 +135,12 @@ class TritonBackend:
         )
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """``auto`` resolved through ``CADENZA_ATTENTION_BACKEND`` and the device.
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """``auto`` resolved through ``CADENZA_ATTENTION_BACKEND``, the device and the dtype.
 
     Raises:
-        ConfigError: an unknown name, or ``triton`` without Triton installed.
+        ConfigError: an unknown name, ``triton`` without Triton installed, or ``cpu`` off the CPU,
+            below float32 or where the kernels do not build (the reason is in the message).
     """
     if name == "auto":
         name = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
@@ -126,17 +148,34 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
             raise ConfigError(f"attention_backend: {ENV_VAR}={name!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
     triton_installed = importlib.util.find_spec("triton") is not None
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_installed else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_installed else "torch"
+        return "cpu" if dtype == torch.float32 and _cpu_kernels_build() else "torch"
     if name == "triton" and not triton_installed:
         raise ConfigError("attention_backend: triton is not installed (pip install triton)")
+    if name == "cpu":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ConfigError(f"attention_backend: cpu runs float32 on the CPU only, not {dtype} on {device}")
+        if not _cpu_kernels_build():
+            from cadenza.kernels import cpu
+
+            raise ConfigError(f"attention_backend: the compiled CPU kernels did not build ({cpu.build_error()})")
     return name
 
 
-def select_backend(name: str, device: torch.device) -> KernelBackend:
-    """The kernel backend for ``name`` (``auto`` | ``torch`` | ``triton``) on ``device``."""
-    name = resolve_backend_name(name, device)
+def _cpu_kernels_build() -> bool:
+    from cadenza.kernels import cpu
+
+    return cpu.available()
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> KernelBackend:
+    """The kernel backend for ``name`` (``auto`` | ``torch`` | ``triton`` | ``cpu``) on ``device``."""
+    name = resolve_backend_name(name, device, dtype)
     if name == "torch":
         return TorchBackend()
+    if name == "cpu":
+        return CpuBackend()
     if device.type == "cpu":
         logger.warning("triton backend on CPU: kernels run under the Triton interpreter (slow; for testing)")
     return TritonBackend()

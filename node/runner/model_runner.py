@@ -42,7 +42,7 @@ class ModelRunner:
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model_config = model_config
         self.block_size = config.cache.block_size
-        self.backend = select_backend(config.attention_backend, self.device)
+        self.backend = select_backend(config.attention_backend, self.device, self.dtype)
         self.model = load_model(config.model, model_config, self.backend, max_model_len, self.dtype, self.device)
         self.num_kv_blocks = self._num_kv_blocks(config.cache)
         shape = (model_config.num_hidden_layers, 2, self.num_kv_blocks, self.block_size,

@@ -41,10 +41,28 @@ def test_triton_backend_generates_the_torch_backend_tokens(tiny_llama_dir, promp
     assert engine.block_manager.num_used_blocks == 0
 
 
-def test_auto_is_torch_without_a_gpu_and_triton_with_one(monkeypatch):
+def test_auto_is_the_compiled_kernels_for_fp32_on_a_cpu_triton_on_a_gpu_and_torch_otherwise(monkeypatch):
+    from cadenza.kernels import cpu
+
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend_name("auto", torch.device("cpu")) == ("cpu" if cpu.available() else "torch")
+    assert resolve_backend_name("auto", torch.device("cpu"), torch.bfloat16) == "torch"
     assert resolve_backend_name("auto", torch.device("cuda")) == "triton"
+    monkeypatch.setattr(cpu, "available", lambda: False)  # no compiler on this machine
+    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+
+
+def test_the_cpu_backend_asked_for_where_it_cannot_run_is_a_clear_error(monkeypatch):
+    from cadenza.kernels import cpu
+
+    with pytest.raises(ConfigError, match="float32 on the CPU only"):
+        resolve_backend_name("cpu", torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ConfigError, match="float32 on the CPU only"):
+        resolve_backend_name("cpu", torch.device("cuda"))
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    monkeypatch.setattr(cpu, "build_error", lambda: "g++ not found")
+    with pytest.raises(ConfigError, match=r"did not build \(g\+\+ not found"):
+        resolve_backend_name("cpu", torch.device("cpu"))
 
 
 def test_the_environment_variable_forces_a_backend_when_the_setting_is_auto(monkeypatch):

@@ -192,10 +192,13 @@ def load_model(
     model.load_weights(path)
     model = model.eval().requires_grad_(False)
     if device.type == "cpu" and dtype == torch.float32:
-        from cadenza.node.runner.packed_linear import pack_linears
+        from cadenza.node.runner.cpu_linear import compile_linears, pack_linears
 
         model.untie_lm_head()
-        pack_linears(model, device, dtype)
+        if kernels.name == "cpu":
+            compile_linears(model, device, dtype)
+        else:
+            pack_linears(model, device, dtype)
     return model
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from cadenza.node.runner import packed_linear
-from cadenza.node.runner.packed_linear import PackedLinear, pack_linears
+from cadenza.node.runner import cpu_linear as packed_linear
+from cadenza.node.runner.cpu_linear import PackedLinear, pack_linears
 
 needs_onednn = pytest.mark.skipif(not packed_linear._available(), reason="this torch build has no oneDNN linear ops")
 

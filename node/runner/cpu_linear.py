@@ -1,14 +1,22 @@
-"""Linear layers with oneDNN-packed weights on the CPU, where that measurably pays.
+"""Linear layers for fp32 on the CPU that come closer to memory bandwidth than torch's.
 
 On a CPU a decode step is a chain of matrix-vector products over weights read once per step, so
 its speed is how close each product comes to memory bandwidth. PyTorch's default ``linear`` (MKL
-sgemm for one row) falls well short of it for wide layers; oneDNN's ``_linear_pointwise`` over a
-weight re-laid out once at load (``_reorder_linear_weight``) reads it up to ~2x faster here, and
-slower for other shapes. So nothing is assumed: :func:`pack_linears` times both on each distinct
-weight shape of the loaded model (over 1 MiB; smaller ones live in cache), for 1 and 8 rows, once
-per process, and packs only the shapes where the packed form wins both by at least ``MIN_GAIN``
-(the choice is logged). fp32 on the CPU only; elsewhere, or if
-this torch build lacks the ops, nothing changes. Outputs match ``F.linear`` to float rounding.
+sgemm) falls well short of it for few rows: ~15 GB/s for one row on this project's 2-core machine,
+where a plain read reaches ~45. Two replacements, in order of preference:
+
+- :class:`CompiledLinear`: up to ``COMPILED_MAX_ROWS`` rows through the compiled
+  :func:`cadenza.kernels.cpu.linear_rows`, which streams each weight row once for all rows
+  (2-2.5x torch's speed for 1 row, ~2x for 8, still ahead at 128); more rows (long prefill
+  chunks) through ``F.linear``. Used with the compiled ``cpu`` kernel backend.
+- :class:`PackedLinear`, where the compiled kernels are unavailable: oneDNN's
+  ``_linear_pointwise`` over a weight re-laid out once at load (``_reorder_linear_weight``), up to
+  ~2x faster for wide layers and slower for other shapes. So nothing is assumed: :func:`pack_linears`
+  times both on each distinct weight shape of the loaded model (over 1 MiB; smaller ones live in
+  cache), for 1 and 8 rows, once per process, and packs only the shapes where the packed form wins
+  both by at least ``MIN_GAIN`` (the choice is logged).
+
+fp32 on the CPU only; elsewhere nothing changes. Outputs match ``F.linear`` to float rounding.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+COMPILED_MAX_ROWS = 128  # measured: the compiled kernel leads MKL up to ~128 rows, not at 256
 MIN_GAIN = 1.15  # packed must be this much faster, for 1 and for 8 rows
 _PROBE_ROWS = (1, 8)
 _PROBE_BYTES = 64 * 2**20  # probe over copies this large in all: weights come from memory, not cache
@@ -31,6 +40,28 @@ _decided: dict[tuple[tuple[int, ...], torch.dtype], bool] = {}  # per process: p
 def _available() -> bool:
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class CompiledLinear(nn.Module):
+    """``y = x @ weight.T + bias`` ([out, in] weight): few rows by the compiled kernel, many by torch."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        from cadenza.kernels import cpu
+
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self._rows = cpu.linear_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features)
+        if x.shape[0] <= COMPILED_MAX_ROWS:
+            y = self._rows(x, self.weight, self.bias)
+        else:
+            y = nn.functional.linear(x, self.weight, self.bias)
+        return y.reshape(*lead, self.out_features)
 
 
 class PackedLinear(nn.Module):
@@ -72,6 +103,28 @@ def packing_pays(weight: torch.Tensor) -> bool:
     return True
 
 
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Linear)]
+
+
+@torch.inference_mode()
+def compile_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Replace every ``nn.Linear`` of an fp32 CPU model by :class:`CompiledLinear` (the caller
+    has checked :func:`cadenza.kernels.cpu.available`).
+
+    Returns:
+        How many layers were replaced (0 off the CPU or below fp32).
+    """
+    if device.type != "cpu" or dtype != torch.float32:
+        return 0
+    linears = _linears(model)
+    for parent, name, child in linears:
+        setattr(parent, name, CompiledLinear(child.weight, child.bias))
+    logger.info("compiled linear layers: %d (up to %d rows; more through torch's)", len(linears), COMPILED_MAX_ROWS)
+    return len(linears)
+
+
 @torch.inference_mode()
 def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[tuple[int, int], bool]:
     """Replace the model's ``nn.Linear`` layers by :class:`PackedLinear` for the weight shapes
@@ -82,8 +135,7 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     """
     if device.type != "cpu" or dtype != torch.float32 or not _available():
         return {}
-    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear)]
+    linears = _linears(model)
     choice: dict[tuple[int, int], bool] = {}
     for parent, name, child in linears:
         shape = tuple(child.weight.shape)

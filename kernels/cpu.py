@@ -1,0 +1,150 @@
+"""cadenza's compiled CPU kernels (``csrc/cpu_ops.cpp``): a decode step's ops without Python per op.
+
+A decode step on a CPU is bound by reading the weights once; in eager PyTorch its ~70 small ops
+per layer and a matrix-vector product that falls short of memory bandwidth cost more than that
+read. This module builds ``cpu_ops.cpp`` once per machine with ``torch.utils.cpp_extension``
+(``-O3 -march=native``; into ``$CADENZA_CACHE_DIR`` or ``$XDG_CACHE_HOME/cadenza``, else
+``~/.cache/cadenza``, under ``torch_extensions``) and exposes the ops with the shapes of
+:mod:`cadenza.kernels.reference`:
+
+- :func:`linear_rows`: ``x [M, K] @ weight [N, K]^T (+ bias)`` for a few rows, each weight row
+  streamed once for all of them (llama.cpp's approach to matrix-vector products);
+- :func:`rms_norm` (residual add fused), :func:`rotary_embedding` (in place),
+  :func:`silu_and_mul`;
+- :func:`paged_attention`: the cache write fused with attention of the rows of at most
+  ``SHORT_ROW`` query tokens (decodes, short chunks); longer rows go to the reference's SDPA path,
+  which is faster for them.
+
+fp32 only. :func:`available` says whether the build succeeded (it needs a C++ compiler and
+``ninja``); callers fall back to the references when it did not, and the reason is in
+:func:`build_error`. This module imports nothing of cadenza outside kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+from cadenza.kernels import reference
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+SHORT_ROW = 16  # rows of at most this many query tokens are attended by the compiled kernel
+_lock = threading.Lock()
+_ops = None
+_error: str | None = None
+
+
+def _cpu_fingerprint() -> str:
+    """A short hash of this CPU's feature flags: code built with ``-march=native`` on one machine
+    must not be loaded on another (a shared home folder) whose CPU lacks an instruction."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+
+
+def _build_dir() -> Path:
+    base = os.environ.get("CADENZA_CACHE_DIR")
+    root = Path(base) if base else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cadenza"
+    path = root / "torch_extensions" / f"torch{torch.__version__.replace('+', '_')}-{_cpu_fingerprint()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _put_ninja_on_path() -> None:
+    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) puts
+    it in the environment's folder, which is not on PATH when ``.venv/bin/cadenza`` runs directly."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _load():
+    global _ops, _error
+    with _lock:
+        if _ops is not None or _error is not None:
+            return _ops
+        try:
+            from torch.utils.cpp_extension import load
+
+            _put_ninja_on_path()
+            _ops = load(
+                name="cadenza_cpu_ops",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(_build_dir()),
+                verbose=False,
+            )
+        except Exception as exc:  # no compiler, no ninja, a read-only cache: keep the references
+            _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            logger.warning("compiled CPU kernels unavailable (%s); using the torch references", _error)
+        return _ops
+
+
+def available() -> bool:
+    """Build (once per process; the compiled module is cached per machine) and report success."""
+    return _load() is not None
+
+
+def build_error() -> str | None:
+    """Why :func:`available` is false, or ``None``."""
+    _load()
+    return _error
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K]^T + bias [N]`` -> ``[M, N]``, fp32; meant for small ``M``.
+
+    Raises:
+        RuntimeError: not fp32 on the CPU, or the shapes disagree.
+    """
+    return _ops.linear_rows(x, weight, bias)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """As :func:`cadenza.kernels.reference.rms_norm` (``x [T, H]`` fp32)."""
+    out = _ops.rms_norm(x, weight, float(eps), residual)
+    return out[0] if residual is None else (out[0], out[1])
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache):
+    """As :func:`cadenza.kernels.reference.rotary_embedding`, in place on ``q`` and ``k``."""
+    _ops.rotary_embedding(positions, q, k, cos_sin_cache)
+    return q, k
+
+
+def silu_and_mul(x):
+    """As :func:`cadenza.kernels.reference.silu_and_mul` (``x [T, 2I]`` fp32)."""
+    return _ops.silu_and_mul(x)
+
+
+def paged_attention(q, k, v, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens, block_tables, scale):
+    """Write ``k, v`` at ``slot_mapping`` and attend every row, as
+    :func:`cadenza.kernels.reference.write_kv_cache` then :func:`~cadenza.kernels.reference.paged_attention`.
+
+    Rows of at most :data:`SHORT_ROW` query tokens run in the compiled kernel; the others in the
+    reference's per-row SDPA.
+
+    Returns:
+        ``[T, Hq, D]``.
+    """
+    out = torch.empty_like(q)
+    skipped = _ops.paged_attention_short(q, k, v, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens,
+                                         block_tables, float(scale), out, SHORT_ROW)
+    if skipped:
+        reference.attend_long_rows(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
+                                   min_query_len=SHORT_ROW + 1)
+    return out

@@ -1,0 +1,330 @@
+// cadenza's compiled CPU kernels: the ops of a decode step, fp32, without Python per op.
+//
+// On a CPU a decode step is a chain of matrix-vector products over weights read once per step
+// plus ~70 small ops per layer; in eager PyTorch the small ops cost more than the products' own
+// memory traffic. These kernels do each job in one call: a matrix-vector product for a few rows
+// that streams each weight row once (`linear_rows`), RMSNorm with the residual add fused,
+// in-place rotary embedding, SwiGLU, and paged attention of short query rows with the cache
+// write fused. Work is split over torch's intra-op threads (at::parallel_for). Inner loops use
+// GCC vector extensions (16 floats), compiled for the host CPU, so the same source builds AVX-512
+// or AVX2 code. Shapes and semantics are those of kernels/reference.py, which the tests compare
+// against; invariants are checked with TORCH_CHECK (a RuntimeError in Python).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float hsum(v16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  v16 acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a CPU float32 tensor");
+}
+
+// y[m, n0 + r] = x[m] . w[n0 + r] for MR rows of x and NR rows of w: each w row is read once from
+// memory for all MR rows, with MR * NR accumulator vectors (at most 16 of the 32 registers).
+template <int MR, int NR>
+void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0) {
+  v16 acc[MR][NR] = {};
+  const float* w0 = w + n0 * K;
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    v16 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = load16(w0 + r * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const v16 xv = load16(x + m * K + k);
+      for (int r = 0; r < NR; ++r) acc[m][r] += wv[r] * xv;
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < NR; ++r) {
+      float s = hsum(acc[m][r]);
+      for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * w0[r * K + kk];
+      y[m * N + n0 + r] = s;
+    }
+  }
+}
+
+// Rows of x in passes of at most 8 (4 w rows each for up to 4 rows, else 2 per pass of 8).
+constexpr int64_t kBlockN = 4;
+
+void rows_block(const float* x, const float* w, float* y, int64_t rows, int64_t K, int64_t N, int64_t n0) {
+  int64_t m = 0;
+  for (; m + 8 <= rows; m += 8) {
+    block<8, 2>(x + m * K, w, y + m * N, K, N, n0);
+    block<8, 2>(x + m * K, w, y + m * N, K, N, n0 + 2);
+  }
+  switch (rows - m) {
+    case 7: case 6: case 5:
+      block<4, 4>(x + m * K, w, y + m * N, K, N, n0);
+      m += 4;
+      break;
+    default: break;
+  }
+  switch (rows - m) {
+    case 4: block<4, 4>(x + m * K, w, y + m * N, K, N, n0); break;
+    case 3: block<3, 4>(x + m * K, w, y + m * N, K, N, n0); break;
+    case 2: block<2, 4>(x + m * K, w, y + m * N, K, N, n0); break;
+    case 1: block<1, 4>(x + m * K, w, y + m * N, K, N, n0); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+// x [M, K] @ w[N, K]^T (+ bias [N]) -> [M, N], for small M (decode rows): w streamed once.
+torch::Tensor linear_rows(const torch::Tensor& x_in, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  check_f32(x_in, "x");
+  check_f32(w, "weight");
+  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1), "linear_rows: x [M, K] and weight [N, K]");
+  TORCH_CHECK(w.is_contiguous(), "linear_rows: weight must be contiguous");
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = N / kBlockN;
+  // ~64 KiB of weights per task at least, so small layers are not split into slivers.
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (16 * K));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) rows_block(xp, wp, yp, M, K, N, kBlockN * b);
+  });
+  for (int64_t n = kBlockN * blocks; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot(xp + m * K, wp + n * K, K);
+  if (bias.has_value() && bias->defined()) {
+    check_f32(*bias, "bias");
+    y.add_(*bias);
+  }
+  return y;
+}
+
+// RMSNorm over the last dim of x [T, H]; with a residual, h = x + residual is normalised and
+// returned as the new residual. Returns {out} or {out, h}.
+std::vector<torch::Tensor> rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight, double eps,
+                                    const c10::optional<torch::Tensor>& residual_in) {
+  check_f32(x_in, "x");
+  check_f32(weight, "weight");
+  TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 1 && weight.size(0) == x_in.size(1), "rms_norm: x [T, H], weight [H]");
+  const torch::Tensor x = x_in.contiguous();
+  const bool fused = residual_in.has_value() && residual_in->defined();
+  torch::Tensor h;
+  if (fused) {
+    check_f32(*residual_in, "residual");
+    TORCH_CHECK(residual_in->sizes() == x.sizes(), "rms_norm: residual must match x");
+    h = torch::empty_like(x);
+  }
+  const torch::Tensor residual = fused ? residual_in->contiguous() : x;
+  torch::Tensor out = torch::empty_like(x);
+  const int64_t T = x.size(0), H = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const float* wp = weight.contiguous().data_ptr<float>();
+  float* hp = fused ? h.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / H), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* src = xp + t * H;
+      if (fused) {
+        float* dst = hp + t * H;
+        for (int64_t i = 0; i < H; ++i) dst[i] = src[i] + rp[t * H + i];
+        src = dst;
+      }
+      double ss = 0.0;
+      for (int64_t i = 0; i < H; ++i) ss += static_cast<double>(src[i]) * src[i];
+      const float inv = 1.0f / std::sqrt(static_cast<float>(ss / H) + static_cast<float>(eps));
+      for (int64_t i = 0; i < H; ++i) op[t * H + i] = wp[i] * (src[i] * inv);
+    }
+  });
+  if (fused) return {out, h};
+  return {out};
+}
+
+// GPT-NeoX rotary embedding applied in place to q [T, Hq, D] and k [T, Hkv, D] (last dim
+// contiguous, any row stride: views of the fused qkv output), cos_sin [P, D] = [cos | sin].
+void rotary_embedding(const torch::Tensor& positions, torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos_sin_in) {
+  check_f32(q, "q");
+  check_f32(k, "k");
+  check_f32(cos_sin_in, "cos_sin_cache");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.dim() == 1, "rotary_embedding: positions [T] int64");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == positions.size(0) && k.size(0) == positions.size(0) &&
+                  q.size(2) == k.size(2) && q.stride(2) == 1 && k.stride(2) == 1,
+              "rotary_embedding: q [T, Hq, D], k [T, Hkv, D] with a contiguous last dim");
+  const torch::Tensor cos_sin = cos_sin_in.contiguous();
+  const torch::Tensor pos = positions.contiguous();
+  const int64_t T = q.size(0), D = q.size(2), half = D / 2, P = cos_sin.size(0);
+  TORCH_CHECK(cos_sin.size(1) == D, "rotary_embedding: cos_sin_cache must be [max_position, D]");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pp[t] >= 0 && pp[t] < P, "rotary_embedding: position ", pp[t], " outside the table");
+  const float* cs = cos_sin.data_ptr<float>();
+  auto rotate = [&](torch::Tensor& x, int64_t t) {
+    const float* c = cs + pp[t] * D;
+    const float* s = c + half;
+    float* base = x.data_ptr<float>() + t * x.stride(0);
+    for (int64_t h = 0; h < x.size(1); ++h) {
+      float* v = base + h * x.stride(1);
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i] + a * s[i];
+      }
+    }
+  };
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      rotate(q, t);
+      rotate(k, t);
+    }
+  });
+}
+
+// silu(x[:, :I]) * x[:, I:] for x [T, 2I] -> [T, I].
+torch::Tensor silu_and_mul(const torch::Tensor& x_in) {
+  check_f32(x_in, "x");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % 2 == 0, "silu_and_mul: x [T, 2I]");
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  torch::Tensor out = torch::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T * I, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t t = j / I, i = j % I;
+      const float g = xp[t * 2 * I + i];
+      op[j] = g / (1.0f + std::exp(-g)) * xp[t * 2 * I + I + i];
+    }
+  });
+  return out;
+}
+
+// Writes k, v [T, Hkv, D] into the caches [NB, BS, Hkv, D] at slot_mapping [T] (negative slots
+// are skipped), then, for every
+// row whose query length is at most max_query_len, attends each of its query tokens (causal
+// within the row, full over the cached prefix) into out [T, Hq, D]. Rows longer than that are
+// skipped (the caller attends them); the return value says whether any was.
+bool paged_attention_short(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v,
+                           torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping_in,
+                           const torch::Tensor& query_start_loc_in, const torch::Tensor& seq_lens_in,
+                           const torch::Tensor& block_tables_in, double scale, torch::Tensor& out,
+                           int64_t max_query_len) {
+  for (const torch::Tensor* t : {&q_in, &k, &v, static_cast<const torch::Tensor*>(&k_cache),
+                                 static_cast<const torch::Tensor*>(&v_cache), static_cast<const torch::Tensor*>(&out)})
+    check_f32(*t, "attention tensors");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(), "attention: caches and out must be contiguous");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1, "attention: k, v [T, Hkv, D]");
+  const torch::Tensor q = q_in.contiguous();
+  const torch::Tensor slots = slot_mapping_in.to(torch::kInt64).contiguous();
+  const torch::Tensor qsl = query_start_loc_in.to(torch::kInt64).contiguous();
+  const torch::Tensor lens = seq_lens_in.to(torch::kInt64).contiguous();
+  const torch::Tensor tables = block_tables_in.to(torch::kInt64).contiguous();
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
+  const int64_t NB = k_cache.size(0), BS = k_cache.size(1), S = lens.size(0), W = tables.size(1);
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D && k_cache.size(2) == Hkv && k_cache.size(3) == D && Hq % Hkv == 0,
+              "attention: shapes disagree");
+  TORCH_CHECK(slots.size(0) == T && qsl.size(0) == S + 1 && tables.size(0) == S, "attention: metadata shapes disagree");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t row_floats = Hkv * D;
+  for (int64_t t = 0; t < T; ++t) {
+    if (sp[t] < 0) continue;  // a padding token: nothing to write (as the Triton kernel)
+    TORCH_CHECK(sp[t] < NB * BS, "attention: slot ", sp[t], " outside the cache");
+    for (int64_t h = 0; h < Hkv; ++h) {
+      std::memcpy(kc + sp[t] * row_floats + h * D, k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), D * sizeof(float));
+      std::memcpy(vc + sp[t] * row_floats + h * D, v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1), D * sizeof(float));
+    }
+  }
+  const int64_t* qp = qsl.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  // One task per (query token, query head) of the short rows.
+  std::vector<int64_t> task_row, task_token;
+  bool skipped = false;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = qp[s + 1] - qp[s];
+    if (n > max_query_len) {
+      skipped = true;
+      continue;
+    }
+    TORCH_CHECK(n <= lp[s] && (lp[s] + BS - 1) / BS <= W, "attention: row ", s, " has more tokens than its blocks");
+    for (int64_t b = 0; b < (lp[s] + BS - 1) / BS; ++b)
+      TORCH_CHECK(tp[s * W + b] >= 0 && tp[s * W + b] < NB, "attention: row ", s, " names block ", tp[s * W + b]);
+    for (int64_t j = 0; j < n; ++j) {
+      task_row.push_back(s);
+      task_token.push_back(qp[s] + j);
+    }
+  }
+  const float* qd = q.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  const int64_t group = Hq / Hkv, tasks = static_cast<int64_t>(task_row.size()) * Hq;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / Hq, h = task % Hq, g = h / group;
+      const int64_t s = task_row[i], t = task_token[i];
+      const int64_t n = qp[s + 1] - qp[s];
+      const int64_t length = lp[s] - n + (t - qp[s]) + 1;  // keys 0 .. position of this query
+      const float* qv = qd + (t * Hq + h) * D;
+      scores.resize(length);
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t l = 0; l < length; ++l) {
+        const int64_t slot = tp[s * W + l / BS] * BS + l % BS;
+        scores[l] = dot(qv, kc + slot * row_floats + g * D, D) * fscale;
+        best = std::max(best, scores[l]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float total = 0.f;
+      for (int64_t l = 0; l < length; ++l) {
+        const float p = std::exp(scores[l] - best);
+        total += p;
+        const int64_t slot = tp[s * W + l / BS] * BS + l % BS;
+        const float* vv = vc + slot * row_floats + g * D;
+        int64_t d = 0;
+        for (; d + 16 <= D; d += 16) store16(acc.data() + d, load16(acc.data() + d) + p * load16(vv + d));
+        for (; d < D; ++d) acc[d] += p * vv[d];
+      }
+      float* o = od + (t * Hq + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / total;
+    }
+  });
+  return skipped;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_rows", &linear_rows, "x [M, K] @ weight [N, K]^T + bias for few rows");
+  m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add");
+  m.def("rotary_embedding", &rotary_embedding, "in-place GPT-NeoX rotary embedding of q and k");
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU of the fused gate/up projection");
+  m.def("paged_attention_short", &paged_attention_short, "cache write and paged attention of short rows");
+}
