@@ -37,6 +37,13 @@ IDLE_WAIT_S = 1.0  # with nothing to run, wait this long for a message, then pub
 STALLED_WAIT_S = 0.01  # the last step could schedule nothing (KV full): do not spin
 
 
+def announce(core, emit: Callable[[object], None]) -> None:
+    """Tell the front end the core is ready: its first stats, then :class:`EngineReady`, so a
+    reader that sees the core ready (``/ready``) never sees the empty placeholder stats."""
+    emit(StepOutputs(time.monotonic(), stats=core.stats()))
+    emit(core.ready())
+
+
 class CoreLoop:
     """Runs ``core`` until a :class:`Shutdown` (or ``None``: the sender is gone) arrives.
 

@@ -107,11 +107,12 @@ def serve(sock: socket.socket) -> int:
             logger.exception("engine failed to load")
         emit(EngineDead(str(exc), loaded=False, kind=type(exc).__name__))
         return 1
+    from cadenza.node.core.loop import CoreLoop, announce
+
     try:
-        emit(core.ready())
+        announce(core, emit)
     except OSError:
         return 0  # the front end went away while the model loaded: nobody to serve
-    from cadenza.node.core.loop import CoreLoop
 
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_reader, args=(sock, inbox), name="cadenza-core-reader", daemon=True).start()

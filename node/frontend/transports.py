@@ -63,7 +63,7 @@ class ThreadCore:
         self._thread.start()
 
     def _run(self, emit: Callable[[object], None]) -> None:
-        from cadenza.node.core.loop import CoreLoop
+        from cadenza.node.core.loop import CoreLoop, announce
 
         try:
             self.core = self._factory()
@@ -72,7 +72,7 @@ class ThreadCore:
                 logger.exception("engine failed to load")
             emit(EngineDead(str(exc), loaded=False, kind=type(exc).__name__))
             return
-        emit(self.core.ready())
+        announce(self.core, emit)
         try:
             CoreLoop(self.core, self._inbox, emit).run()
         except BaseException as exc:  # a bug, not a bad request: fail everyone loudly, never hang

@@ -1,22 +1,25 @@
-"""Linear layers for fp32 on the CPU that come closer to memory bandwidth than torch's.
+"""Linear layers for fp32 on the CPU that come closer to the machine than torch's default.
 
 On a CPU a decode step is a chain of matrix-vector products over weights read once per step, so
-its speed is how close each product comes to memory bandwidth. PyTorch's default ``linear`` (MKL
-sgemm) falls well short of it for few rows: ~15 GB/s for one row on this project's 2-core machine,
-where a plain read reaches ~45. Two replacements, in order of preference:
+its speed is how close each product comes to memory bandwidth; a prefill chunk is a matrix
+product, bound by arithmetic. PyTorch's default ``linear`` (MKL sgemm) falls short of both on this
+project's AMD machine: ~15 GB/s for one row where a plain read reaches ~45, and half of oneDNN's
+speed for 64-256 rows. Two replacements, in order of preference:
 
-- :class:`CompiledLinear`: up to ``COMPILED_MAX_ROWS`` rows through the compiled
-  :func:`cadenza.kernels.cpu.linear_rows`, which streams each weight row once for all rows
-  (2-2.5x torch's speed for 1 row, ~2x for 8, still ahead at 128); more rows (long prefill
-  chunks) through ``F.linear``. Used with the compiled ``cpu`` kernel backend.
-- :class:`PackedLinear`, where the compiled kernels are unavailable: oneDNN's
-  ``_linear_pointwise`` over a weight re-laid out once at load (``_reorder_linear_weight``), up to
-  ~2x faster for wide layers and slower for other shapes. So nothing is assumed: :func:`pack_linears`
-  times both on each distinct weight shape of the loaded model (over 1 MiB; smaller ones live in
-  cache), for 1 and 8 rows, once per process, and packs only the shapes where the packed form wins
-  both by at least ``MIN_GAIN`` (the choice is logged).
+- :class:`CompiledLinear`, with the compiled ``cpu`` kernel backend: up to ``COMPILED_MAX_ROWS``
+  rows through :func:`cadenza.kernels.cpu.linear_rows`, which streams each weight row once for all
+  rows (2-2.5x torch's speed for one row); more rows through oneDNN's ``_linear_pointwise`` on
+  the same plain weight (as fast as a pre-packed weight here, so no second copy is kept), which
+  leads from ~8 rows on.
+- :class:`PackedLinear`, where the compiled kernels are unavailable: oneDNN over a weight re-laid
+  out once at load (``_reorder_linear_weight``), up to ~2x faster for wide layers and slower for
+  other shapes at one row. So nothing is assumed: :func:`pack_linears` times both on each distinct
+  weight shape of the loaded model (over 1 MiB; smaller ones live in cache), for 1 and 8 rows, once
+  per process, and packs only the shapes where the packed form wins both by at least ``MIN_GAIN``
+  (the choice is logged).
 
 fp32 on the CPU only; elsewhere nothing changes. Outputs match ``F.linear`` to float rounding.
+Measured in ``docs/benchmarks.md`` (``bench/decode_speed.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-COMPILED_MAX_ROWS = 128  # measured: the compiled kernel leads MKL up to ~128 rows, not at 256
+COMPILED_MAX_ROWS = 4  # measured (2 threads, weights from memory): the compiled kernel leads oneDNN
+# by ~1.3x at 4 rows, ties at 8, trails beyond
 MIN_GAIN = 1.15  # packed must be this much faster, for 1 and for 8 rows
 _PROBE_ROWS = (1, 8)
 _PROBE_BYTES = 64 * 2**20  # probe over copies this large in all: weights come from memory, not cache
@@ -43,7 +47,8 @@ def _available() -> bool:
 
 
 class CompiledLinear(nn.Module):
-    """``y = x @ weight.T + bias`` ([out, in] weight): few rows by the compiled kernel, many by torch."""
+    """``y = x @ weight.T + bias`` ([out, in] weight): few rows by the compiled kernel, more by
+    oneDNN (or ``F.linear`` where this torch build lacks it)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -53,12 +58,15 @@ class CompiledLinear(nn.Module):
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
         self._rows = cpu.linear_rows
+        self._onednn = _available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
         if x.shape[0] <= COMPILED_MAX_ROWS:
             y = self._rows(x, self.weight, self.bias)
+        elif self._onednn:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         else:
             y = nn.functional.linear(x, self.weight, self.bias)
         return y.reshape(*lead, self.out_features)
@@ -121,7 +129,8 @@ def compile_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) 
     linears = _linears(model)
     for parent, name, child in linears:
         setattr(parent, name, CompiledLinear(child.weight, child.bias))
-    logger.info("compiled linear layers: %d (up to %d rows; more through torch's)", len(linears), COMPILED_MAX_ROWS)
+    logger.info("compiled linear layers: %d (up to %d rows; more through %s)", len(linears), COMPILED_MAX_ROWS,
+                "oneDNN" if _available() else "torch's")
     return len(linears)
 
 

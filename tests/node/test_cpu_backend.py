@@ -43,7 +43,7 @@ def test_the_cpu_backend_compiles_every_linear_layer(tiny_llama_dir):
     assert len(layers) == 4 * model.config.num_hidden_layers + 1  # qkv, o, gate_up, down; the LM head
     assert not [m for m in model.modules() if type(m) is torch.nn.Linear]
     layer = layers[0]
-    for rows in (1, COMPILED_MAX_ROWS, COMPILED_MAX_ROWS + 1):  # the kernel, then torch's
+    for rows in (1, COMPILED_MAX_ROWS, COMPILED_MAX_ROWS + 1, 300):  # the kernel, then oneDNN
         x = torch.randn(rows, layer.in_features)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
                                    rtol=1e-5, atol=1e-5)
