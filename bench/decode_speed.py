@@ -61,8 +61,10 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int]
 
 
 async def single_stream(url: str, prompt: list[int]) -> list[float]:
+    """Three rounds' output tok/s. A new connection per request for both servers (llama-server
+    closes a kept-alive connection after a stream)."""
     rates = []
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         await stream_one(session, url, prompt, 8)  # warm up
         for _ in range(3):
             times = await stream_one(session, url, prompt, SINGLE_TOKENS)
@@ -72,7 +74,8 @@ async def single_stream(url: str, prompt: list[int]) -> list[float]:
 
 async def concurrent(url: str, prompts: list[list[int]], outputs: list[int]) -> float:
     gate = asyncio.Semaphore(CONCURRENCY)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600),
+                                     connector=aiohttp.TCPConnector(force_close=True)) as session:
         async def one(prompt, n):
             async with gate:
                 body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}

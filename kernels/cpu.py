@@ -136,12 +136,13 @@ def paged_attention(q, k, v, k_cache, v_cache, slot_mapping, query_start_loc, se
     :func:`cadenza.kernels.reference.write_kv_cache` then :func:`~cadenza.kernels.reference.paged_attention`.
 
     Rows of at most :data:`SHORT_ROW` query tokens run in the compiled kernel; the others in the
-    reference's per-row SDPA.
+    reference's per-row SDPA. ``slot_mapping`` is int64; ``query_start_loc``, ``seq_lens`` and
+    ``block_tables`` int32 (the runner's dtypes; no conversion per layer).
 
     Returns:
         ``[T, Hq, D]``.
     """
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     skipped = _ops.paged_attention_short(q, k, v, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens,
                                          block_tables, float(scale), out, SHORT_ROW)
     if skipped:

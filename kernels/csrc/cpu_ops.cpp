@@ -74,27 +74,20 @@ void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64
   }
 }
 
-// Rows of x in passes of at most 8 (4 w rows each for up to 4 rows, else 2 per pass of 8).
-constexpr int64_t kBlockN = 4;
+// Rows of x in passes of 8, 4, then the rest, over blocks of kBlockN rows of w (one or two rows
+// of x stream all 8 w rows at once: more streams in flight keep the memory system busier).
+constexpr int64_t kBlockN = 8;
 
 void rows_block(const float* x, const float* w, float* y, int64_t rows, int64_t K, int64_t N, int64_t n0) {
   int64_t m = 0;
-  for (; m + 8 <= rows; m += 8) {
-    block<8, 2>(x + m * K, w, y + m * N, K, N, n0);
-    block<8, 2>(x + m * K, w, y + m * N, K, N, n0 + 2);
-  }
+  for (; m + 8 <= rows; m += 8)
+    for (int64_t r = 0; r < kBlockN; r += 2) block<8, 2>(x + m * K, w, y + m * N, K, N, n0 + r);
+  for (; m + 4 <= rows; m += 4)
+    for (int64_t r = 0; r < kBlockN; r += 4) block<4, 4>(x + m * K, w, y + m * N, K, N, n0 + r);
   switch (rows - m) {
-    case 7: case 6: case 5:
-      block<4, 4>(x + m * K, w, y + m * N, K, N, n0);
-      m += 4;
-      break;
-    default: break;
-  }
-  switch (rows - m) {
-    case 4: block<4, 4>(x + m * K, w, y + m * N, K, N, n0); break;
-    case 3: block<3, 4>(x + m * K, w, y + m * N, K, N, n0); break;
-    case 2: block<2, 4>(x + m * K, w, y + m * N, K, N, n0); break;
-    case 1: block<1, 4>(x + m * K, w, y + m * N, K, N, n0); break;
+    case 3: for (int64_t r = 0; r < kBlockN; r += 4) block<3, 4>(x + m * K, w, y + m * N, K, N, n0 + r); break;
+    case 2: block<2, 8>(x + m * K, w, y + m * N, K, N, n0); break;
+    case 1: block<1, 8>(x + m * K, w, y + m * N, K, N, n0); break;
     default: break;
   }
 }
@@ -115,7 +108,7 @@ torch::Tensor linear_rows(const torch::Tensor& x_in, const torch::Tensor& w, con
   float* yp = y.data_ptr<float>();
   const int64_t blocks = N / kBlockN;
   // ~64 KiB of weights per task at least, so small layers are not split into slivers.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (16 * K));
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kBlockN * K * static_cast<int64_t>(sizeof(float))));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) rows_block(xp, wp, yp, M, K, N, kBlockN * b);
   });
@@ -241,11 +234,15 @@ bool paged_attention_short(const torch::Tensor& q_in, const torch::Tensor& k, co
     check_f32(*t, "attention tensors");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(), "attention: caches and out must be contiguous");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1, "attention: k, v [T, Hkv, D]");
-  const torch::Tensor q = q_in.contiguous();
-  const torch::Tensor slots = slot_mapping_in.to(torch::kInt64).contiguous();
-  const torch::Tensor qsl = query_start_loc_in.to(torch::kInt64).contiguous();
-  const torch::Tensor lens = seq_lens_in.to(torch::kInt64).contiguous();
-  const torch::Tensor tables = block_tables_in.to(torch::kInt64).contiguous();
+  TORCH_CHECK(q_in.dim() == 3 && q_in.stride(2) == 1, "attention: q [T, Hq, D] with a contiguous last dim");
+  TORCH_CHECK(slot_mapping_in.scalar_type() == torch::kInt64, "attention: slot_mapping must be int64");
+  for (const torch::Tensor* t : {&query_start_loc_in, &seq_lens_in, &block_tables_in})
+    TORCH_CHECK(t->scalar_type() == torch::kInt32, "attention: query_start_loc, seq_lens, block_tables must be int32");
+  const torch::Tensor& q = q_in;  // read through its strides: a view of the fused qkv output
+  const torch::Tensor slots = slot_mapping_in.contiguous();
+  const torch::Tensor qsl = query_start_loc_in.contiguous();
+  const torch::Tensor lens = seq_lens_in.contiguous();
+  const torch::Tensor tables = block_tables_in.contiguous();
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
   const int64_t NB = k_cache.size(0), BS = k_cache.size(1), S = lens.size(0), W = tables.size(1);
   TORCH_CHECK(k.size(0) == T && k.size(2) == D && k_cache.size(2) == Hkv && k_cache.size(3) == D && Hq % Hkv == 0,
@@ -263,9 +260,9 @@ bool paged_attention_short(const torch::Tensor& q_in, const torch::Tensor& k, co
       std::memcpy(vc + sp[t] * row_floats + h * D, v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1), D * sizeof(float));
     }
   }
-  const int64_t* qp = qsl.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int32_t* qp = qsl.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
   // One task per (query token, query head) of the short rows.
   std::vector<int64_t> task_row, task_token;
   bool skipped = false;
@@ -284,6 +281,7 @@ bool paged_attention_short(const torch::Tensor& q_in, const torch::Tensor& k, co
     }
   }
   const float* qd = q.data_ptr<float>();
+  const int64_t q_t = q.stride(0), q_h = q.stride(1);
   float* od = out.data_ptr<float>();
   const int64_t group = Hq / Hkv, tasks = static_cast<int64_t>(task_row.size()) * Hq;
   const float fscale = static_cast<float>(scale);
@@ -295,7 +293,7 @@ bool paged_attention_short(const torch::Tensor& q_in, const torch::Tensor& k, co
       const int64_t s = task_row[i], t = task_token[i];
       const int64_t n = qp[s + 1] - qp[s];
       const int64_t length = lp[s] - n + (t - qp[s]) + 1;  // keys 0 .. position of this query
-      const float* qv = qd + (t * Hq + h) * D;
+      const float* qv = qd + t * q_t + h * q_h;
       scores.resize(length);
       float best = -std::numeric_limits<float>::infinity();
       for (int64_t l = 0; l < length; ++l) {
