@@ -13,7 +13,9 @@ read. This module builds ``cpu_ops.cpp`` once per machine with ``torch.utils.cpp
   :func:`silu_and_mul`;
 - :func:`paged_attention`: the cache write fused with attention of the rows of at most
   ``SHORT_ROW`` query tokens (decodes, short chunks); longer rows go to the reference's SDPA path,
-  which is faster for them.
+  which is faster for them;
+- :func:`decode_layer`: a whole decoder layer from those kernels in one call, for decode steps
+  (no Python frame, module call or view per op).
 
 fp32 only. :func:`available` says whether the build succeeded (it needs a C++ compiler and
 ``ninja``); callers fall back to the references when it did not, and the reason is in
@@ -129,6 +131,23 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
 def silu_and_mul(x):
     """As :func:`cadenza.kernels.reference.silu_and_mul` (``x [T, 2I]`` fp32)."""
     return _ops.silu_and_mul(x)
+
+
+def decode_layer(input_norm, w_qkv, b_qkv, w_o, post_norm, w_gate_up, b_gate_up, w_down, b_down, eps: float,
+                 scale: float, num_heads: int, num_kv_heads: int, head_dim: int):
+    """A Llama decoder layer bound to its fp32 weights (``w_*`` are ``[out, in]``, ``b_*`` optional),
+    run in one call by its ``forward(x, residual, positions, cos_sin, k_cache, v_cache, slot_mapping,
+    query_start_loc, seq_lens, block_tables) -> (x, residual)`` for a step whose rows all have at most
+    :data:`SHORT_ROW` query tokens (``residual`` ``None`` before the first layer): RMSNorm, the fused
+    q/k/v projection, RoPE, the cache write and attention, the output projection, RMSNorm with the
+    residual add, SwiGLU and the down projection, as :mod:`cadenza.node.runner.models.llama`.
+
+    Raises:
+        RuntimeError: weights not fp32 and contiguous, or shapes that disagree with the head counts;
+            at ``forward``, a longer row.
+    """
+    return _ops.DecodeLayer(input_norm, w_qkv, b_qkv, w_o, post_norm, w_gate_up, b_gate_up, w_down, b_down,
+                            float(eps), float(scale), num_heads, num_kv_heads, head_dim, SHORT_ROW)
 
 
 def paged_attention(q, k, v, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens, block_tables, scale):

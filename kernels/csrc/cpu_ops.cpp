@@ -319,7 +319,58 @@ bool paged_attention_short(const torch::Tensor& q_in, const torch::Tensor& k, co
   return skipped;
 }
 
+// One Llama decoder layer for a step of short rows (decodes), in one call from Python: the same
+// kernels as above in the model's order (llama.py's DecoderLayer), without a Python frame, a
+// module call or a tensor view per op. Built once per layer with the layer's weights.
+struct DecodeLayer {
+  torch::Tensor input_norm, w_qkv, w_o, post_norm, w_gate_up, w_down;
+  c10::optional<torch::Tensor> b_qkv, b_gate_up, b_down;
+  double eps, scale;
+  int64_t num_heads, num_kv_heads, head_dim, short_row;
+
+  // x [T, H] and the residual stream ([T, H], or None before the first layer) -> {x, residual}.
+  std::vector<torch::Tensor> forward(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
+                                     const torch::Tensor& positions, const torch::Tensor& cos_sin,
+                                     torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                                     const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
+                                     const torch::Tensor& block_tables) const {
+    const bool first = !(residual.has_value() && residual->defined());
+    std::vector<torch::Tensor> normed = rms_norm(x, input_norm, eps, residual);
+    const torch::Tensor stream = first ? x : normed[1];
+    const int64_t T = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    torch::Tensor qkv = linear_rows(normed[0], w_qkv, b_qkv);
+    torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+    rotary_embedding(positions, q, k, cos_sin);
+    torch::Tensor o = torch::empty({T, num_heads, head_dim}, x.options());
+    const bool skipped = paged_attention_short(q, k, v, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens,
+                                               block_tables, scale, o, short_row);
+    TORCH_CHECK(!skipped, "decode layer: a row of more than ", short_row, " query tokens");
+    std::vector<torch::Tensor> post = rms_norm(linear_rows(o.view({T, q_size}), w_o, c10::nullopt), post_norm, eps, stream);
+    torch::Tensor down = linear_rows(silu_and_mul(linear_rows(post[0], w_gate_up, b_gate_up)), w_down, b_down);
+    return {down, post[1]};
+  }
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<DecodeLayer>(m, "DecodeLayer")
+      .def(pybind11::init([](torch::Tensor input_norm, torch::Tensor w_qkv, c10::optional<torch::Tensor> b_qkv,
+                             torch::Tensor w_o, torch::Tensor post_norm, torch::Tensor w_gate_up,
+                             c10::optional<torch::Tensor> b_gate_up, torch::Tensor w_down,
+                             c10::optional<torch::Tensor> b_down, double eps, double scale, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t short_row) {
+             for (const torch::Tensor* t : {&input_norm, &w_qkv, &w_o, &post_norm, &w_gate_up, &w_down}) {
+               check_f32(*t, "decode layer weights");
+               TORCH_CHECK(t->is_contiguous(), "decode layer: weights must be contiguous");
+             }
+             TORCH_CHECK(w_qkv.size(0) == (num_heads + 2 * num_kv_heads) * head_dim && w_o.size(1) == num_heads * head_dim &&
+                             w_gate_up.size(0) == 2 * w_down.size(1),
+                         "decode layer: weight shapes disagree with the head counts");
+             return DecodeLayer{input_norm, w_qkv, w_o, post_norm, w_gate_up, w_down, b_qkv, b_gate_up, b_down,
+                                eps, scale, num_heads, num_kv_heads, head_dim, short_row};
+           }))
+      .def("forward", &DecodeLayer::forward, "one decoder layer over a step of short rows");
   m.def("linear_rows", &linear_rows, "x [M, K] @ weight [N, K]^T + bias for few rows");
   m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add");
   m.def("rotary_embedding", &rotary_embedding, "in-place GPT-NeoX rotary embedding of q and k");

@@ -47,3 +47,28 @@ def test_the_cpu_backend_compiles_every_linear_layer(tiny_llama_dir):
         x = torch.randn(rows, layer.in_features)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_decode_steps_take_the_fused_layers_and_match_the_module_path(tiny_llama_dir, prompts):
+    """Steps of a few decoding rows run each layer in one compiled call; switching the fused path off
+    gives the same greedy tokens."""
+    engine = Engine.from_model(tiny_llama_dir, max_model_len=256, attention_backend="cpu", token_budget=64,
+                               chunk_size=16)
+    model = engine.runner.model
+    assert model.fused_layers is not None and len(model.fused_layers) == model.config.num_hidden_layers
+    calls = []
+    fused = model.fused_layers
+    model.fused_layers = [_Counting(layer, calls) for layer in fused]
+    fused_tokens = engine.generate(prompts[:3], GREEDY)
+    assert calls and set(calls) <= {1, 2, 3}  # the decode steps of three rows, never a prefill chunk of 16
+    model.fused_layers = None  # the module path
+    assert engine.generate(prompts[:3], GREEDY) == fused_tokens
+
+
+class _Counting:
+    def __init__(self, inner, calls):
+        self.inner, self.calls = inner, calls
+
+    def forward(self, *args):
+        self.calls.append(args[0].shape[0])
+        return self.inner.forward(*args)

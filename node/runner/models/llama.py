@@ -108,6 +108,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         table = cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos_sin", table, persistent=False)
+        # Whole layers in one compiled call each, for steps of at most ``fused_max_rows`` rows of at
+        # most ``fused_max_query_len`` tokens (set by runner/cpu_decode.py on the CPU backend).
+        self.fused_layers: list | None = None
+        self.fused_max_rows = self.fused_max_query_len = 0
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
@@ -115,8 +119,14 @@ class LlamaForCausalLM(nn.Module):
         """``input_ids, positions [T]`` -> final hidden states ``[T, hidden_size]``."""
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, self.cos_sin, kv, meta)
+        if (self.fused_layers is not None and x.shape[0] <= self.fused_max_rows
+                and meta.max_query_len <= self.fused_max_query_len):
+            for fused, (k_cache, v_cache) in zip(self.fused_layers, kv_caches):
+                x, residual = fused.forward(x, residual, positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping,
+                                            meta.query_start_loc, meta.seq_lens, meta.block_tables)
+        else:
+            for layer, kv in zip(self.layers, kv_caches):
+                x, residual = layer(positions, x, residual, self.cos_sin, kv, meta)
         x, _ = self.norm(x, residual)
         return x
 
@@ -196,7 +206,10 @@ def load_model(
 
         model.untie_lm_head()
         if kernels.name == "cpu":
+            from cadenza.node.runner.cpu_decode import fuse_decode_layers
+
             compile_linears(model, device, dtype)
+            fuse_decode_layers(model)
         else:
             pack_linears(model, device, dtype)
     return model
