@@ -91,9 +91,16 @@ def _load():
                 verbose=False,
             )
         except Exception as exc:  # no compiler, no ninja, a read-only cache: keep the references
-            _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            _error = _reason(exc)
             logger.warning("compiled CPU kernels unavailable (%s); using the torch references", _error)
         return _ops
+
+
+def _reason(exc: Exception) -> str:
+    """The useful line of a failed build: the compiler's or ninja's first error, not its last words."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() or line.startswith("FAILED")]
+    return f"{type(exc).__name__}: {' | '.join((errors or lines[-1:])[:2])[:400]}"
 
 
 def available() -> bool:

@@ -100,8 +100,17 @@ torch::Tensor linear_rows(const torch::Tensor& x_in, const torch::Tensor& w, con
   check_f32(w, "weight");
   TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1), "linear_rows: x [M, K] and weight [N, K]");
   TORCH_CHECK(w.is_contiguous(), "linear_rows: weight must be contiguous");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    check_f32(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "linear_rows: bias must be [N]");
+  }
   const torch::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (K == 0 || M == 0 || N == 0) {  // an empty product: zeros (plus the bias)
+    torch::Tensor y = torch::zeros({M, N}, x.options());
+    return has_bias ? y.add_(*bias) : y;
+  }
   torch::Tensor y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -114,10 +123,7 @@ torch::Tensor linear_rows(const torch::Tensor& x_in, const torch::Tensor& w, con
   });
   for (int64_t n = kBlockN * blocks; n < N; ++n)
     for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot(xp + m * K, wp + n * K, K);
-  if (bias.has_value() && bias->defined()) {
-    check_f32(*bias, "bias");
-    y.add_(*bias);
-  }
+  if (has_bias) y.add_(*bias);
   return y;
 }
 
@@ -127,7 +133,8 @@ std::vector<torch::Tensor> rms_norm(const torch::Tensor& x_in, const torch::Tens
                                     const c10::optional<torch::Tensor>& residual_in) {
   check_f32(x_in, "x");
   check_f32(weight, "weight");
-  TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 1 && weight.size(0) == x_in.size(1), "rms_norm: x [T, H], weight [H]");
+  TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 1 && weight.size(0) == x_in.size(1) && x_in.size(1) > 0,
+              "rms_norm: x [T, H], weight [H], H > 0");
   const torch::Tensor x = x_in.contiguous();
   const bool fused = residual_in.has_value() && residual_in->defined();
   torch::Tensor h;
@@ -172,6 +179,7 @@ void rotary_embedding(const torch::Tensor& positions, torch::Tensor& q, torch::T
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == positions.size(0) && k.size(0) == positions.size(0) &&
                   q.size(2) == k.size(2) && q.stride(2) == 1 && k.stride(2) == 1,
               "rotary_embedding: q [T, Hq, D], k [T, Hkv, D] with a contiguous last dim");
+  TORCH_CHECK(cos_sin_in.dim() == 2, "rotary_embedding: cos_sin_cache must be [max_position, D]");
   const torch::Tensor cos_sin = cos_sin_in.contiguous();
   const torch::Tensor pos = positions.contiguous();
   const int64_t T = q.size(0), D = q.size(2), half = D / 2, P = cos_sin.size(0);
@@ -243,24 +251,29 @@ bool paged_attention_short(const torch::Tensor& q_in, const torch::Tensor& k, co
   const torch::Tensor qsl = query_start_loc_in.contiguous();
   const torch::Tensor lens = seq_lens_in.contiguous();
   const torch::Tensor tables = block_tables_in.contiguous();
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.dim() == 4, "attention: k_cache and v_cache must both be [NB, BS, Hkv, D]");
+  TORCH_CHECK(out.sizes() == q.sizes(), "attention: out must be shaped as q");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
+  TORCH_CHECK(Hkv > 0 && D > 0 && k_cache.size(1) > 0, "attention: no KV heads, head dim or block size");
   const int64_t NB = k_cache.size(0), BS = k_cache.size(1), S = lens.size(0), W = tables.size(1);
   TORCH_CHECK(k.size(0) == T && k.size(2) == D && k_cache.size(2) == Hkv && k_cache.size(3) == D && Hq % Hkv == 0,
               "attention: shapes disagree");
   TORCH_CHECK(slots.size(0) == T && qsl.size(0) == S + 1 && tables.size(0) == S, "attention: metadata shapes disagree");
+  const int32_t* qp = qsl.data_ptr<int32_t>();
+  TORCH_CHECK(qp[0] == 0 && qp[S] == T, "attention: query_start_loc must run from 0 to T = ", T);
+  for (int64_t s = 0; s < S; ++s) TORCH_CHECK(qp[s] <= qp[s + 1], "attention: query_start_loc must not decrease");
   const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] < NB * BS, "attention: slot ", sp[t], " outside the cache");
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
   const int64_t row_floats = Hkv * D;
   for (int64_t t = 0; t < T; ++t) {
     if (sp[t] < 0) continue;  // a padding token: nothing to write (as the Triton kernel)
-    TORCH_CHECK(sp[t] < NB * BS, "attention: slot ", sp[t], " outside the cache");
     for (int64_t h = 0; h < Hkv; ++h) {
       std::memcpy(kc + sp[t] * row_floats + h * D, k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), D * sizeof(float));
       std::memcpy(vc + sp[t] * row_floats + h * D, v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1), D * sizeof(float));
     }
   }
-  const int32_t* qp = qsl.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   // One task per (query token, query head) of the short rows.

@@ -122,3 +122,26 @@ def test_attention_refuses_a_block_outside_the_cache():
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu.paged_attention(b.q, k, k, b.k_cache, b.v_cache, torch.tensor([10**6]), b.query_start_loc, b.seq_lens,
                             b.block_tables, 0.125)
+
+
+def test_degenerate_and_inconsistent_inputs_raise_instead_of_crashing():
+    """Each of these once divided by zero (SIGFPE) or read and wrote past a tensor."""
+    with pytest.raises(RuntimeError, match="H > 0"):
+        cpu.rms_norm(torch.randn(2, 0), torch.randn(0), 1e-6)
+    assert torch.equal(cpu.linear_rows(torch.randn(1, 0), torch.randn(8, 0), torch.ones(8)), torch.ones(1, 8))
+    with pytest.raises(RuntimeError, match="bias must be"):
+        cpu.linear_rows(torch.randn(2, 16), torch.randn(8, 16), torch.randn(1))
+    b = paged_batch([1], [20], 4, 2, 64, 16, torch.float32)
+    k = torch.zeros(1, 2, 64)
+    attend = lambda **kw: cpu.paged_attention(  # noqa: E731
+        kw.get("q", b.q), kw.get("k", k), kw.get("k", k), b.k_cache, kw.get("v_cache", b.v_cache), torch.tensor([0]),
+        kw.get("qsl", b.query_start_loc), b.seq_lens, b.block_tables, 0.125)
+    for qsl in ([0, 5], [1000, 1001], [1, 1]):
+        with pytest.raises(RuntimeError, match="query_start_loc"):
+            attend(qsl=torch.tensor(qsl, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="v_cache"):
+        attend(v_cache=b.v_cache[:1])
+    with pytest.raises(RuntimeError, match="no KV heads"):
+        attend(k=torch.zeros(1, 0, 64))
+    with pytest.raises(RuntimeError, match="cos_sin_cache"):
+        cpu.rotary_embedding(torch.tensor([0]), torch.randn(1, 2, 16), torch.randn(1, 2, 16), torch.randn(32))
