@@ -51,6 +51,10 @@ from cadenza.operator.signals import Signals, read_signals, signal_source
 logger = logging.getLogger("cadenza.controller")
 LIVE_KNOBS = ("token_budget", "chunk_size", "step_time_target_ms")
 DRAIN_TIMEOUT_S = 120.0
+# A replica's queue counts come from its engine's published stats (at most ~0.2 s plus a step old)
+# and requests routed just before the routing change may still be on their way: "no batch work"
+# counts only once the drain is this old.
+DRAIN_SETTLE_S = 2.0
 COLOCATED, INTERACTIVE = "colocated", "interactive"
 
 
@@ -350,7 +354,7 @@ class Actuator:
                 busy = sum(classes[c]["running"] + classes[c]["waiting"] for c in ("batch", "background"))
             except (OSError, HTTPException, ValueError, KeyError, TypeError):
                 busy = None
-        if busy == 0 and self._apply(replica, INTERACTIVE):
+        if busy == 0 and now - since >= DRAIN_SETTLE_S and self._apply(replica, INTERACTIVE):
             self.state.roles[name] = INTERACTIVE
             self.state.draining = None
             self.backend.route(replica, INTERACTIVE, interactive=True, batch=False)

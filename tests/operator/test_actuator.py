@@ -7,7 +7,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from cadenza.node.gateway.metrics import GatewayMetrics
-from cadenza.operator.actuator import COLOCATED, INTERACTIVE, Actuator, Replica, State, spec_knobs
+from cadenza.operator.actuator import COLOCATED, DRAIN_SETTLE_S, INTERACTIVE, Actuator, Replica, State, spec_knobs
 from cadenza.operator.pool import Pool
 
 SPEC = {"model": {"name": "m"}, "replicas": 2, "mode": "auto", "engine": {"tokenBudget": 256, "chunkSize": 64},
@@ -114,6 +114,27 @@ def test_a_breach_retunes_then_dedicates_after_a_drain_and_records_why():
     assert actuator.state.last_retune["from"] == {"chunk_size": 64} and actuator.state.last_retune["to"] == {"chunk_size": 32}
     spans = [s for s in exporter.get_finished_spans() if s.name == "cadenza.controller.act"]
     assert [s.attributes["cadenza.controller.action"] for s in spans] == ["retune", "reshape"]
+
+
+def test_a_drain_trusts_no_batch_work_only_once_the_published_counts_can_show_it():
+    """Counts read right after the routing change may predate a batch request already sent."""
+    actuator, backend, admin, metrics, clock, _ = setup()
+    admin.batch["http://b"] = 0  # looks idle from the first read
+    for _ in range(400):
+        if actuator.state.draining:
+            break
+        run(actuator, metrics, clock, 0.25, itl_s=0.2, step=0.25)
+    assert actuator.state.draining, "the breach never led to a drain"
+    since = actuator.state.draining[1]
+    ended = None
+    while ended is None:
+        clock.now += 0.25
+        actuator.tick()
+        if actuator.state.draining is None:
+            ended = clock.now
+    assert ended - since > 1.0  # not the next tick: the counts could not show a request in flight yet
+    assert DRAIN_SETTLE_S <= ended - since < DRAIN_SETTLE_S + 0.5
+    assert actuator.state.roles["b"] == INTERACTIVE
 
 
 def test_a_drain_that_times_out_leaves_the_replica_colocated_and_routed():
