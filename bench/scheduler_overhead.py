@@ -44,7 +44,7 @@ def build(num_waiting: int) -> Scheduler:
 
 def step(sched: Scheduler) -> None:
     out = sched.schedule()
-    sched.update_from_output(out, [7] * len(out.rows))
+    sched.update_from_output(out, [7] * out.num_sampled)
 
 
 def time_steps(sched: Scheduler) -> float:

@@ -13,22 +13,24 @@ from __future__ import annotations
 from cadenza.node.core.block_manager import KVBlockManager
 from cadenza.node.core.policy import CLASS_RANK
 from cadenza.node.core.preemption import Preemption
-from cadenza.node.core.request import Request, RequestStatus
+from cadenza.node.core.request import Request, RequestStatus, split_by_phase
 from cadenza.node.core.stats import SchedulerStats
-from cadenza.node.core.step import ScheduledRow, Step, new_row
+from cadenza.node.core.step import Step
 
 
-def schedule_decodes(step: Step, decodes: list[Request], kv: KVBlockManager, preemption: Preemption,
-                     stats: SchedulerStats) -> None:
-    """Add a one-token row to ``step`` for every request of ``decodes`` (running and decoding,
-    oldest first) that fits."""
+def schedule_decodes(step: Step, running: list[Request], kv: KVBlockManager, preemption: Preemption,
+                     stats: SchedulerStats) -> list[Request]:
+    """Add a one-token row to ``step`` for every decoding request of ``running`` (oldest first)
+    that fits; return the others, mid-prefill, order kept (:func:`split_by_phase`)."""
     out = step.out
-    if len(decodes) > step.budget_left:  # the budget was lowered live: highest classes first
-        decodes.sort(key=lambda r: (CLASS_RANK[r.traffic_class], r.arrival_time))
+    decoding, prefilling = split_by_phase(running)
+    if len(decoding) > step.budget_left:  # the budget was lowered live: highest classes first
+        decoding.sort(key=lambda r: (CLASS_RANK[r.traffic_class], r.arrival_time))
     is_running = RequestStatus.RUNNING
-    bs, append, tables = kv.block_size, out.rows.append, kv.tables
-    budget, count, context = step.budget_left, 0, 0  # written back to the step before any preemption
-    for req in decodes:
+    bs, tables = kv.block_size, kv.tables
+    decodes, positions, decode_tables = out.decodes, out.decode_positions, out.decode_tables
+    budget, context = step.budget_left, 0  # written back to the step before any preemption
+    for req in decoding:
         if req.status is not is_running:
             continue  # preempted by a decode before it
         if budget <= 0:
@@ -38,19 +40,21 @@ def schedule_decodes(step: Step, decodes: list[Request], kv: KVBlockManager, pre
         table = tables[req.request_id]
         if n > len(table) * bs and not kv.allocate_slots(req.request_id, n):
             step.budget_left, out.num_decode_tokens, out.decode_context_tokens = (
-                budget, out.num_decode_tokens + count, out.decode_context_tokens + context)
-            count = context = 0
+                budget, len(decodes), out.decode_context_tokens + context)
+            context = 0
             made_room = _make_room(req, n, step, kv, preemption, stats)  # may refund earlier rows
             budget = step.budget_left
             if not made_room:
                 continue
-        append(new_row(ScheduledRow, (req, n - 1, 1, True, table)))
+        decodes.append(req)
+        positions.append(n - 1)
+        decode_tables.append(table)
         budget -= 1
-        count += 1
         context += n
     step.budget_left = budget
-    out.num_decode_tokens += count
+    out.num_decode_tokens = len(decodes)
     out.decode_context_tokens += context
+    return prefilling
 
 
 def _make_room(req: Request, n: int, step: Step, kv: KVBlockManager, preemption: Preemption,

@@ -139,12 +139,13 @@ class EngineCore:
         deltas = []
         append = deltas.append
         release = self.runner.release
-        for req, token, finished in self.scheduler.update_from_output(out, tokens):
-            if finished is not None:
+        for req in self.scheduler.update_from_output(out, tokens):
+            reason = None
+            if req.is_finished:
                 release(req.request_id)
-            append(RequestDelta(req.request_id, [token], finished.finish_reason if finished else None,
-                                req.num_prompt_tokens, len(req.token_ids) - req.num_prompt_tokens,
-                                req.num_cached_tokens))
+                reason = req.status.finish_reason
+            append(RequestDelta(req.request_id, req.token_ids[-1:], reason, req.num_prompt_tokens,
+                                len(req.token_ids) - req.num_prompt_tokens, req.num_cached_tokens))
         record = StepRecord(
             elapsed, out.predicted_seconds, out.num_prefill_tokens, out.num_decode_tokens,
             [(req.request_id, req.traffic_class, phase, waited) for req, phase, waited in out.admitted],

@@ -38,10 +38,10 @@ from cadenza.node.core.policy import CLASSES, QUEUE_DEPTH_PER_SLOT
 from cadenza.node.core.preemption import Preemption, victim_key
 from cadenza.node.core.prefill import PrefillAdder, PrefillContext
 from cadenza.node.core.queues import ClassQueue
-from cadenza.node.core.request import Request, RequestStatus, split_by_phase
+from cadenza.node.core.request import Request, RequestStatus
 from cadenza.node.core.scheduler_interface import SchedulerInterface
 from cadenza.node.core.stats import ClassStats, EngineStats, SchedulerStats, TenantLoad
-from cadenza.node.core.step import SchedulerOutput, Step, TokenUpdate, new_row
+from cadenza.node.core.step import SchedulerOutput, Step
 
 
 def _arrival(req: Request) -> float:
@@ -176,18 +176,15 @@ class Scheduler(SchedulerInterface):
         self.stats.num_steps += 1
         step = Step(self.config.token_budget)
         failures = self.stats.allocation_failures
-        decoding, prefilling = split_by_phase(self.running)
-        schedule_decodes(step, decoding, self.block_manager, self.preemption, self.stats)
-        running = RequestStatus.RUNNING  # a decode may have been preempted just now
-        interactive = any(r.traffic_class == "interactive" and r.status is running for r in decoding)
+        prefilling = schedule_decodes(step, self.running, self.block_manager, self.preemption, self.stats)
+        interactive = any(r.traffic_class == "interactive" for r in step.out.decodes)
         PrefillAdder(self._prefill_context(prefilling, interactive), step).run()
-        if not step.out.rows and self.running and self.stats.allocation_failures > failures:
+        if step.out.is_empty and self.running and self.stats.allocation_failures > failures:
             # Every running request is blocked on KV and none may be preempted (all protected):
             # break the deadlock with the lowest-priority one.
             self.preemption.preempt(max(self.running, key=victim_key), step)
         self.stats.decode_tokens += step.out.num_decode_tokens
-        step.out.prefill_rows = list(step.prefills.values())
-        if step.out.rows:
+        if not step.out.is_empty:
             step.out.predicted_seconds = self.cost_model.predict(step.out.features())
         return step.out
 
@@ -222,7 +219,7 @@ class Scheduler(SchedulerInterface):
 
     # -- applying a step ----------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[TokenUpdate]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
         """Apply a finished step: advance computed tokens, append sampled tokens, finish requests.
 
         Full blocks whose KV the step wrote are registered in the prefix cache here, never
@@ -233,30 +230,47 @@ class Scheduler(SchedulerInterface):
             sampled_token_ids: one token per row with ``sample`` set, in row order.
 
         Returns:
-            One :class:`TokenUpdate` per sampled token, skipping requests aborted meanwhile.
+            The requests that sampled a token (its new token last in ``token_ids``; finished if
+            it ended them), skipping requests aborted meanwhile.
         """
-        updates: list[TokenUpdate] = []
-        append = updates.append
-        tokens = iter(sampled_token_ids)
         running = RequestStatus.RUNNING
         bm = self.block_manager
         caching, bs = bm.prefix_caching, bm.block_size
-        for req, _start, n, sample, _table in output.rows:
+        decodes = output.decodes
+        gone: list[Request] = []
+        for req, token in zip(decodes, sampled_token_ids):  # every decode samples, first
+            if req.status is not running:
+                gone.append(req)  # aborted while the step ran
+                continue
+            computed = req.num_computed_tokens = req.num_computed_tokens + 1
+            if caching and computed % bs == 0:
+                bm.commit(req.request_id, req.token_ids, computed, self.cache_salt(req))
+            finished = req.append_token(token)
+            if finished is not None:
+                self._finish_running(req, finished)
+        # The decodes that sampled: all of them unless some were gone (no list op per row).
+        sampled = [r for r in decodes if r not in gone] if gone else decodes[:]
+        append = sampled.append
+        tokens = iter(sampled_token_ids[len(decodes):])
+        for req, _start, n, sample, _table in output.prefill_rows:
             token = next(tokens) if sample else None
             if req.status is not running:
-                continue  # aborted while the step ran
+                continue
             computed = req.num_computed_tokens = req.num_computed_tokens + n
-            if caching and (n > 1 or computed % bs == 0):
+            if caching:
                 bm.commit(req.request_id, req.token_ids, computed, self.cache_salt(req))
             if token is None:
                 continue
             finished = req.append_token(token)
             if finished is not None:
-                self.running.remove(req)
-                self._finish(req, finished)
-                self.stats.num_finished += 1
-            append(new_row(TokenUpdate, (req, token, finished)))
-        return updates
+                self._finish_running(req, finished)
+            append(req)
+        return sampled
+
+    def _finish_running(self, req: Request, status: RequestStatus) -> None:
+        self.running.remove(req)
+        self._finish(req, status)
+        self.stats.num_finished += 1
 
     def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
         """Feed a measured step duration to the cost model and the aging look-ahead."""

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.core.request import Request, RequestStatus
 from cadenza.node.core.stats import EngineStats
-from cadenza.node.core.step import SchedulerOutput, TokenUpdate
+from cadenza.node.core.step import SchedulerOutput
 
 
 class SchedulerInterface(ABC):
@@ -68,7 +68,7 @@ class SchedulerInterface(ABC):
         """
 
     @abstractmethod
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[TokenUpdate]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
         """Apply a step that ran.
 
         Args:
@@ -76,8 +76,10 @@ class SchedulerInterface(ABC):
             sampled_token_ids: one token per row with ``sample`` set, in row order.
 
         Returns:
-            One update per sampled token of a request still live, with the finished status it
-            caused (EOS, a stop token, ``max_tokens``); finished requests' KV is freed.
+            The live requests that sampled a token, in row order: each one's new token is the
+            last of its ``token_ids``, and it is finished (:attr:`Request.is_finished`, its
+            ``status`` saying why: EOS, a stop token, ``max_tokens``) when that token ended it;
+            finished requests' KV is freed.
         """
 
     @abstractmethod

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from cadenza.node.core.cost_model import StepFeatures
-from cadenza.node.core.request import Request, RequestStatus
+from cadenza.node.core.request import Request
 
 
 class ScheduledRow(NamedTuple):
@@ -37,27 +37,50 @@ new_row = tuple.__new__  # builds a row without a Python-level __new__ call (hot
 class SchedulerOutput:
     """What one step computes: decode rows first, then prefill rows.
 
+    Decode rows are held as three parallel lists rather than a row object each (the hot path:
+    hundreds per step): decode ``i`` computes the one token of ``decodes[i]`` at position
+    ``decode_positions[i]`` (its last, sampled token) with block table ``decode_tables[i]``, and
+    samples. :attr:`rows` gives every row as a :class:`ScheduledRow`, in batch order.
+
     Attributes:
-        rows: every row, in the order the runner lays out the batch.
+        decodes, decode_positions, decode_tables: the decode rows, in running order.
+        prefill_rows: the prefill chunks, after the decodes in the batch.
         num_decode_tokens, num_prefill_tokens: tokens of each kind.
         decode_context_tokens: tokens the decodes attend over (sum of their lengths).
         prefill_attention_tokens: the chunks' attention work (tokens x mean context).
         preempted: requests preempted while building the step.
-        prefill_rows: the prefill chunks among ``rows``.
         admitted: ``(request, phase, seconds queued)`` of requests that started running;
             phase ``admission`` or ``resume``.
         predicted_seconds: the cost model's step time for these rows (None: uncalibrated).
     """
 
-    rows: list[ScheduledRow]
+    decodes: list[Request] = field(default_factory=list)
+    decode_positions: list[int] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)
+    prefill_rows: list[ScheduledRow] = field(default_factory=list)
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
     decode_context_tokens: int = 0
     prefill_attention_tokens: float = 0.0
     preempted: list[Request] = field(default_factory=list)
-    prefill_rows: list[ScheduledRow] = field(default_factory=list)
     admitted: list[tuple[Request, str, float]] = field(default_factory=list)
     predicted_seconds: float | None = None
+
+    @property
+    def rows(self) -> list[ScheduledRow]:
+        """Every row in batch order, decodes first (built on each call: for tools and tests)."""
+        decodes = [ScheduledRow(req, pos, 1, True, table)
+                   for req, pos, table in zip(self.decodes, self.decode_positions, self.decode_tables)]
+        return decodes + self.prefill_rows
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.decodes) + len(self.prefill_rows)
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows that sample a token: every decode, and the chunks that finish a prompt."""
+        return len(self.decodes) + sum(row.sample for row in self.prefill_rows)
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +88,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.rows
+        return not self.decodes and not self.prefill_rows
 
     def features(self) -> StepFeatures:
         """The step's composition, for the cost model."""
@@ -76,18 +99,17 @@ class SchedulerOutput:
 class Step:
     """A step being built: its rows, what is left of the budget, refunds on preemption.
 
-    Decode rows are only appended to ``out.rows`` (the hot path: hundreds per step); prefill rows
-    are also indexed in ``prefills`` by request id.
+    Prefill rows are also indexed in ``prefills`` by request id (a victim's chunk is found at once).
     """
 
     def __init__(self, budget: int) -> None:
-        self.out = SchedulerOutput(rows=[])
+        self.out = SchedulerOutput()
         self.budget_left = budget
         self.prefills: dict[str, ScheduledRow] = {}
 
     def add_prefill(self, req: Request, start: int, n: int, table: list[int]) -> None:
         row = new_row(ScheduledRow, (req, start, n, start + n == len(req.token_ids), table))
-        self.out.rows.append(row)
+        self.out.prefill_rows.append(row)
         self.prefills[req.request_id] = row
         self.budget_left -= n
         self.out.num_prefill_tokens += n
@@ -98,24 +120,17 @@ class Step:
         out = self.out
         row = self.prefills.pop(req.request_id, None)
         if row is not None:
-            out.rows.remove(row)
+            out.prefill_rows.remove(row)
             out.num_prefill_tokens -= row.num_tokens
             out.prefill_attention_tokens -= row.num_tokens * (row.start + row.num_tokens / 2)
             self.budget_left += row.num_tokens
             return row.num_tokens, True
-        for i, row in enumerate(out.rows):
-            if row.request is req:  # a decode row
-                del out.rows[i]
+        for i, scheduled in enumerate(out.decodes):
+            if scheduled is req:
+                del out.decodes[i]
+                out.decode_context_tokens -= out.decode_positions.pop(i) + 1
+                del out.decode_tables[i]
                 out.num_decode_tokens -= 1
-                out.decode_context_tokens -= row.start + 1
                 self.budget_left += 1
                 return 1, False
         return 0, False
-
-
-class TokenUpdate(NamedTuple):
-    """A token sampled in a step, and the finished status it caused (None if still running)."""
-
-    request: Request
-    token_id: int
-    finished: RequestStatus | None

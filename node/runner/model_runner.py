@@ -86,28 +86,28 @@ class ModelRunner:
         slot ``table_i[pos // block_size] * block_size + pos % block_size``.
         """
         bs = self.block_size
-        rows = step.rows
-        num_rows = len(rows)
-        ids: list[int] = []
-        extend = ids.extend
+        decodes, chunks = step.decodes, step.prefill_rows
+        num_decodes = len(decodes)
+        num_rows = num_decodes + len(chunks)
+        tables = step.decode_tables + [row.block_table for row in chunks]
+        ids = [req.token_ids[pos] for req, pos in zip(decodes, step.decode_positions)]
         starts = np.empty(num_rows, dtype=np.int64)
-        counts = np.empty(num_rows, dtype=np.int64)
-        width = 0
-        params, generators, sampled = [], [], []
-        for i, (req, start, n, do_sample, table) in enumerate(rows):
-            extend(req.token_ids[start : start + n])
+        counts = np.ones(num_rows, dtype=np.int64)
+        starts[:num_decodes] = step.decode_positions
+        sampled, sampled_reqs = list(range(num_decodes)), list(decodes)  # every decode samples
+        for i, (req, start, n, do_sample, _table) in enumerate(chunks, num_decodes):
+            ids.extend(req.token_ids[start : start + n])
             starts[i] = start
             counts[i] = n
-            if len(table) > width:
-                width = len(table)
             if do_sample:
                 sampled.append(i)
-                sp = req.sampling
-                params.append(sp)
-                generators.append(None if sp.greedy else self._generator(req.request_id, sp.seed))
+                sampled_reqs.append(req)
+        params = [req.sampling for req in sampled_reqs]
+        generators = [None if sp.greedy else self._generator(req.request_id, sp.seed)
+                      for req, sp in zip(sampled_reqs, params)]
+        width = max(map(len, tables))
         table_arr = np.zeros((num_rows, width), dtype=np.int64)
-        for i, row in enumerate(rows):
-            table = row.block_table
+        for i, table in enumerate(tables):
             table_arr[i, : len(table)] = table
         query_start = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])

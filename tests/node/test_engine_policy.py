@@ -81,9 +81,9 @@ def test_cancelling_a_prompt_stops_it_and_returns_every_block(tiny_llama_dir, wh
                 engine.abort_request("p2")  # the step is in flight
                 cancelled = True
         tokens = engine.runner.execute(out)
-        for req, _token, _finished in engine.scheduler.update_from_output(out, tokens):
+        for req in engine.scheduler.update_from_output(out, tokens):
             if cancelled and req is third:
-                emitted_after_cancel.append(_token)
+                emitted_after_cancel.append(req.token_ids[-1])
     assert cancelled and emitted_after_cancel == []
     assert third.status == RequestStatus.FINISHED_ABORTED and third.status.finish_reason == "abort"
     assert third.num_output_tokens == 0

@@ -9,6 +9,7 @@ port with a 1 s scrape interval, scraping HTTP endpoints served by the gateway's
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import shutil
@@ -19,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from cadenza.node.gateway.metrics import GatewayMetrics
+from cadenza.node.gateway.metrics import GatewayMetrics, latency_buckets
 from cadenza.operator.signals import PrometheusSource, ScrapeSource, SnapshotHistory, parse_pool_metrics
 from local_pool import pool_yaml, stop_up, up_env
 from metrics_server import FakeEngine, serve_metrics
@@ -183,6 +184,12 @@ def _compare_windows(url: str, gateway: str, replica: str, slo: dict) -> None:
                         "a known window from prometheus", interval=0.5)
     print(f"direct {mine}\nprometheus {theirs}")  # shown when an assertion below fails
     assert 30 <= theirs.requests <= 60  # increase() extrapolates at the edges of the range
-    assert theirs.itl_p99_ms == pytest.approx(mine.itl_p99_ms, rel=0.25)
+    # A p99 of ~200 gaps sits in the coarse (x 1.5) buckets far below the 200 ms target, and
+    # increase() extrapolates each bucket series on its own: one gap more or less in Prometheus'
+    # longer window moves the interpolated p99 into the next bucket. Agreement is the same or the
+    # neighbouring bucket.
+    bounds = latency_buckets([slo["interactive"]["ttftP99Ms"] / 1000, slo["interactive"]["itlP99Ms"] / 1000])
+    assert abs(bisect.bisect_left(bounds, theirs.itl_p99_ms / 1000)
+               - bisect.bisect_left(bounds, mine.itl_p99_ms / 1000)) <= 1
     assert theirs.kv_usage is not None and theirs.queue_depth is not None
     assert theirs.predicted_step_p99_ms is not None  # the replica's cost model calibrated on these steps

@@ -85,9 +85,9 @@ class FakeEngine:
                 self.record.admitted_age[req.request_id] = req.admitted_time - req.arrival_time
         self.clock.now += self.step_seconds
         self.sched.observe_step_time(out, self.step_seconds)
-        updates = self.sched.update_from_output(out, [5] * sum(r.sample for r in out.rows))
+        updates = self.sched.update_from_output(out, [5] * out.num_sampled)
         index = len(self.record.steps)
-        for req, _token, _finished in updates:
+        for req in updates:
             self.record.first_token_step.setdefault(req.request_id, index)
         self.record.steps.append(out)
         return out
