@@ -31,10 +31,49 @@ inline v16 load16(const float* p) {
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// The sum of the 16 lanes as a tree (halves added: 16 -> 8 -> 4 -> 1), a few shuffles rather
+// than 15 dependent scalar adds.
 inline float hsum(v16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
+  v8 lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  const v8 s8 = lo + hi;
+  v4 a, b;
+  std::memcpy(&a, &s8, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof(a), sizeof(b));
+  const v4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+// exp of 16 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r,
+// 2^n built in the exponent bits); within 2 ulp of std::exp for x in [-87, 88], inputs below
+// clamp to e^-87 (softmax weights: x <= 0, negligible beside the maximum's 1).
+inline v16 exp16(v16 x) {
+  const v16 lo = v16{} - 87.0f, hi = v16{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  v16 fx = x * 1.44269504088896341f + 0.5f;
+  const vi16 trunc = __builtin_convertvector(fx, vi16);
+  const v16 tf = __builtin_convertvector(trunc, v16);
+  const vi16 n = tf > fx ? trunc - 1 : trunc;  // floor
+  fx = __builtin_convertvector(n, v16);
+  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  const v16 z = x * x;
+  v16 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  const vi16 bits = (n + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -276,7 +315,11 @@ bool paged_attention_short(const torch::Tensor& q_in, const torch::Tensor& k, co
   }
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int32_t* tp = tables.data_ptr<int32_t>();
-  // One task per (query token, query head) of the short rows.
+  // One task per query token of the short rows, all heads together: a token's key and value
+  // rows (all KV heads, contiguous) are read once, in order, for every query head — a stream the
+  // hardware prefetcher follows, where one KV head's slice at a stride is a latency-bound walk.
+  // With fewer tokens than twice the threads, a task takes one KV head (its query group), so a
+  // single decode still spreads over the threads.
   std::vector<int64_t> task_row, task_token;
   bool skipped = false;
   for (int64_t s = 0; s < S; ++s) {
@@ -296,37 +339,69 @@ bool paged_attention_short(const torch::Tensor& q_in, const torch::Tensor& k, co
   const float* qd = q.data_ptr<float>();
   const int64_t q_t = q.stride(0), q_h = q.stride(1);
   float* od = out.data_ptr<float>();
-  const int64_t group = Hq / Hkv, tasks = static_cast<int64_t>(task_row.size()) * Hq;
+  const int64_t G = Hq / Hkv, num_tokens = static_cast<int64_t>(task_row.size());
+  const int64_t split = num_tokens >= 2 * at::get_num_threads() ? 1 : Hkv;  // tasks per token
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(D);
+  at::parallel_for(0, num_tokens * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc, best, total;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / Hq, h = task % Hq, g = h / group;
+      const int64_t i = task / split, g0 = split == 1 ? 0 : task % split, g1 = split == 1 ? Hkv : g0 + 1;
       const int64_t s = task_row[i], t = task_token[i];
       const int64_t n = qp[s + 1] - qp[s];
       const int64_t length = lp[s] - n + (t - qp[s]) + 1;  // keys 0 .. position of this query
-      const float* qv = qd + t * q_t + h * q_h;
-      scores.resize(length);
-      float best = -std::numeric_limits<float>::infinity();
-      for (int64_t l = 0; l < length; ++l) {
-        const int64_t slot = tp[s * W + l / BS] * BS + l % BS;
-        scores[l] = dot(qv, kc + slot * row_floats + g * D, D) * fscale;
-        best = std::max(best, scores[l]);
+      const int64_t H = (g1 - g0) * G;                      // query heads g0*G .. g1*G - 1
+      const float* qt = qd + t * q_t;
+      const int32_t* row_blocks = tp + s * W;
+      scores.resize(H * length);
+      best.assign(H, -std::numeric_limits<float>::infinity());
+      total.assign(H, 0.f);
+      acc.assign(H * D, 0.f);
+      for (int64_t l0 = 0, b = 0; l0 < length; l0 += BS, ++b) {  // scores, block by block
+        const float* kb = kc + static_cast<int64_t>(row_blocks[b]) * BS * row_floats;
+        const int64_t m = std::min(BS, length - l0);
+        for (int64_t j = 0; j < m; ++j) {
+          const float* krow = kb + j * row_floats;
+          for (int64_t h = 0; h < H; ++h) {
+            const int64_t qh = g0 * G + h;
+            const float sc = dot(qt + qh * q_h, krow + (qh / G) * D, D) * fscale;
+            scores[h * length + l0 + j] = sc;
+            best[h] = std::max(best[h], sc);
+          }
+        }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      float total = 0.f;
-      for (int64_t l = 0; l < length; ++l) {
-        const float p = std::exp(scores[l] - best);
-        total += p;
-        const int64_t slot = tp[s * W + l / BS] * BS + l % BS;
-        const float* vv = vc + slot * row_floats + g * D;
-        int64_t d = 0;
-        for (; d + 16 <= D; d += 16) store16(acc.data() + d, load16(acc.data() + d) + p * load16(vv + d));
-        for (; d < D; ++d) acc[d] += p * vv[d];
+      for (int64_t h = 0; h < H; ++h) {  // softmax weights, in place
+        float* sh = scores.data() + h * length;
+        v16 sums = {};
+        int64_t l = 0;
+        for (; l + 16 <= length; l += 16) {
+          const v16 e = exp16(load16(sh + l) - best[h]);
+          store16(sh + l, e);
+          sums += e;
+        }
+        float sum = hsum(sums);
+        for (; l < length; ++l) sum += (sh[l] = std::exp(sh[l] - best[h]));
+        total[h] = sum;
       }
-      float* o = od + (t * Hq + h) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / total;
+      for (int64_t l0 = 0, b = 0; l0 < length; l0 += BS, ++b) {  // weighted values
+        const float* vb = vc + static_cast<int64_t>(row_blocks[b]) * BS * row_floats;
+        const int64_t m = std::min(BS, length - l0);
+        for (int64_t j = 0; j < m; ++j) {
+          const float* vrow = vb + j * row_floats;
+          for (int64_t h = 0; h < H; ++h) {
+            const float p = scores[h * length + l0 + j];
+            const float* vv = vrow + ((g0 * G + h) / G) * D;
+            float* a = acc.data() + h * D;
+            int64_t d = 0;
+            for (; d + 16 <= D; d += 16) store16(a + d, load16(a + d) + p * load16(vv + d));
+            for (; d < D; ++d) a[d] += p * vv[d];
+          }
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* o = od + (t * Hq + g0 * G + h) * D;
+        const float inv = 1.0f / total[h];
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[h * D + d] * inv;
+      }
     }
   });
   return skipped;

@@ -70,10 +70,11 @@ def test_silu_and_mul():
     assert_close(cpu.silu_and_mul(x), reference.silu_and_mul(x), torch.float32)
 
 
-def check_attention(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0):
+def check_attention(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0, q_scale=1.0):
     """The new tokens' K/V go through the fused write: the cache is first the batch's, with the
-    new tokens' slots cleared, and must end up equal to it."""
+    new tokens' slots cleared, and must end up equal to it. ``q_scale`` sharpens the softmax."""
     b = paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, seed)
+    b.q.mul_(q_scale)
     slots = []
     for row, (n, c) in enumerate(zip(query_lens, context_lens)):
         for pos in range(c, c + n):
@@ -104,6 +105,18 @@ def test_mixed_batch_short_rows_compiled_long_rows_by_sdpa(head_dim, block_size)
 @pytest.mark.parametrize("group", [1, 2, 3, 8])
 def test_every_gqa_ratio(group):
     check_attention([1, 4, 1], [20, 9, 300], 2 * group, 2, 64, 16, seed=group)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_a_lone_decode_is_split_over_its_kv_heads(group):
+    # one query token: fewer tokens than threads, so each KV head's query group is its own task
+    check_attention([1], [300], 3 * group, 3, 64, 16, seed=10 + group)
+
+
+@pytest.mark.parametrize("q_scale", [0.01, 8.0, 60.0])
+def test_flat_and_peaked_softmax(q_scale):
+    # the vectorised exp over scores from near-equal to spread over hundreds (weights underflow)
+    check_attention([1, 1, 3], [47, 200, 16], 4, 2, 64, 16, seed=3, q_scale=q_scale)
 
 
 def test_chunk_boundaries_inside_kv_blocks():
