@@ -177,7 +177,9 @@ class Scheduler(SchedulerInterface):
         step = Step(self.config.token_budget)
         failures = self.stats.allocation_failures
         prefilling = schedule_decodes(step, self.running, self.block_manager, self.preemption, self.stats)
-        interactive = any(r.traffic_class == "interactive" for r in step.out.decodes)
+        running = RequestStatus.RUNNING  # a decode may have been preempted just now
+        interactive = any(r.traffic_class == "interactive" and r.status is running and r.is_decoding
+                          for r in self.running)
         PrefillAdder(self._prefill_context(prefilling, interactive), step).run()
         if step.out.is_empty and self.running and self.stats.allocation_failures > failures:
             # Every running request is blocked on KV and none may be preempted (all protected):
@@ -232,11 +234,17 @@ class Scheduler(SchedulerInterface):
         Returns:
             The requests that sampled a token (its new token last in ``token_ids``; finished if
             it ended them), skipping requests aborted meanwhile.
+
+        Raises:
+            ValueError: not one token per sampling row (a runner bug; nothing is applied).
         """
+        decodes = output.decodes
+        if len(sampled_token_ids) != output.num_sampled:
+            raise ValueError(f"update_from_output: {len(sampled_token_ids)} sampled tokens for a step of "
+                             f"{output.num_sampled} sampling rows")
         running = RequestStatus.RUNNING
         bm = self.block_manager
         caching, bs = bm.prefix_caching, bm.block_size
-        decodes = output.decodes
         gone: list[Request] = []
         for req, token in zip(decodes, sampled_token_ids):  # every decode samples, first
             if req.status is not running:

@@ -80,6 +80,9 @@ class SchedulerInterface(ABC):
             last of its ``token_ids``, and it is finished (:attr:`Request.is_finished`, its
             ``status`` saying why: EOS, a stop token, ``max_tokens``) when that token ended it;
             finished requests' KV is freed.
+
+        Raises:
+            ValueError: not one token per sampling row; nothing is applied.
         """
 
     @abstractmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,7 @@ from fake_engine import make_request, make_scheduler
 def run_step(sched: Scheduler, token: int = 5) -> SchedulerOutput:
     """Schedule one step and feed back a fake token for every sampling row."""
     out = sched.schedule()
-    sched.update_from_output(out, [token] * sum(r.sample for r in out.rows))
+    sched.update_from_output(out, [token] * out.num_sampled)
     return out
 
 
@@ -124,6 +125,20 @@ def test_only_rows_that_reach_the_end_of_the_tokens_sample():
     sched.add_request(req)
     samples = [run_step(sched).rows[0].sample for _ in range(4)]
     assert samples == [False, False, True, True]
+
+
+def test_a_step_given_the_wrong_number_of_tokens_is_refused_and_changes_nothing():
+    sched = make_scheduler(token_budget=16)
+    reqs = [make_request(4) for _ in range(2)]
+    for req in reqs:
+        sched.add_request(req)
+    run_step(sched)  # both prompts: now two decodes
+    out = sched.schedule()
+    assert len(out.decodes) == 2
+    with pytest.raises(ValueError, match="1 sampled tokens for a step of 2"):
+        sched.update_from_output(out, [9])
+    assert [r.num_output_tokens for r in reqs] == [1, 1] and all(r.num_computed_tokens == 4 for r in reqs)
+    assert sched.update_from_output(out, [5, 6]) == reqs and [r.token_ids[-1] for r in reqs] == [5, 6]
 
 
 def two_requests_in_a_tight_pool() -> tuple[Scheduler, Request, Request]:
