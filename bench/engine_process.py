@@ -4,7 +4,7 @@
 ``cadenza serve`` with the embedded SmolLM2-135M-Instruct, ``--engine-process on`` and ``off``,
 each replaying the same slice of the Azure 2023 conversation trace with ``cadenza bench`` (the
 first 32 requests, arrivals slowed 1.5x, lengths x1/4, prompts capped at 512 tokens and outputs at
-48), two interleaved rounds per mode. Reported per mode (median of the rounds): output tok/s and
+48), four interleaved rounds per mode. Reported per mode (median of the rounds): output tok/s and
 p99 TTFT and ITL; the ratios say process over thread for throughput and thread over process for
 the latencies, so >= 1 is "no regression" for all three (target: each >= 0.95, within this
 machine's run-to-run noise). Last line JSON (``ratio``: the throughput ratio).
@@ -22,7 +22,7 @@ from pathlib import Path
 from bench.common import CONV_TRACE, machine, report, serving
 from cadenza.node.embedded import ensure_embedded_model
 
-ROUNDS = 2
+ROUNDS = 4
 REPLAY = ["--num-requests", "32", "--time-scale", "1.5", "--length-scale", "0.25", "--max-input-len", "512",
           "--max-output-len", "48", "--no-progress"]
 
