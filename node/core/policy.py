@@ -166,6 +166,14 @@ class Policy:
         if not isinstance(self.tenant_cache_isolation, bool):
             raise PolicyError(f"tenant_cache_isolation: must be true or false, got {_shown(self.tenant_cache_isolation)}")
 
+    def cache_salt(self, tenant: str, client_salt: str | None) -> bytes:
+        """The prefix-cache salt of a request: its tenant when tenants are isolated, and the
+        client's ``cache_salt``; requests share cached KV blocks only under equal salts."""
+        if not self.tenant_cache_isolation and not client_salt:
+            return b""
+        own = f"tenant={tenant}" if self.tenant_cache_isolation else ""
+        return f"{own}\0{'salt=' + client_salt if client_salt else ''}".encode()
+
     def tenant(self, name: str) -> TenantPolicy:
         return self.tenants.get(name, self.default_tenant)
 

@@ -135,13 +135,9 @@ class Scheduler(SchedulerInterface):
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.queues[request.traffic_class].pop(request)
         if request.num_output_tokens == 0:
             self.stats.num_cancelled_before_first_token += 1
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._end(request, RequestStatus.FINISHED_ABORTED)
         self.stats.num_aborted += 1
         return request
 
@@ -150,11 +146,7 @@ class Scheduler(SchedulerInterface):
         request = self.requests.get(request_id)
         if request is None:
             return False
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.queues[request.traffic_class].pop(request)
-        self._finish(request, status)
+        self._end(request, status)
         self.stats.num_finished += 1
         return True
 
@@ -196,14 +188,8 @@ class Scheduler(SchedulerInterface):
                               self.cache_salt, self.start_running)
 
     def cache_salt(self, req: Request) -> bytes:
-        """The prefix-cache salt of ``req``: its tenant when the policy isolates tenants, and the
-        client's ``cache_salt``; requests share cached blocks only under equal salts."""
-        isolate = self.policy.tenant_cache_isolation
-        if not isolate and not req.cache_salt:
-            return b""
-        tenant = f"tenant={req.tenant}" if isolate else ""
-        salt = f"salt={req.cache_salt}" if req.cache_salt else ""
-        return f"{tenant}\0{salt}".encode()
+        """``req``'s prefix-cache salt (:meth:`Policy.cache_salt`)."""
+        return self.policy.cache_salt(req.tenant, req.cache_salt)
 
     def start_running(self, req: Request, step: Step) -> None:
         """Move a queued request into the running set (the prefill adder admitted it)."""
@@ -255,7 +241,8 @@ class Scheduler(SchedulerInterface):
                 bm.commit(req.request_id, req.token_ids, computed, self.cache_salt(req))
             finished = req.append_token(token)
             if finished is not None:
-                self._finish_running(req, finished)
+                self._end(req, finished)
+                self.stats.num_finished += 1
         # The decodes that sampled: all of them unless some were gone (no list op per row).
         sampled = [r for r in decodes if r not in gone] if gone else decodes[:]
         append = sampled.append
@@ -264,21 +251,24 @@ class Scheduler(SchedulerInterface):
             token = next(tokens) if sample else None
             if req.status is not running:
                 continue
-            computed = req.num_computed_tokens = req.num_computed_tokens + n
+            req.num_computed_tokens += n
             if caching:
-                bm.commit(req.request_id, req.token_ids, computed, self.cache_salt(req))
-            if token is None:
-                continue
-            finished = req.append_token(token)
-            if finished is not None:
-                self._finish_running(req, finished)
-            append(req)
+                bm.commit(req.request_id, req.token_ids, req.num_computed_tokens, self.cache_salt(req))
+            if token is not None:
+                finished = req.append_token(token)
+                if finished is not None:
+                    self._end(req, finished)
+                    self.stats.num_finished += 1
+                append(req)
         return sampled
 
-    def _finish_running(self, req: Request, status: RequestStatus) -> None:
-        self.running.remove(req)
+    def _end(self, req: Request, status: RequestStatus) -> None:
+        """Take a live request out of the running set or its queue, and finish it."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.queues[req.traffic_class].pop(req)
         self._finish(req, status)
-        self.stats.num_finished += 1
 
     def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
         """Feed a measured step duration to the cost model and the aging look-ahead."""
