@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPED = {"node": "cadenza/node", "kernels": "cadenza/kernels", "operator": "cadenza/operator"}
+MAPPED = {"node": "cadenza/node", "kernels": "cadenza/kernels", "operator": "cadenza/operator", "sim": "cadenza/sim"}
 
 
 def source_packages() -> set[str]:
@@ -47,6 +47,12 @@ def test_wheel_carries_the_cpu_kernels_source_it_builds_at_first_use(wheel):
     names = set(wheel.namelist())
     for cpp in (ROOT / "kernels" / "csrc").glob("*.cpp"):
         assert f"cadenza/kernels/csrc/{cpp.name}" in names
+
+
+def test_wheel_carries_the_simulators_model_configs(wheel):
+    names = set(wheel.namelist())
+    configs = list((ROOT / "sim" / "models").glob("*.json"))
+    assert configs and all(f"cadenza/sim/models/{c.name}" in names for c in configs)
 
 
 def test_wheel_declares_the_cadenza_console_script(wheel):
@@ -87,6 +93,19 @@ def test_operator_imports_only_the_node_config_and_policy():
         for name in imports_of(py):
             if name.startswith("cadenza.node"):
                 assert name in allowed, f"{py.name} imports {name}"
+
+
+def test_nothing_outside_the_simulator_imports_it():
+    for folder in ("node", "kernels", "operator"):
+        for py in (ROOT / folder).rglob("*.py"):
+            assert not [n for n in imports_of(py) if n.startswith("cadenza.sim")], f"{py} imports the simulator"
+
+
+def test_the_simulator_never_imports_torch_the_runner_or_the_servers():
+    for py in (ROOT / "sim").rglob("*.py"):
+        bad = [n for n in imports_of(py) if n == "torch" or n.startswith(("torch.", "cadenza.node.runner", "cadenza.node.server",
+                                                                           "cadenza.node.frontend", "cadenza.kernels"))]
+        assert not bad, f"{py.name} imports {bad}"
 
 
 def cadenza_imports(folder: str) -> dict[Path, set[str]]:
@@ -154,6 +173,6 @@ def test_scheduler_and_block_manager_never_import_torch():
 
 
 def test_ruff_finds_no_errors():
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "node", "kernels", "operator", "bench", "tests"],
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "node", "kernels", "operator", "sim", "bench", "tests"],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
