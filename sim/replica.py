@@ -1,0 +1,140 @@
+"""One simulated engine: cadenza's real scheduler and KV block manager, stepping on a virtual clock.
+
+Only the forward pass is replaced: each step's rows go to the roofline
+(:mod:`cadenza.sim.roofline`), the virtual clock advances by its predicted seconds, and every row
+that samples gets a synthetic token. Everything else — token budget, chunking, decode first,
+traffic classes, fair queuing, admission control, prefix caching, preemption, the online cost
+model — is the engine's own code (:class:`cadenza.node.core.scheduler.Scheduler`), unchanged.
+Requests end at their trace's output length (``max_tokens``, EOS ignored).
+
+Synthetic token ids are a pure function of the request and position, so runs are deterministic,
+and a prompt shares cached KV with another only where the simulation gave them the same ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cadenza.node.core.block_manager import KVBlockManager
+from cadenza.node.core.config import SchedulerConfig
+from cadenza.node.core.request import Request, SamplingParams
+from cadenza.node.core.scheduler import Scheduler
+from cadenza.node.core.step import SchedulerOutput
+from cadenza.sim.roofline import Roofline, StepComposition
+
+
+class VirtualClock:
+    """Seconds since the simulation began; callable, as the scheduler's injected clock."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def composition(out: SchedulerOutput) -> StepComposition:
+    """What the roofline needs of a scheduled step."""
+    return StepComposition(out.num_prefill_tokens, out.num_decode_tokens, out.decode_context_tokens,
+                           out.prefill_attention_tokens, out.num_rows, out.num_sampled)
+
+
+def synthetic_token(request_index: int, position: int, vocab_size: int) -> int:
+    """A deterministic token id for ``position`` of request ``request_index`` (a multiplicative
+    hash: distinct requests rarely share a block, as distinct real prompts rarely do)."""
+    return (request_index * 2654435761 + position * 40503 + 17) % vocab_size
+
+
+@dataclass
+class RequestTimes:
+    """A simulated request's timeline (virtual seconds).
+
+    Attributes:
+        arrival_s: when it reached the replica.
+        token_s: when each output token was produced (the end of the step that sampled it).
+        finished_s: when its last token was produced (None while live).
+    """
+
+    arrival_s: float
+    token_s: list[float] = field(default_factory=list)
+    finished_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_s[0] - self.arrival_s if self.token_s else None
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Gaps between consecutive output tokens."""
+        return [b - a for a, b in zip(self.token_s, self.token_s[1:])]
+
+
+class SimReplica:
+    """A replica whose steps take the roofline's time.
+
+    Args:
+        config: the engine's scheduler knobs (as ``cadenza serve`` takes them); ``max_model_len``
+            must be resolved.
+        roofline: the model on its hardware; the KV pool is what it says fits.
+        clock: the shared virtual clock.
+        block_size: tokens per KV block.
+        memory_utilization: share of device memory the engine may use.
+
+    Raises:
+        ValueError: the model does not fit, or ``max_model_len`` is unresolved.
+    """
+
+    def __init__(self, config: SchedulerConfig, roofline: Roofline, clock: VirtualClock, block_size: int = 16,
+                 memory_utilization: float = 0.9) -> None:
+        num_blocks = roofline.kv_capacity_tokens(memory_utilization) // block_size
+        self.block_manager = KVBlockManager(num_blocks, block_size, prefix_caching=config.prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, clock=clock)
+        self.roofline, self.clock = roofline, clock
+        self.vocab_size = roofline.dims.vocab_size
+        self.times: dict[str, RequestTimes] = {}
+        self._index: dict[str, int] = {}
+        self.busy_until = clock.now  # the end of the step in flight
+        self.steps = 0
+
+    def add_request(self, request_id: str, index: int, prompt_len: int, output_len: int, arrival_s: float,
+                    traffic_class: str = "interactive", tenant: str = "default") -> Request:
+        """Queue a request of the trace that arrived at ``arrival_s`` (at most ``clock.now``: one
+        that came during a step is queued when the step ends); its ``index`` seeds its tokens.
+
+        Raises:
+            AdmissionError: refused as the engine would (429 under overload, 400 too long).
+        """
+        prompt = [synthetic_token(index, p, self.vocab_size) for p in range(prompt_len)]
+        req = Request(request_id, prompt, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True),
+                      arrival_time=arrival_s, traffic_class=traffic_class, tenant=tenant)
+        self.scheduler.add_request(req)
+        self.times[request_id] = RequestTimes(arrival_s)
+        self._index[request_id] = index
+        return req
+
+    def step(self) -> SchedulerOutput | None:
+        """Run one step from ``clock.now``: schedule, advance ``busy_until`` by the step's
+        predicted time, apply the synthetic tokens at that time. None when nothing can run."""
+        sched = self.scheduler
+        out = sched.schedule()
+        if out.is_empty:
+            return None
+        seconds = self.roofline.step_time(composition(out)).total_s
+        end = self.clock.now + seconds
+        tokens = [synthetic_token(self._index[r.request_id], len(r.token_ids), self.vocab_size)
+                  for r in out.decodes]
+        tokens += [synthetic_token(self._index[row.request.request_id], len(row.request.token_ids), self.vocab_size)
+                   for row in out.prefill_rows if row.sample]
+        sched.observe_step_time(out, seconds)
+        for req in sched.update_from_output(out, tokens):
+            times = self.times[req.request_id]
+            times.token_s.append(end)
+            if req.is_finished:
+                times.finished_s = end
+        self.busy_until = end
+        self.steps += 1
+        return out
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
