@@ -95,6 +95,8 @@ class SimReplica:
         self._index: dict[str, int] = {}
         self.busy_until = clock.now  # the end of the step in flight
         self.steps = 0
+        self._in_flight: SchedulerOutput | None = None
+        self.last_step: SchedulerOutput | None = None
 
     def add_request(self, request_id: str, index: int, prompt_len: int, output_len: int, arrival_s: float,
                     traffic_class: str = "interactive", tenant: str = "default") -> Request:
@@ -112,28 +114,53 @@ class SimReplica:
         self._index[request_id] = index
         return req
 
-    def step(self) -> SchedulerOutput | None:
-        """Run one step from ``clock.now``: schedule, advance ``busy_until`` by the step's
-        predicted time, apply the synthetic tokens at that time. None when nothing can run."""
-        sched = self.scheduler
-        out = sched.schedule()
+    def begin_step(self) -> float | None:
+        """Schedule a step at ``clock.now``; return the virtual time it ends (None: nothing can
+        run). Requests may be added while it is in flight; they wait for the next step, as in the
+        engine. :meth:`end_step` applies it."""
+        if self._in_flight is not None:
+            raise RuntimeError("a step is already in flight")
+        out = self.scheduler.schedule()
         if out.is_empty:
             return None
         seconds = self.roofline.step_time(composition(out)).total_s
-        end = self.clock.now + seconds
-        tokens = [synthetic_token(self._index[r.request_id], len(r.token_ids), self.vocab_size)
-                  for r in out.decodes]
-        tokens += [synthetic_token(self._index[row.request.request_id], len(row.request.token_ids), self.vocab_size)
+        self.scheduler.observe_step_time(out, seconds)
+        self._in_flight = out
+        self.busy_until = self.clock.now + seconds
+        return self.busy_until
+
+    def end_step(self) -> list[Request]:
+        """Apply the step in flight at its end time: synthetic tokens for its sampling rows.
+        Returns the requests that finished in it."""
+        out, self._in_flight = self._in_flight, None
+        if out is None:
+            raise RuntimeError("no step in flight")
+        index, vocab, end = self._index, self.vocab_size, self.busy_until
+        tokens = [synthetic_token(index[r.request_id], len(r.token_ids), vocab) for r in out.decodes]
+        tokens += [synthetic_token(index[row.request.request_id], len(row.request.token_ids), vocab)
                    for row in out.prefill_rows if row.sample]
-        sched.observe_step_time(out, seconds)
-        for req in sched.update_from_output(out, tokens):
+        finished = []
+        for req in self.scheduler.update_from_output(out, tokens):
             times = self.times[req.request_id]
             times.token_s.append(end)
             if req.is_finished:
                 times.finished_s = end
-        self.busy_until = end
+                finished.append(req)
         self.steps += 1
-        return out
+        self.last_step = out
+        return finished
+
+    def step(self) -> SchedulerOutput | None:
+        """One whole step from ``clock.now`` (begin and end; the caller moves the clock to
+        ``busy_until``). None when nothing can run."""
+        if self.begin_step() is None:
+            return None
+        self.end_step()
+        return self.last_step
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
 
     @property
     def has_work(self) -> bool:
