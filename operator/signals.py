@@ -428,7 +428,7 @@ class SnapshotHistory:
             return ClassWindow(False, "a NaN or negative count in the latency series", window_s=span)
         if ttft is None:
             return ClassWindow(False, f"no {cls} latency series", window_s=span)
-        return replace(_window_of(ttft, itl, slo, min_samples, span), **_engine_window(cls, window, base))
+        return replace(window_of(ttft, itl, slo, min_samples, span), **_engine_window(cls, window, base))
 
 
 def _baselines(window: list[Snapshot]) -> dict[str, Snapshot]:
@@ -617,16 +617,17 @@ class PrometheusSource:
             return ClassWindow(False, f"prometheus has no {cls} latency series")
         if not ttft.finite or (itl is not None and not itl.finite):
             return ClassWindow(False, "a NaN or negative count in the latency series")
-        return replace(_window_of(ttft, itl, slo, min_samples, window_s), **self._engine_figures(cls, window_s, now))
+        return replace(window_of(ttft, itl, slo, min_samples, window_s), **self._engine_figures(cls, window_s, now))
 
 
 def _matchers(selector: str) -> str:
     return selector.strip().strip("{}").strip()
 
 
-def _window_of(ttft: Histogram, itl: Histogram | None, slo: Mapping[str, float], min_samples: int,
-               span: float) -> ClassWindow:
-    """The figures of one window's histograms (shared by both sources)."""
+def window_of(ttft: Histogram, itl: Histogram | None, slo: Mapping[str, float], min_samples: int,
+              span: float) -> ClassWindow:
+    """The figures of one window's histograms (shared by both sources and the simulator); the
+    engine figures are left unset."""
     requests = int(round(ttft.total))
     ttft_p99, itl_p99 = ttft.quantile(0.99), itl.quantile(0.99) if itl is not None else None
     shares = [h.share_at_most(slo[key] / 1e3) for key, h in (("ttftP99Ms", ttft), ("itlP99Ms", itl))

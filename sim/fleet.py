@@ -5,25 +5,27 @@ Each request goes where the gateway would send it: its traffic class names a rol
 outstanding replica of that role that is not full; a replica's 429 backs it off for its
 ``Retry-After`` and the request is retried once elsewhere (the gateway's ``MAX_ATTEMPTS``); a
 request no replica takes is dropped, as a 429 to the client. Replicas step independently: an event
-heap holds arrivals and step ends, so a replica's next step starts when its last one ends.
+heap holds step ends, timed callbacks (the controller, its actuations) and arrivals, in that order
+at equal times, so a replica's next step starts when its last one ends.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from cadenza.node.core.admission import AdmissionError
 from cadenza.node.core.config import SchedulerConfig
+from cadenza.node.core.knobs import reconfigured
 from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream, Upstreams
 from cadenza.node.replay.trace import TraceRequest
-from cadenza.sim.replica import SimReplica, VirtualClock
+from cadenza.sim.replica import RequestTimes, SimReplica, VirtualClock
 from cadenza.sim.roofline import Roofline
 from cadenza.sim.run import LatencySummary, summarize
 
 MAX_ATTEMPTS = 2  # as the gateway: the first try and at most one retry
-_ARRIVAL, _STEP_END = 1, 0  # at equal times a step ends (and frees its slot) before an arrival
+_STEP_END, _CALLBACK, _ARRIVAL = 0, 1, 2  # at equal times: free slots first, then act, then admit
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,83 +43,167 @@ class FleetResult:
     steps: dict[str, int]
 
 
-def simulate_fleet(trace: Sequence[TraceRequest], roles: Mapping[str, Sequence[str]],
-                   configs: Mapping[str, SchedulerConfig], roofline: Roofline,
-                   classes: Sequence[str] | None = None, max_outstanding: int = 256,
-                   block_size: int = 16) -> FleetResult:
-    """Replay ``trace`` against replicas named in ``roles`` (``interactive`` / ``batch`` -> names;
-    colocated: both list every replica), each with its scheduler knobs in ``configs``.
+@dataclass
+class Observations:
+    """One class's latency observations in time order: TTFTs at their first token's time, and
+    inter-token gaps at their later token's time (seconds)."""
+
+    ttft_t: list[float] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+    itl_t: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+
+
+class Fleet:
+    """Replicas named in ``roles`` (``interactive`` / ``batch`` -> names; colocated: both list
+    every replica), each with its scheduler knobs in ``configs``, behind one gateway.
 
     Args:
-        classes: each request's traffic class (default: all ``interactive``).
         max_outstanding: requests in flight that make a replica full at the gateway.
 
     Raises:
-        ValueError: a replica named in ``roles`` without a config, or ``classes`` of the wrong length.
+        ValueError: a replica named in ``roles`` without a config.
     """
-    names = list(dict.fromkeys(n for group in roles.values() for n in group))
-    missing = [n for n in names if n not in configs]
-    if missing:
-        raise ValueError(f"replicas without a config: {missing}")
-    classes = list(classes) if classes is not None else ["interactive"] * len(trace)
-    if len(classes) != len(trace):
-        raise ValueError(f"classes: {len(classes)} for {len(trace)} requests")
-    clock = VirtualClock()
-    replicas = {n: SimReplica(configs[n], roofline, clock, block_size) for n in names}
-    upstreams = Upstreams({role: list(group) for role, group in roles.items()}, clock=clock)
-    served_by: dict[str, Upstream] = {}
-    events: list[tuple[float, int, int, object]] = []
-    seq = 0
 
-    def push(t: float, kind: int, what: object) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, kind, seq, what))
-        seq += 1
+    def __init__(self, roles: Mapping[str, Sequence[str]], configs: Mapping[str, SchedulerConfig],
+                 roofline: Roofline, max_outstanding: int = 256, block_size: int = 16) -> None:
+        names = list(dict.fromkeys(n for group in roles.values() for n in group))
+        missing = [n for n in names if n not in configs]
+        if missing:
+            raise ValueError(f"replicas without a config: {missing}")
+        self.clock = VirtualClock()
+        self.replicas = {n: SimReplica(configs[n], roofline, self.clock, block_size) for n in names}
+        self.upstreams = Upstreams({role: list(group) for role, group in roles.items()}, clock=self.clock)
+        self.max_outstanding = max_outstanding
+        self.classes: dict[str, str] = {}  # request id -> traffic class
+        self.dropped: dict[str, int] = {}
+        self._served_by: dict[str, Upstream] = {}
+        self._events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._work = 0  # arrivals not yet handled + steps in flight: the run ends at zero
+        self.observations: dict[str, Observations] = {}  # class -> latency observations
 
-    def kick(name: str) -> None:
-        replica = replicas[name]
+    # -- the event heap ---------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, what: object) -> None:
+        heapq.heappush(self._events, (t, kind, self._seq, what))
+        self._seq += 1
+        if kind != _CALLBACK:
+            self._work += 1
+
+    def at(self, t: float, callback: Callable[[Fleet], None]) -> None:
+        """Call ``callback(fleet)`` at virtual time ``t`` (callbacks alone do not keep the run going)."""
+        self._push(t, _CALLBACK, callback)
+
+    def _kick(self, name: str) -> None:
+        replica = self.replicas[name]
         if not replica.in_flight and replica.has_work:
             end = replica.begin_step()
             if end is not None:
-                push(end, _STEP_END, name)
+                self._push(end, _STEP_END, name)
 
-    for i, req in enumerate(trace):
-        push(req.arrival_s, _ARRIVAL, i)
-    dropped: dict[str, int] = dict.fromkeys(classes, 0)
-    while events:
-        t, kind, _, what = heapq.heappop(events)
-        clock.now = t
-        if kind == _STEP_END:
-            for req in replicas[what].end_step():
-                served_by.pop(req.request_id).outstanding -= 1
-            kick(what)
-            continue
-        i, cls = what, classes[what]
-        candidates, tried = upstreams.of_role(ROLE_OF_CLASS[cls]), []
+    # -- what a controller may change ----------------------------------------------------------
+
+    def roles(self) -> dict[str, list[str]]:
+        return self.upstreams.urls()
+
+    def set_roles(self, roles: Mapping[str, Sequence[str]]) -> None:
+        """Route by these roles from now on; requests in flight finish where they are."""
+        self.upstreams.replace({role: list(group) for role, group in roles.items()})
+
+    def reconfigure(self, names: Sequence[str], changes: Mapping[str, object]) -> None:
+        """Apply live knobs (``chunk_size``, ``token_budget``, ``step_time_target_ms``, ...) to
+        these replicas from their next step, as ``PUT /admin/config`` does.
+
+        Raises:
+            ConfigError: an unknown or non-live knob, or a bad value (nothing changes).
+        """
+        for name in names:
+            sched = self.replicas[name].scheduler
+            sched.reconfigure(reconfigured(sched.config, changes))
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def _arrive(self, i: int, req: TraceRequest, cls: str) -> None:
+        rid, t = f"r{i}", self.clock.now
+        self.classes[rid] = cls
+        candidates, tried = self.upstreams.of_role(ROLE_OF_CLASS[cls]), []
         for _ in range(MAX_ATTEMPTS):
-            upstream = upstreams.pick(candidates, max_outstanding, exclude=tried)
+            upstream = self.upstreams.pick(candidates, self.max_outstanding, exclude=tried)
             if upstream is None:
                 break
             tried.append(upstream)
             try:
-                replicas[upstream.url].add_request(f"r{i}", i, trace[i].input_len, trace[i].output_len, t,
-                                                   traffic_class=cls)
+                self.replicas[upstream.url].add_request(rid, i, req.input_len, req.output_len, t, traffic_class=cls)
             except AdmissionError as exc:
                 if exc.retry_after:
-                    upstreams.back_off(upstream, exc.retry_after)
+                    self.upstreams.back_off(upstream, exc.retry_after)
                 continue
             upstream.outstanding += 1
-            served_by[f"r{i}"] = upstream
-            kick(upstream.url)
-            break
+            self._served_by[rid] = upstream
+            self._kick(upstream.url)
+            return
+        self.dropped[cls] = self.dropped.get(cls, 0) + 1
+
+    def run(self, trace: Sequence[TraceRequest], classes: Sequence[str] | None = None) -> FleetResult:
+        """Replay ``trace`` (arrivals in seconds, lengths in tokens) to its end.
+
+        Raises:
+            ValueError: ``classes`` of the wrong length.
+        """
+        classes = list(classes) if classes is not None else ["interactive"] * len(trace)
+        if len(classes) != len(trace):
+            raise ValueError(f"classes: {len(classes)} for {len(trace)} requests")
+        for i, req in enumerate(trace):
+            self._push(req.arrival_s, _ARRIVAL, i)
+        while self._work:
+            t, kind, _, what = heapq.heappop(self._events)
+            self.clock.now = t
+            if kind == _STEP_END:
+                self._work -= 1
+                replica = self.replicas[what]
+                for req in replica.end_step():
+                    self._observe(req, replica.times[req.request_id])
+                    if req.is_finished:
+                        self._served_by.pop(req.request_id).outstanding -= 1
+                self._kick(what)
+            elif kind == _CALLBACK:
+                what(self)
+                for name in self.replicas:  # an actuation may have made room or work
+                    self._kick(name)
+            else:
+                self._work -= 1
+                self._arrive(what, trace[what], classes[what])
+        return self.result(dict.fromkeys(classes))
+
+    def _observe(self, req, times: RequestTimes) -> None:
+        """What the gateway's histograms would record for this token: a TTFT for the first, the
+        gap since the previous one otherwise (by class, in time order)."""
+        obs = self.observations.setdefault(req.traffic_class, Observations())
+        t = times.token_s[-1]
+        if len(times.token_s) == 1:
+            obs.ttft_t.append(t)
+            obs.ttft_s.append(t - times.arrival_s)
         else:
-            dropped[cls] += 1
-            continue
-        if f"r{i}" not in served_by:
-            dropped[cls] += 1
-    by_class = {}
-    for cls in dict.fromkeys(classes):
-        times = [r.times[f"r{i}"] for r in replicas.values() for i in range(len(trace))
-                 if classes[i] == cls and f"r{i}" in r.times]
-        by_class[cls] = summarize(times, dropped[cls])
-    return FleetResult(by_class, sum(dropped.values()), {n: r.steps for n, r in replicas.items()})
+            obs.itl_t.append(t)
+            obs.itl_s.append(t - times.token_s[-2])
+
+    def timelines(self, cls: str) -> list[RequestTimes]:
+        """The timelines of class ``cls``'s requests, over every replica."""
+        return [t for r in self.replicas.values() for rid, t in r.times.items() if self.classes.get(rid) == cls]
+
+    def result(self, classes: Mapping[str, object] | Sequence[str]) -> FleetResult:
+        by_class = {cls: summarize(self.timelines(cls), self.dropped.get(cls, 0)) for cls in classes}
+        return FleetResult(by_class, sum(self.dropped.values()), {n: r.steps for n, r in self.replicas.items()})
+
+
+def simulate_fleet(trace: Sequence[TraceRequest], roles: Mapping[str, Sequence[str]],
+                   configs: Mapping[str, SchedulerConfig], roofline: Roofline,
+                   classes: Sequence[str] | None = None, max_outstanding: int = 256,
+                   block_size: int = 16) -> FleetResult:
+    """:class:`Fleet` ``(roles, configs, roofline, ...)`` replaying ``trace`` (see there).
+
+    Raises:
+        ValueError: a replica without a config, or ``classes`` of the wrong length.
+    """
+    return Fleet(roles, configs, roofline, max_outstanding, block_size).run(trace, classes)

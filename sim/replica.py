@@ -131,7 +131,7 @@ class SimReplica:
 
     def end_step(self) -> list[Request]:
         """Apply the step in flight at its end time: synthetic tokens for its sampling rows.
-        Returns the requests that finished in it."""
+        Returns the requests that sampled a token in it (finished ones among them)."""
         out, self._in_flight = self._in_flight, None
         if out is None:
             raise RuntimeError("no step in flight")
@@ -139,16 +139,15 @@ class SimReplica:
         tokens = [synthetic_token(index[r.request_id], len(r.token_ids), vocab) for r in out.decodes]
         tokens += [synthetic_token(index[row.request.request_id], len(row.request.token_ids), vocab)
                    for row in out.prefill_rows if row.sample]
-        finished = []
-        for req in self.scheduler.update_from_output(out, tokens):
+        sampled = self.scheduler.update_from_output(out, tokens)
+        for req in sampled:
             times = self.times[req.request_id]
             times.token_s.append(end)
             if req.is_finished:
                 times.finished_s = end
-                finished.append(req)
         self.steps += 1
         self.last_step = out
-        return finished
+        return sampled
 
     def step(self) -> SchedulerOutput | None:
         """One whole step from ``clock.now`` (begin and end; the caller moves the clock to
