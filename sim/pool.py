@@ -1,0 +1,66 @@
+"""A ServingPool as a simulated fleet: the same (validated, defaulted) spec ``kubectl apply`` and
+``cadenza up`` take, turned into replica names by role, each role's scheduler knobs, and — for
+``mode: auto`` — the controller.
+
+Replica names follow the roles: ``colocated-0`` ... (in both gateway roles), ``interactive-0`` ...
+and ``batch-0`` ... for a dedicated split; an ``auto`` pool starts colocated and its controller
+moves replicas between roles at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cadenza.node.core.config import SchedulerConfig, resolve_max_model_len
+from cadenza.operator.controller import ControllerSpec
+from cadenza.operator.engine_args import engine_config
+from cadenza.operator.pool import Pool
+from cadenza.sim.roofline import Roofline
+
+
+@dataclass(frozen=True, slots=True)
+class FleetLayout:
+    """What a pool runs as in the simulator.
+
+    Attributes:
+        roles: gateway role (``interactive`` / ``batch``) -> replica names.
+        configs: replica name -> its scheduler knobs (``max_model_len`` resolved).
+        controller: the ``auto`` pool's controller settings; None for a static shape.
+        block_size: tokens per KV block (``spec.engine.blockSize``).
+    """
+
+    roles: dict[str, list[str]]
+    configs: dict[str, SchedulerConfig]
+    controller: ControllerSpec | None
+    block_size: int = 16
+
+
+def fleet_layout(pool: Mapping[str, Any], roofline: Roofline, model_max_len: int = 131072) -> FleetLayout:
+    """The layout of one validated ServingPool document on ``roofline``'s hardware.
+
+    Raises:
+        PoolSpecError: a spec the engine refuses (as ``cadenza up`` would).
+        ValueError: the model does not fit the device.
+    """
+    spec = pool["spec"]
+    p = Pool(pool["metadata"]["name"], pool["metadata"].get("namespace", "default"), spec)
+    capacity = roofline.kv_capacity_tokens()
+    roles: dict[str, list[str]] = {"interactive": [], "batch": []}
+    configs: dict[str, SchedulerConfig] = {}
+    block_size = 16
+    for role in p.roles():
+        engine = engine_config("/model", role.engine, p.model_name)
+        sched, block_size = engine.scheduler, engine.cache.block_size
+        sched = dataclasses.replace(sched, max_model_len=resolve_max_model_len(sched.max_model_len, model_max_len,
+                                                                                capacity))
+        kind = "colocated" if role.name in ("colocated", "auto") else role.name
+        for i in range(role.replicas):
+            name = f"{kind}-{i}"
+            configs[name] = sched
+            for gateway_role in (("interactive", "batch") if kind == "colocated" else (kind,)):
+                roles[gateway_role].append(name)
+    controller = ControllerSpec.from_pool_spec(spec) if p.mode == "auto" else None
+    return FleetLayout(roles, configs, controller, block_size)
