@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from cadenza.node.core.admission import AdmissionError
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.core.knobs import reconfigured
+from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream, Upstreams
 from cadenza.node.replay.trace import TraceRequest
 from cadenza.sim.replica import RequestTimes, SimReplica, VirtualClock
@@ -60,19 +61,22 @@ class Fleet:
 
     Args:
         max_outstanding: requests in flight that make a replica full at the gateway.
+        scheduler_cls: every replica's scheduler (cadenza's, or a baseline).
 
     Raises:
         ValueError: a replica named in ``roles`` without a config.
     """
 
     def __init__(self, roles: Mapping[str, Sequence[str]], configs: Mapping[str, SchedulerConfig],
-                 roofline: Roofline, max_outstanding: int = 256, block_size: int = 16) -> None:
+                 roofline: Roofline, max_outstanding: int = 256, block_size: int = 16,
+                 scheduler_cls: type[Scheduler] = Scheduler) -> None:
         names = list(dict.fromkeys(n for group in roles.values() for n in group))
         missing = [n for n in names if n not in configs]
         if missing:
             raise ValueError(f"replicas without a config: {missing}")
         self.clock = VirtualClock()
-        self.replicas = {n: SimReplica(configs[n], roofline, self.clock, block_size) for n in names}
+        self.replicas = {n: SimReplica(configs[n], roofline, self.clock, block_size, scheduler_cls=scheduler_cls)
+                         for n in names}
         self.upstreams = Upstreams({role: list(group) for role, group in roles.items()}, clock=self.clock)
         self.max_outstanding = max_outstanding
         self.classes: dict[str, str] = {}  # request id -> traffic class
@@ -200,10 +204,10 @@ class Fleet:
 def simulate_fleet(trace: Sequence[TraceRequest], roles: Mapping[str, Sequence[str]],
                    configs: Mapping[str, SchedulerConfig], roofline: Roofline,
                    classes: Sequence[str] | None = None, max_outstanding: int = 256,
-                   block_size: int = 16) -> FleetResult:
+                   block_size: int = 16, scheduler_cls: type[Scheduler] = Scheduler) -> FleetResult:
     """:class:`Fleet` ``(roles, configs, roofline, ...)`` replaying ``trace`` (see there).
 
     Raises:
         ValueError: a replica without a config, or ``classes`` of the wrong length.
     """
-    return Fleet(roles, configs, roofline, max_outstanding, block_size).run(trace, classes)
+    return Fleet(roles, configs, roofline, max_outstanding, block_size, scheduler_cls).run(trace, classes)

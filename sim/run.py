@@ -15,6 +15,7 @@ import numpy as np
 
 from cadenza.node.core.admission import AdmissionError
 from cadenza.node.core.config import SchedulerConfig
+from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.replay.trace import TraceRequest
 from cadenza.sim.replica import RequestTimes, SimReplica, VirtualClock
 from cadenza.sim.roofline import Roofline
@@ -58,15 +59,17 @@ def summarize(times: Sequence[RequestTimes], rejected: int = 0) -> LatencySummar
 
 
 def simulate_replica(trace: Sequence[TraceRequest], config: SchedulerConfig, roofline: Roofline,
-                     block_size: int = 16, max_steps: int = 10_000_000) -> tuple[SimReplica, LatencySummary]:
-    """Replay ``trace`` (arrivals in seconds, lengths in tokens) against one simulated replica.
+                     block_size: int = 16, max_steps: int = 10_000_000,
+                     scheduler_cls: type[Scheduler] = Scheduler) -> tuple[SimReplica, LatencySummary]:
+    """Replay ``trace`` (arrivals in seconds, lengths in tokens) against one simulated replica
+    whose scheduler is ``scheduler_cls`` (cadenza's, or a baseline).
 
     Raises:
         RuntimeError: the replica stopped making progress with requests left (a scheduler bug),
             or ran past ``max_steps``.
     """
     clock = VirtualClock()
-    replica = SimReplica(config, roofline, clock, block_size)
+    replica = SimReplica(config, roofline, clock, block_size, scheduler_cls=scheduler_cls)
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
     rejected, nxt = 0, 0
     while nxt < len(order) or replica.has_work:
