@@ -31,6 +31,7 @@ def register_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths")
     p.add_argument("--num-requests", type=int, help="the first N requests of the trace")
     p.add_argument("--json", type=Path, help="write the report here as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_sim)
 
 
@@ -44,6 +45,7 @@ def run_sim(args: argparse.Namespace) -> int:
     from cadenza.sim.model_dims import ModelDimsError, load_model_dims
     from cadenza.sim.pool import fleet_layout
     from cadenza.sim.roofline import Roofline
+    from tqdm import tqdm
 
     try:
         pools = load_pools(args.pool)
@@ -63,7 +65,8 @@ def run_sim(args: argparse.Namespace) -> int:
     if controller is not None:
         controller.attach(fleet)
     started = time.perf_counter()
-    result = fleet.run(trace)
+    with tqdm(total=len(trace), desc="simulating", unit="req", disable=args.no_progress) as bar:
+        result = fleet.run(trace, on_done=bar.update)
     wall = time.perf_counter() - started
     report = {
         "pool": pools[0]["metadata"]["name"], "model": roofline.dims.name, "hardware": roofline.hw.name,

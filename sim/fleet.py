@@ -128,7 +128,8 @@ class Fleet:
 
     # -- the run ------------------------------------------------------------------------------
 
-    def _arrive(self, i: int, req: TraceRequest, cls: str) -> None:
+    def _arrive(self, i: int, req: TraceRequest, cls: str) -> bool:
+        """Route an arrival as the gateway would; False when it is dropped."""
         rid, t = f"r{i}", self.clock.now
         self.classes[rid] = cls
         candidates, tried = self.upstreams.of_role(ROLE_OF_CLASS[cls]), []
@@ -146,11 +147,14 @@ class Fleet:
             upstream.outstanding += 1
             self._served_by[rid] = upstream
             self._kick(upstream.url)
-            return
+            return True
         self.dropped[cls] = self.dropped.get(cls, 0) + 1
+        return False
 
-    def run(self, trace: Sequence[TraceRequest], classes: Sequence[str] | None = None) -> FleetResult:
-        """Replay ``trace`` (arrivals in seconds, lengths in tokens) to its end.
+    def run(self, trace: Sequence[TraceRequest], classes: Sequence[str] | None = None,
+            on_done: Callable[[int], None] | None = None) -> FleetResult:
+        """Replay ``trace`` (arrivals in seconds, lengths in tokens) to its end; ``on_done(n)``
+        is told of every ``n`` requests that finished or were dropped (a progress bar's update).
 
         Raises:
             ValueError: ``classes`` of the wrong length.
@@ -166,10 +170,14 @@ class Fleet:
             if kind == _STEP_END:
                 self._work -= 1
                 replica = self.replicas[what]
+                done = 0
                 for req in replica.end_step():
                     self._observe(req, replica.times[req.request_id])
                     if req.is_finished:
                         self._served_by.pop(req.request_id).outstanding -= 1
+                        done += 1
+                if done and on_done is not None:
+                    on_done(done)
                 self._kick(what)
             elif kind == _CALLBACK:
                 what(self)
@@ -177,7 +185,8 @@ class Fleet:
                     self._kick(name)
             else:
                 self._work -= 1
-                self._arrive(what, trace[what], classes[what])
+                if not self._arrive(what, trace[what], classes[what]) and on_done is not None:
+                    on_done(1)
         return self.result(dict.fromkeys(classes))
 
     def _observe(self, req, times: RequestTimes) -> None:

@@ -53,11 +53,15 @@ def test_cadenza_sim_reports_each_class_and_writes_json(tmp_path, capsys):
     code = main(["sim", "--trace", write_trace(tmp_path / "t.jsonl"), "--pool", write_pool(tmp_path / "p.yaml", "auto"),
                  "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--json", str(out)])
     assert code == 0
+    assert "simulating: 100%" in capsys.readouterr().err  # the progress bar reached every request
     report = json.loads(out.read_text())
     assert report["requests"] == 200 and report["replicas"] == 3 and report["dropped"] == 0
     assert report["by_class"]["interactive"]["requests"] == 200
     assert 0 < report["by_class"]["interactive"]["itl_ms"]["p50"] < 50
-    assert "interactive: 200 done" in capsys.readouterr().out
+    code = main(["sim", "--trace", str(tmp_path / "t.jsonl"), "--pool", str(tmp_path / "p.yaml"), "--model",
+                 "llama-3.1-8b", "--hardware", "h100-sxm", "--no-progress"])
+    shown = capsys.readouterr()
+    assert code == 0 and "interactive: 200 done" in shown.out and "simulating" not in shown.err
 
 
 @pytest.mark.parametrize("flag, value, message", [("--hardware", "tpu-v5", "unknown hardware profile"),

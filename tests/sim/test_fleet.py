@@ -6,7 +6,7 @@ import pytest
 
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.replay.trace import TraceRequest
-from cadenza.sim.fleet import simulate_fleet
+from cadenza.sim.fleet import Fleet, simulate_fleet
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.roofline import Roofline
@@ -49,9 +49,11 @@ def test_dedicated_roles_keep_batch_off_the_interactive_replica():
 
 def test_a_request_no_replica_takes_is_dropped_and_counted():
     requests = [TraceRequest(0.0, 1000, 500) for _ in range(40)]
-    result = simulate_fleet(requests, {"interactive": ["a"]}, {"a": CONFIG}, MODEL, max_outstanding=10)
+    told = []
+    result = Fleet({"interactive": ["a"]}, {"a": CONFIG}, MODEL, max_outstanding=10).run(requests, on_done=told.append)
     assert result.dropped == 30 and result.by_class["interactive"].requests == 10
     assert result.by_class["interactive"].rejected == 30
+    assert sum(told) == 40  # every request, finished or dropped, reached the progress hook
 
 
 def test_bad_arguments_are_refused():
