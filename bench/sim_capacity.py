@@ -25,7 +25,7 @@ from cadenza.sim.baselines import PrefillFirstScheduler
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.roofline import Roofline
-from cadenza.sim.run import simulate_replica
+from cadenza.sim.fleet import simulate_replica
 from cadenza.sim.sweep import capacity_at_slo
 
 REQUESTS = 1000

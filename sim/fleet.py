@@ -23,7 +23,7 @@ from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream, Upstreams
 from cadenza.node.replay.trace import TraceRequest
 from cadenza.sim.replica import RequestTimes, SimReplica, VirtualClock
 from cadenza.sim.roofline import Roofline
-from cadenza.sim.run import LatencySummary, summarize
+from cadenza.sim.report import LatencySummary, summarize
 
 MAX_ATTEMPTS = 2  # as the gateway: the first try and at most one retry
 _STEP_END, _CALLBACK, _ARRIVAL = 0, 1, 2  # at equal times: free slots first, then act, then admit
@@ -158,6 +158,7 @@ class Fleet:
 
         Raises:
             ValueError: ``classes`` of the wrong length.
+            RuntimeError: a replica stopped making progress with requests left.
         """
         classes = list(classes) if classes is not None else ["interactive"] * len(trace)
         if len(classes) != len(trace):
@@ -187,6 +188,9 @@ class Fleet:
                 self._work -= 1
                 if not self._arrive(what, trace[what], classes[what]) and on_done is not None:
                     on_done(1)
+        stuck = [n for n, r in self.replicas.items() if r.has_work]
+        if stuck:
+            raise RuntimeError(f"replicas {stuck} stopped making progress with requests left (a scheduler bug)")
         return self.result(dict.fromkeys(classes))
 
     def _observe(self, req, times: RequestTimes) -> None:
@@ -220,3 +224,18 @@ def simulate_fleet(trace: Sequence[TraceRequest], roles: Mapping[str, Sequence[s
         ValueError: a replica without a config, or ``classes`` of the wrong length.
     """
     return Fleet(roles, configs, roofline, max_outstanding, block_size, scheduler_cls).run(trace, classes)
+
+
+def simulate_replica(trace: Sequence[TraceRequest], config: SchedulerConfig, roofline: Roofline,
+                     block_size: int = 16, scheduler_cls: type[Scheduler] = Scheduler,
+                     ) -> tuple[SimReplica, LatencySummary]:
+    """Replay ``trace`` against one simulated replica alone (no gateway limit), whose scheduler is
+    ``scheduler_cls`` (cadenza's, or a baseline); every request ``interactive``.
+
+    Raises:
+        RuntimeError: the replica stopped making progress with requests left.
+    """
+    fleet = Fleet({"interactive": ["replica"], "batch": ["replica"]}, {"replica": config}, roofline,
+                  max_outstanding=len(trace) + 1, block_size=block_size, scheduler_cls=scheduler_cls)
+    result = fleet.run(trace)
+    return fleet.replicas["replica"], result.by_class["interactive"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from cadenza.sim.run import LatencySummary
+from cadenza.sim.report import LatencySummary
 
 Targets = Mapping[str, tuple[str, float]]  # summary field -> (percentile, limit in ms)
 

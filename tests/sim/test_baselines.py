@@ -9,7 +9,7 @@ from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.replica import SimReplica, VirtualClock
 from cadenza.sim.roofline import Roofline
-from cadenza.sim.run import simulate_replica
+from cadenza.sim.fleet import simulate_replica
 
 MODEL = Roofline(load_model_dims("mistral-7b"), PROFILES["a100-80g"])
 UNCHUNKED = SchedulerConfig(token_budget=8192, chunk_size=None, max_num_seqs=64, max_model_len=8192)

@@ -6,11 +6,10 @@ import pytest
 
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.replay.trace import TraceRequest
-from cadenza.sim.fleet import Fleet, simulate_fleet
+from cadenza.sim.fleet import Fleet, simulate_fleet, simulate_replica
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.roofline import Roofline
-from cadenza.sim.run import simulate_replica
 
 CONFIG = SchedulerConfig(token_budget=512, chunk_size=256, max_num_seqs=32, max_model_len=8192)
 MODEL = Roofline(load_model_dims("llama-3.1-8b"), PROFILES["h100-sxm"])

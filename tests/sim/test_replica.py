@@ -16,7 +16,7 @@ from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.replica import SimReplica, VirtualClock, synthetic_token
 from cadenza.sim.roofline import Roofline, StepComposition
-from cadenza.sim.run import simulate_replica
+from cadenza.sim.fleet import simulate_replica
 
 LENGTHS = [(40, 6), (7, 12), (90, 3), (25, 9), (60, 5), (3, 15)]  # (prompt, output) tokens
 

@@ -9,7 +9,8 @@ from cadenza.node.replay.trace import TraceRequest
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.roofline import Roofline
-from cadenza.sim.run import LatencySummary, simulate_replica
+from cadenza.sim.fleet import simulate_replica
+from cadenza.sim.report import LatencySummary
 from cadenza.sim.sweep import capacity_at_slo, slo_met
 
 
