@@ -179,7 +179,7 @@ def _serve(args: argparse.Namespace) -> int:
     logger.info("serving %s from %s on http://%s:%d/v1 (engine core %s)", config.model_name, config.model,
                 args.host, args.port, "in its own process" if engine_process else "in a thread")
     return serve(config, args.host, args.port, args.default_class, timeouts=timeouts,
-                 engine_process=engine_process, threads=threads)
+                 engine_process=engine_process, threads=threads, step_log=args.step_log)
 
 
 def _model_hint(model: str | None) -> str:
@@ -218,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--port", type=port_argument, default=8000, help="port to listen on")
     net.add_argument("--default-class", choices=CLASSES, default="interactive",
                      help="traffic class of requests without an x-cadenza-class header")
+    net.add_argument("--step-log", type=Path, metavar="FILE.jsonl",
+                     help="append each step's composition and seconds here (the table `cadenza sim calibrate` fits)")
     add_http_arguments(serve)
     serve.set_defaults(func=_serve)
 

@@ -62,6 +62,7 @@ class Fleet:
     Args:
         max_outstanding: requests in flight that make a replica full at the gateway.
         scheduler_cls: every replica's scheduler (cadenza's, or a baseline).
+        num_blocks: KV blocks per replica (None: what fits the device, see :class:`SimReplica`).
 
     Raises:
         ValueError: a replica named in ``roles`` without a config.
@@ -69,14 +70,14 @@ class Fleet:
 
     def __init__(self, roles: Mapping[str, Sequence[str]], configs: Mapping[str, SchedulerConfig],
                  roofline: Roofline, max_outstanding: int = 256, block_size: int = 16,
-                 scheduler_cls: type[Scheduler] = Scheduler) -> None:
+                 scheduler_cls: type[Scheduler] = Scheduler, num_blocks: int | None = None) -> None:
         names = list(dict.fromkeys(n for group in roles.values() for n in group))
         missing = [n for n in names if n not in configs]
         if missing:
             raise ValueError(f"replicas without a config: {missing}")
         self.clock = VirtualClock()
-        self.replicas = {n: SimReplica(configs[n], roofline, self.clock, block_size, scheduler_cls=scheduler_cls)
-                         for n in names}
+        self.replicas = {n: SimReplica(configs[n], roofline, self.clock, block_size, scheduler_cls=scheduler_cls,
+                                       num_blocks=num_blocks) for n in names}
         self.upstreams = Upstreams({role: list(group) for role, group in roles.items()}, clock=self.clock)
         self.max_outstanding = max_outstanding
         self.classes: dict[str, str] = {}  # request id -> traffic class
@@ -228,7 +229,7 @@ def simulate_fleet(trace: Sequence[TraceRequest], roles: Mapping[str, Sequence[s
 
 def simulate_replica(trace: Sequence[TraceRequest], config: SchedulerConfig, roofline: Roofline,
                      block_size: int = 16, scheduler_cls: type[Scheduler] = Scheduler,
-                     ) -> tuple[SimReplica, LatencySummary]:
+                     num_blocks: int | None = None) -> tuple[SimReplica, LatencySummary]:
     """Replay ``trace`` against one simulated replica alone (no gateway limit), whose scheduler is
     ``scheduler_cls`` (cadenza's, or a baseline); every request ``interactive``.
 
@@ -236,6 +237,7 @@ def simulate_replica(trace: Sequence[TraceRequest], config: SchedulerConfig, roo
         RuntimeError: the replica stopped making progress with requests left.
     """
     fleet = Fleet({"interactive": ["replica"], "batch": ["replica"]}, {"replica": config}, roofline,
-                  max_outstanding=len(trace) + 1, block_size=block_size, scheduler_cls=scheduler_cls)
+                  max_outstanding=len(trace) + 1, block_size=block_size, scheduler_cls=scheduler_cls,
+                  num_blocks=num_blocks)
     result = fleet.run(trace)
     return fleet.replicas["replica"], result.by_class["interactive"]

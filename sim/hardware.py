@@ -45,9 +45,14 @@ class HardwareProfile:
         gemm_efficiency, attention_efficiency, memory_efficiency: shares of the peaks reached (0, 1].
         step_overhead_s: fixed seconds per step on the device (launches not hidden by graphs,
             sampling kernels).
+        device_per_row_s: device seconds per row of the batch beyond its tokens (per-sequence
+            metadata, sampling); 0 in the data-sheet profiles, fitted by a calibration.
         host_per_step_s, host_per_row_s: the scheduler's CPU time per step and per row
             (``schedule()`` + ``update_from_output()``; :mod:`bench.scheduler_overhead` measures it).
         dtype_bytes: bytes per weight and per KV element (2: bf16).
+        overlap: a kernel's compute and memory traffic overlap, so a term costs the slower of the
+            two (a GPU's roofline); False: they add (a CPU core streaming weights between its
+            FMAs, as calibrations on this project's CPU runner find).
     """
 
     name: str
@@ -60,9 +65,11 @@ class HardwareProfile:
     attention_efficiency: float = 0.5
     memory_efficiency: float = 0.8
     step_overhead_s: float = 1.5e-3
+    device_per_row_s: float = 0.0
     host_per_step_s: float = 50e-6
     host_per_row_s: float = 0.5e-6
     dtype_bytes: int = 2
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth"):
@@ -71,7 +78,7 @@ class HardwareProfile:
         for f in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ProfileError(f"{self.name}: {f} must be in (0, 1], got {getattr(self, f)!r}")
-        for f in ("link_latency_s", "step_overhead_s", "host_per_step_s", "host_per_row_s"):
+        for f in ("link_latency_s", "step_overhead_s", "device_per_row_s", "host_per_step_s", "host_per_row_s"):
             if not getattr(self, f) >= 0:
                 raise ProfileError(f"{self.name}: {f} must be >= 0, got {getattr(self, f)!r}")
         if self.dtype_bytes not in (1, 2, 4):

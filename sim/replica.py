@@ -80,14 +80,18 @@ class SimReplica:
         block_size: tokens per KV block.
         memory_utilization: share of device memory the engine may use.
         scheduler_cls: the scheduler (cadenza's, or a baseline of :mod:`cadenza.sim.baselines`).
+        num_blocks: KV blocks of the pool (as ``--num-kv-blocks`` / ``--kv-cache-gib`` fix them);
+            None: what the roofline says fits at ``memory_utilization``.
 
     Raises:
         ValueError: the model does not fit, or ``max_model_len`` is unresolved.
     """
 
     def __init__(self, config: SchedulerConfig, roofline: Roofline, clock: VirtualClock, block_size: int = 16,
-                 memory_utilization: float = 0.9, scheduler_cls: type[Scheduler] = Scheduler) -> None:
-        num_blocks = roofline.kv_capacity_tokens(memory_utilization) // block_size
+                 memory_utilization: float = 0.9, scheduler_cls: type[Scheduler] = Scheduler,
+                 num_blocks: int | None = None) -> None:
+        if num_blocks is None:
+            num_blocks = roofline.kv_capacity_tokens(memory_utilization) // block_size
         self.block_manager = KVBlockManager(num_blocks, block_size, prefix_caching=config.prefix_caching)
         self.scheduler = scheduler_cls(config, self.block_manager, clock=clock)
         self.roofline, self.clock = roofline, clock

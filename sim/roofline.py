@@ -14,10 +14,11 @@ device, the sum of:
   context tokens, against its ``4 C h d L / tp`` FLOPs, whichever is slower;
 - **tensor-parallel all-reduces**: two per layer of ``T x hidden x b`` bytes, ring algorithm
   (``2 (tp - 1) / tp`` of the message over the link) plus a latency each;
-- **fixed costs**: the profile's per-step device overhead and the scheduler's host time per step
-  and per row.
+- **fixed costs**: the profile's per-step and per-row device overhead, and the scheduler's host
+  time per step and per row.
 
-The terms are summed (no overlap assumed). This is the shape of the models in Vidur (MLSys'24,
+The terms are summed (no overlap between them assumed). Within a term, compute and memory
+traffic overlap on a GPU (the slower counts); a profile with ``overlap`` off adds them (a CPU). This is the shape of the models in Vidur (MLSys'24,
 per-operator) and DistServe's simulator (OSDI'24), with the per-operator profiles replaced by a
 roofline and fitted efficiency factors. No torch here.
 """
@@ -25,6 +26,7 @@ roofline and fitted efficiency factors. No torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cadenza.sim.hardware import HardwareProfile
 from cadenza.sim.model_dims import ModelDims
@@ -52,6 +54,23 @@ class StepComposition:
     @property
     def num_tokens(self) -> int:
         return self.prefill_tokens + self.decode_tokens
+
+
+def _add(compute: float, memory: float) -> float:
+    return compute + memory
+
+
+class UnitTerms(NamedTuple):
+    """A step's roofline terms in seconds at 100 % of the peaks (see :meth:`Roofline.unit_terms`)."""
+
+    linear_compute_s: float
+    linear_memory_s: float
+    lm_head_compute_s: float
+    lm_head_memory_s: float
+    prefill_attention_s: float
+    decode_attention_compute_s: float
+    decode_attention_memory_s: float
+    allreduce_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,35 +109,45 @@ class Roofline:
             raise ValueError(f"tp={tp}: {dims.name}'s {dims.num_heads} heads / {dims.num_kv_heads} KV heads do not split")
         self.dims, self.hw, self.tp = dims, hw, tp
 
-    def _matmul(self, tokens: float, params: float) -> float:
-        """Seconds of ``tokens`` rows through ``params`` weights, split over the group."""
-        hw, tp = self.hw, self.tp
-        compute = 2.0 * tokens * params / tp / (hw.peak_flops * hw.gemm_efficiency)
-        memory = params * hw.dtype_bytes / tp / (hw.memory_bandwidth * hw.memory_efficiency)
-        return max(compute, memory) if tokens > 0 else 0.0
+    def unit_terms(self, step: StepComposition) -> UnitTerms:
+        """The step's terms at the profile's peaks (every efficiency 1), compute and memory apart:
+        what :meth:`step_time` weighs by the efficiency factors, and what a calibration fits them
+        on (:mod:`cadenza.sim.calibrate`)."""
+        d, hw, tp = self.dims, self.hw, self.tp
+        flops, bandwidth = hw.peak_flops, hw.memory_bandwidth
+        layers, heads_dim = d.num_layers, d.num_heads * d.head_dim
+        linear_params, tokens = layers * d.layer_params, step.num_tokens
+        kv_heads = max(1, d.num_kv_heads // tp)  # a KV head replicated when tp exceeds them
+        allreduce = 0.0
+        if tp > 1 and tokens:
+            message = tokens * d.hidden_size * hw.dtype_bytes
+            allreduce = 2 * layers * (2 * (tp - 1) / tp * message / hw.link_bandwidth + hw.link_latency_s)
+        return UnitTerms(
+            linear_compute_s=2.0 * tokens * linear_params / tp / flops,
+            linear_memory_s=linear_params * hw.dtype_bytes / tp / bandwidth if tokens else 0.0,
+            lm_head_compute_s=2.0 * step.num_sampled * d.lm_head_params / tp / flops,
+            lm_head_memory_s=d.lm_head_params * hw.dtype_bytes / tp / bandwidth if step.num_sampled else 0.0,
+            prefill_attention_s=4.0 * step.prefill_attention_tokens * heads_dim * layers / tp / flops,
+            decode_attention_compute_s=4.0 * step.decode_context_tokens * heads_dim * layers / tp / flops,
+            decode_attention_memory_s=(step.decode_context_tokens * 2 * kv_heads * d.head_dim * hw.dtype_bytes
+                                       * layers / bandwidth),
+            allreduce_s=allreduce,
+        )
 
     def step_time(self, step: StepComposition) -> StepTime:
         """Predicted seconds of one step (per device of the group, which run in lockstep)."""
-        d, hw, tp = self.dims, self.hw, self.tp
-        layers, heads_dim = d.num_layers, d.num_heads * d.head_dim
-        attn_flops = hw.peak_flops * hw.attention_efficiency
-        prefill_attention = 4.0 * step.prefill_attention_tokens * heads_dim * layers / tp / attn_flops
-        kv_heads = max(1, d.num_kv_heads // tp)  # a KV head replicated when tp exceeds them
-        decode_bytes = step.decode_context_tokens * 2 * kv_heads * d.head_dim * hw.dtype_bytes * layers
-        decode_attention = max(4.0 * step.decode_context_tokens * heads_dim * layers / tp / attn_flops,
-                               decode_bytes / (hw.memory_bandwidth * hw.memory_efficiency))
-        allreduce = 0.0
-        if tp > 1 and step.num_tokens:
-            message = step.num_tokens * d.hidden_size * hw.dtype_bytes
-            allreduce = 2 * layers * (2 * (tp - 1) / tp * message / hw.link_bandwidth + hw.link_latency_s)
-        fixed = hw.step_overhead_s + hw.host_per_step_s + hw.host_per_row_s * step.num_rows
+        hw, u = self.hw, self.unit_terms(step)
+        g, a, m = hw.gemm_efficiency, hw.attention_efficiency, hw.memory_efficiency
+        both = max if hw.overlap else _add
+        fixed = (hw.step_overhead_s + hw.host_per_step_s
+                 + (hw.device_per_row_s + hw.host_per_row_s) * step.num_rows) if step.num_tokens else 0.0
         return StepTime(
-            linear_s=self._matmul(step.num_tokens, layers * d.layer_params),
-            lm_head_s=self._matmul(step.num_sampled, d.lm_head_params),
-            prefill_attention_s=prefill_attention,
-            decode_attention_s=decode_attention,
-            allreduce_s=allreduce,
-            fixed_s=fixed if step.num_tokens else 0.0,
+            linear_s=both(u.linear_compute_s / g, u.linear_memory_s / m),
+            lm_head_s=both(u.lm_head_compute_s / g, u.lm_head_memory_s / m),
+            prefill_attention_s=u.prefill_attention_s / a,
+            decode_attention_s=both(u.decode_attention_compute_s / a, u.decode_attention_memory_s / m),
+            allreduce_s=u.allreduce_s,
+            fixed_s=fixed,
         )
 
     def kv_capacity_tokens(self, memory_utilization: float = 0.9, activation_reserve: float = 0.05) -> int:

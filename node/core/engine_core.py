@@ -127,6 +127,7 @@ class EngineCore:
             One delta per request that got a token (in row order), and the step's record; None
             for the record when nothing was schedulable.
         """
+        began = time.perf_counter()
         out = self.scheduler.schedule()
         self.last_step_tokens = out.num_tokens
         if out.is_empty:
@@ -151,6 +152,8 @@ class EngineCore:
             [(req.request_id, req.traffic_class, phase, waited) for req, phase, waited in out.admitted],
             [(row.request.request_id, row.start, row.num_tokens) for row in out.prefill_rows],
             [(req.request_id, req.num_preemptions) for req in out.preempted],
+            out.decode_context_tokens, out.prefill_attention_tokens, out.num_rows, out.num_sampled,
+            time.perf_counter() - began - elapsed,
         )
         return deltas, record
 

@@ -170,6 +170,11 @@ class StepRecord:
         admitted: ``(request_id, class, phase, seconds queued)``; phase ``admission`` | ``resume``.
         chunks: ``(request_id, start position, tokens)`` of each prefill chunk.
         preempted: ``(request_id, times preempted so far)``.
+        decode_context_tokens, prefill_attention_tokens, num_rows, num_sampled: the rest of the
+            step's composition (see :class:`~cadenza.node.core.step.SchedulerOutput`), for the
+            step log a cost-model calibration reads (``cadenza serve --step-log``).
+        host_seconds: the scheduler's own time in the step (``schedule()``, ``update_from_output()``
+            and the outputs built), beside ``seconds`` of the forward pass.
     """
 
     seconds: float
@@ -179,6 +184,11 @@ class StepRecord:
     admitted: list[tuple[str, str, str, float]] = field(default_factory=list)
     chunks: list[tuple[str, int, int]] = field(default_factory=list)
     preempted: list[tuple[str, int]] = field(default_factory=list)
+    decode_context_tokens: int = 0
+    prefill_attention_tokens: float = 0.0
+    num_rows: int = 0
+    num_sampled: int = 0
+    host_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

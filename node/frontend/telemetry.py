@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from cadenza.node.core.messages import StepRecord
 from cadenza.node.core.stats import EngineStats
 from cadenza.node.frontend.output_processor import RequestOutput
+from cadenza.node.frontend.step_log import StepLog
 from cadenza.node.otel import make_resource, otlp_enabled
 
 PROVIDER = "cadenza"
@@ -92,12 +93,14 @@ class Telemetry:
         stats: returns the engine's latest published :class:`EngineStats` (gauges read them at
             collection; before the engine has published any, nothing is observed).
         otlp: export over OTLP/HTTP; None decides from the ``OTEL_*`` environment.
+        step_log: also writes every step's composition and seconds there (closed at shutdown).
     """
 
     def __init__(self, model_name: str, stats: Callable[[], EngineStats | None] = lambda: None,
-                 otlp: bool | None = None) -> None:
+                 otlp: bool | None = None, step_log: StepLog | None = None) -> None:
         self.model_name = model_name
         self._stats = stats
+        self.step_log = step_log
         resource = make_resource()
         self.tracer_provider = TracerProvider(resource=resource)
         if otlp if otlp is not None else otlp_enabled("traces"):
@@ -284,6 +287,8 @@ class Telemetry:
         """Per-step metrics, and the span events of the requests in the step (``now``: when the
         step ended, ``time.monotonic()`` seconds)."""
         self.step_duration.record(step.seconds)
+        if self.step_log is not None:
+            self.step_log.write(step)
         if step.predicted_seconds is not None:
             self.step_predicted.record(step.predicted_seconds)
         if step.num_prefill_tokens:
@@ -322,3 +327,5 @@ class Telemetry:
             self.fail_request(request_id, "cancelled", "server shutting down")
         self.tracer_provider.shutdown()
         self.meter_provider.shutdown()
+        if self.step_log is not None:
+            self.step_log.close()

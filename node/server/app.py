@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from functools import partial
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from cadenza.node.core.config import EngineConfig
 from cadenza.node.core.policy import check_class
 from cadenza.node.frontend.client import EngineClient
+from cadenza.node.frontend.step_log import StepLog
 from cadenza.node.server import admin, openai_api
 from cadenza.node.server.access_log import access_log_middleware
 from cadenza.node.server.errors import error_middleware, error_response
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 def create_app(config: EngineConfig, model_name: str | None = None, default_class: str = "interactive",
                engine_process: bool = False, threads=None,
-               core_factory: Callable | None = None) -> web.Application:
+               core_factory: Callable | None = None, step_log: Path | None = None) -> web.Application:
     """Build the app; the engine core starts loading when the app starts.
 
     Args:
@@ -45,11 +47,16 @@ def create_app(config: EngineConfig, model_name: str | None = None, default_clas
             default); else in a thread of this one (tests).
         threads: torch threads of a core process (a :class:`ThreadChoice`).
         core_factory: with a thread, builds the core from the tokenizer's EOS ids (tests).
+        step_log: append each step's composition and seconds to this JSONL file
+            (:mod:`cadenza.node.frontend.step_log`: the table ``cadenza sim calibrate`` fits).
+
+    Raises:
+        OSError: ``step_log`` cannot be opened.
     """
     model_name = model_name or config.model_name
     app = web.Application(middlewares=[access_log_middleware, error_middleware], client_max_size=MAX_BODY_BYTES)
     engine = EngineClient(config, process=engine_process, core_factory=core_factory, threads=threads)
-    telemetry = Telemetry(model_name, stats=engine.stats)
+    telemetry = Telemetry(model_name, stats=engine.stats, step_log=StepLog(step_log) if step_log else None)
     engine.telemetry = telemetry
     app[openai_api.ENGINE] = engine
     app[openai_api.TELEMETRY] = telemetry
@@ -97,7 +104,8 @@ async def ready(request: web.Request) -> web.Response:
 
 
 def serve(config: EngineConfig, host: str, port: int, default_class: str = "interactive",
-          timeouts: HttpTimeouts | None = None, engine_process: bool = True, threads=None) -> int:
+          timeouts: HttpTimeouts | None = None, engine_process: bool = True, threads=None,
+          step_log: Path | None = None) -> int:
     """Serve until SIGINT/SIGTERM; return the process exit code.
 
     The server listens at once (probes get answers while the weights load). If the engine fails
@@ -109,7 +117,8 @@ def serve(config: EngineConfig, host: str, port: int, default_class: str = "inte
                     admin.TOKEN_FILE_ENV)
     else:
         logger.info("admin API on: GET/PUT /admin/config with the bearer token")
-    app = create_app(config, default_class=default_class, engine_process=engine_process, threads=threads)
+    app = create_app(config, default_class=default_class, engine_process=engine_process, threads=threads,
+                     step_log=step_log)
     return asyncio.run(_serve(app, host, port, timeouts))
 
 

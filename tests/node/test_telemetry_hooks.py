@@ -10,6 +10,8 @@ line. That the engine calls the hook with its steps is checked end to end in
 
 from __future__ import annotations
 
+import json
+
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
@@ -88,3 +90,19 @@ def test_preemptions_are_counted_by_reason_from_the_engine_counters():
     (recomputed,) = [s.value for s in families["cadenza_scheduler_recomputed_tokens"].samples
                      if s.name.endswith("_total")]
     assert recomputed == 70
+
+
+def test_the_step_log_gets_every_steps_composition_and_seconds(tmp_path):
+    from cadenza.node.frontend.step_log import STEP_LOG_FIELDS, StepLog
+
+    path = tmp_path / "logs" / "steps.jsonl"
+    telemetry = Telemetry("tiny", otlp=False, step_log=StepLog(path))
+    telemetry.on_step(StepRecord(0.02, None, 64, 3, decode_context_tokens=900, prefill_attention_tokens=2048.0,
+                                 num_rows=4, num_sampled=3, host_seconds=0.0002), ARRIVAL)
+    telemetry.on_step(StepRecord(0.01, None, 0, 3, decode_context_tokens=903, num_rows=3, num_sampled=3), ARRIVAL)
+    telemetry.shutdown()  # flushes and closes the log
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [tuple(line) for line in lines] == [STEP_LOG_FIELDS] * 2
+    assert lines[0] == {"prefill_tokens": 64, "decode_tokens": 3, "decode_context_tokens": 900,
+                        "prefill_attention_tokens": 2048.0, "num_rows": 4, "num_sampled": 3, "seconds": 0.02,
+                        "host_seconds": 0.0002}
