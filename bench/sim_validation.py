@@ -1,12 +1,15 @@
 """How well the simulator predicts a real engine on this machine, ``python -m bench.sim_validation``.
 
-Two segments of the Azure 2023 conversation trace (requests 0-63 and 64-127, arrivals slowed
-4x — the engine busy about two thirds of the time, short of the saturation where any error in
-service time grows without bound in queueing — and rebased, lengths x1/4, prompts capped at 512 tokens and outputs at 48), each replayed for
-real: ``cadenza serve`` with the embedded SmolLM2-135M-Instruct on one torch thread (the other
-core runs the front end and the client), ``--step-log``, and
-``cadenza bench``. The first segment's step log calibrates a CPU profile (``cadenza sim
-calibrate --base cpu``); the second is then replayed in the simulator on that profile, with the
+The Azure 2023 conversation trace, arrivals slowed 4x (the engine busy about two thirds of the
+time, short of the saturation where any error in service time grows without bound in queueing),
+lengths x1/4, prompts capped at 512 tokens and outputs at 48. Two real replays, one after the
+other on one ``cadenza serve`` (so the machine's speed does not drift between two processes)
+with the embedded SmolLM2-135M-Instruct on one torch thread (the other core runs the front end
+and the client), ``--step-log``, and ``cadenza bench``: the calibration run replays
+requests 0-127 (long enough that its steps span the batch sizes a held-out run meets, as a
+profiling run should), the held-out run requests 128-191, each rebased to start at 0. The first
+step log calibrates a CPU profile (``cadenza sim calibrate --base cpu``); the held-out segment is
+then replayed in the simulator on that profile, with the
 same scheduler knobs and KV blocks, and compared with its real replay:
 
 - per-step error: the mean ``|predicted - measured| / measured`` over the held-out segment's
@@ -26,26 +29,32 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 from bench.common import CONV_TRACE, machine, report, serving
 from cadenza.node.embedded import ensure_embedded_model
+from cadenza.node.frontend.step_log import FLUSH_PERIOD_S
 from cadenza.node.replay.trace import TraceRequest, load_trace, scale_trace
 
 SEGMENT = 64
 NUM_KV_BLOCKS = 2048
 SCALING = {"time_scale": 4.0, "length_scale": 0.25, "max_input_len": 512, "max_output_len": 48}
+FIT_SEGMENTS = 2  # the calibration run replays this many segments' worth: batches of every size
 SERVE = ["--engine-process", "on", "--threads", "1", "--num-kv-blocks", str(NUM_KV_BLOCKS)]
+REUSE = False
 TARGETS = {"step_mean": 0.10, "ttft_p50": 0.10, "itl_p50": 0.10, "ttft_p99": 0.20, "itl_p99": 0.20}
 
 
 def segments() -> list[list[TraceRequest]]:
-    """Two consecutive segments of the scaled trace, each rebased to start at 0."""
-    trace = scale_trace(load_trace(CONV_TRACE), num_requests=2 * SEGMENT, **SCALING).requests
+    """The calibration run's requests and the held-out segment's after them, each rebased to
+    start at 0."""
+    n = (FIT_SEGMENTS + 1) * SEGMENT
+    trace = scale_trace(load_trace(CONV_TRACE), num_requests=n, **SCALING).requests
     out = []
-    for part in (trace[:SEGMENT], trace[SEGMENT:]):
+    for part in (trace[:FIT_SEGMENTS * SEGMENT], trace[FIT_SEGMENTS * SEGMENT:]):
         t0 = part[0].arrival_s
         out.append([TraceRequest(r.arrival_s - t0, r.input_len, r.output_len) for r in part])
     return out
@@ -57,13 +66,27 @@ def write_jsonl(trace: list[TraceRequest], path: Path) -> Path:
     return path
 
 
-def replay(model: Path, trace: Path, workdir: Path, name: str) -> tuple[dict, Path]:
-    """Replay ``trace`` on a real server; its ``cadenza bench`` summary and its step log."""
-    steps, out = workdir / f"steps-{name}.jsonl", workdir / f"replay-{name}.json"
-    with serving(["--model", str(model), *SERVE, "--step-log", str(steps)], workdir / f"serve-{name}.log") as url:
-        subprocess.run([sys.executable, "-m", "cadenza.node.cli", "bench", "--trace", str(trace), "--base-url", url,
-                        "--json", str(out), "--no-progress"], check=True, capture_output=True, text=True)
-    return json.loads(out.read_text()), steps
+def replay_both(model: Path, traces: dict[str, Path], workdir: Path) -> dict[str, tuple[dict, Path]]:
+    """Replay each trace in turn on one real server (one process: no drift between processes
+    of the machine's speed); per trace, its ``cadenza bench`` summary and its steps, cut from the
+    server's step log at the replays' boundaries."""
+    results = {name: (workdir / f"replay-{name}.json", workdir / f"steps-{name}.jsonl") for name in traces}
+    if REUSE and all(out.exists() and steps.exists() for out, steps in results.values()):
+        return {name: (json.loads(out.read_text()), steps) for name, (out, steps) in results.items()}
+    log = workdir / "steps-all.jsonl"
+    log.unlink(missing_ok=True)
+    cuts = []
+    with serving(["--model", str(model), *SERVE, "--step-log", str(log)], workdir / "serve.log") as url:
+        for seed, (name, trace) in enumerate(traces.items()):  # a seed each: no prompt cached from the last
+            subprocess.run([sys.executable, "-m", "cadenza.node.cli", "bench", "--trace", str(trace), "--base-url",
+                            url, "--json", str(results[name][0]), "--seed", str(seed), "--no-progress"],
+                           check=True, capture_output=True, text=True)
+            time.sleep(2 * FLUSH_PERIOD_S)  # the core is idle: its last steps are flushed
+            cuts.append(len(log.read_text().splitlines()))
+    lines = log.read_text().splitlines(keepends=True)
+    for (_out, steps), lo, hi in zip(results.values(), [0, *cuts], cuts):
+        steps.write_text("".join(lines[lo:hi]))
+    return {name: (json.loads(out.read_text()), steps) for name, (out, steps) in results.items()}
 
 
 def simulate(trace: list[TraceRequest], profile: Path) -> dict:
@@ -87,13 +110,18 @@ def simulate(trace: list[TraceRequest], profile: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, help="keep the step logs, profiles and replays here")
+    parser.add_argument("--reuse", action="store_true",
+                        help="reuse the real runs already in --workdir (re-fit and re-simulate only)")
     args = parser.parse_args()
+    global REUSE
+    REUSE = args.reuse and args.workdir is not None
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cadenza-sim-validation-"))
     workdir.mkdir(parents=True, exist_ok=True)
     model = ensure_embedded_model()
     fit_trace, test_trace = segments()
-    fit_summary, fit_steps = replay(model, write_jsonl(fit_trace, workdir / "fit.jsonl"), workdir, "fit")
-    test_summary, test_steps = replay(model, write_jsonl(test_trace, workdir / "test.jsonl"), workdir, "test")
+    runs = replay_both(model, {"fit": write_jsonl(fit_trace, workdir / "fit.jsonl"),
+                               "test": write_jsonl(test_trace, workdir / "test.jsonl")}, workdir)
+    (fit_summary, fit_steps), (test_summary, test_steps) = runs["fit"], runs["test"]
     profile = workdir / "cpu-profile.json"
     calibrated = subprocess.run([sys.executable, "-m", "cadenza.node.cli", "sim", "calibrate", "--steps",
                                  str(fit_steps), "--model", "smollm2-135m", "--base", "cpu", "--name", "this-cpu",
@@ -132,10 +160,14 @@ def main() -> None:
         "errors": {k: round(v, 4) for k, v in errors.items()},
         "targets": TARGETS,
         "step_scatter": round(floor, 4),
+        "prefix_caching": True,
+        "prefix_cache_hit_rate": {"fit": fit_summary["prefix_cache_hit_rate"],
+                                  "held_out": test_summary["prefix_cache_hit_rate"]},
         "steps_fitted": sum(1 for _ in fit_steps.open()),
         "steps_held_out": int(len(held_out)),
         "machine": machine(),
-        "workload": f"Azure conv requests 0-{SEGMENT - 1} (fit) and {SEGMENT}-{2 * SEGMENT - 1} (held out), {SCALING}",
+        "workload": (f"Azure conv requests 0-{FIT_SEGMENTS * SEGMENT - 1} (fit) and {FIT_SEGMENTS * SEGMENT}-"
+                     f"{(FIT_SEGMENTS + 1) * SEGMENT - 1} (held out), {SCALING}"),
     })
 
 

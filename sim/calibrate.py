@@ -12,8 +12,12 @@ The method. The roofline (:mod:`cadenza.sim.roofline`) predicts a step's device 
 
 from its terms at the peaks (``Roofline.unit_terms``: linear layers, LM head, prefill and decode
 attention, compute ``c`` and memory ``m``), the all-reduce ``AR`` (not fitted) and a fixed cost
-per step and per row. Given which side of each ``max`` is active, ``t`` is linear in
-``w = (1/e_g, 1/e_m, 1/e_a, c0, c_r)``; so the fit alternates (as for a piecewise-linear
+per step and per row. The GEMM efficiency ``e_g`` is a curve over the GEMM's rows ``M`` (the
+step's tokens; the LM head's sampled rows): one knot per power of two the table has steps near,
+linear between them (small-``M`` GEMMs run other kernels and reach less of the peak; on this
+project's CPU runner a step of 4 rows costs nearly twice one of 3). ``1/e_g(M)`` is then a
+weighted sum of the knots' inverse efficiencies, and given which side of each ``max`` is active,
+``t`` is linear in ``w = (1/e_g at each knot, 1/e_m, 1/e_a, c0, c_r)``; so the fit alternates (as for a piecewise-linear
 regression with known pieces): pick each step's active sides from the current ``w``, solve the
 least-squares problem for ``w``, repeat until no side changes (at most :data:`MAX_ROUNDS`). The
 residuals are relative (each row weighted by ``1 / t``), so a 5 ms decode step counts as much as a
@@ -35,6 +39,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,25 +146,65 @@ def load_step_table(path: str | Path) -> list[MeasuredStep]:
     return steps
 
 
-def _design(terms: list[UnitTerms], rows: np.ndarray, w: np.ndarray, overlap: bool) -> np.ndarray:
-    """Columns (gemm, memory, attention, per step, per row): with ``overlap``, each max's active
-    side chosen by ``w``; without, both sides of every term."""
-    wg, wm, wa = w[0], w[1], w[2]
-    x = np.zeros((len(terms), 5))
-    for i, u in enumerate(terms):
-        for compute, memory in ((u.linear_compute_s, u.linear_memory_s), (u.lm_head_compute_s, u.lm_head_memory_s)):
-            if not overlap or wg * compute >= wm * memory:
-                x[i, 0] += compute
-            if not overlap or wg * compute < wm * memory:
-                x[i, 1] += memory
-        x[i, 2] += u.prefill_attention_s
-        if not overlap or wa * u.decode_attention_compute_s >= wm * u.decode_attention_memory_s:
-            x[i, 2] += u.decode_attention_compute_s
-        if not overlap or wa * u.decode_attention_compute_s < wm * u.decode_attention_memory_s:
-            x[i, 1] += u.decode_attention_memory_s
-    x[:, 3] = 1.0
-    x[:, 4] = rows
+def _basis(tokens: float, knots: Sequence[float]) -> np.ndarray:
+    """Weights of the GEMM-curve knots at ``tokens`` (linear between knots, level beyond them);
+    no knots: one constant column."""
+    if not knots:
+        return np.ones(1)
+    out = np.zeros(len(knots))
+    if tokens <= knots[0]:
+        out[0] = 1.0
+    elif tokens >= knots[-1]:
+        out[-1] = 1.0
+    else:
+        k = int(np.searchsorted(knots, tokens)) - 1
+        f = (tokens - knots[k]) / (knots[k + 1] - knots[k])
+        out[k], out[k + 1] = 1.0 - f, f
+    return out
+
+
+def _design(terms: list[UnitTerms], steps: list[MeasuredStep], w: np.ndarray, overlap: bool,
+            knots: Sequence[float]) -> np.ndarray:
+    """Columns (one GEMM column per knot, memory, attention, per step, per row): with
+    ``overlap``, each max's active side chosen by ``w``; without, both sides of every term."""
+    k = max(1, len(knots))
+    wm, wa = w[k], w[k + 1]
+    x = np.zeros((len(terms), k + 4))
+    for i, (u, s) in enumerate(zip(terms, steps)):
+        for compute, memory, m in ((u.linear_compute_s, u.linear_memory_s, s.composition.num_tokens),
+                                   (u.lm_head_compute_s, u.lm_head_memory_s, s.composition.num_sampled)):
+            basis = _basis(m, knots)
+            slower = float(basis @ w[:k]) * compute >= wm * memory
+            if not overlap or slower:
+                x[i, :k] += compute * basis
+            if not overlap or not slower:
+                x[i, k] += memory
+        x[i, k + 1] += u.prefill_attention_s
+        slower = wa * u.decode_attention_compute_s >= wm * u.decode_attention_memory_s
+        if not overlap or slower:
+            x[i, k + 1] += u.decode_attention_compute_s
+        if not overlap or not slower:
+            x[i, k] += u.decode_attention_memory_s
+        x[i, k + 2] = 1.0
+        x[i, k + 3] = s.composition.num_rows
     return x
+
+
+def curve_knots(steps: list[MeasuredStep]) -> list[float]:
+    """Powers of two spanning the table's GEMM sizes (step tokens, sampled rows), each kept only
+    where some step lies between its neighbours (a knot with no data near it is not fitted)."""
+    sizes = np.array([m for s in steps for m in (s.composition.num_tokens, s.composition.num_sampled) if m > 0])
+    top = 1
+    while top < sizes.max():
+        top *= 2
+    knots = [float(2 ** e) for e in range(int(np.log2(top)) + 1)]
+    kept = []
+    for i, t in enumerate(knots):
+        lo = knots[i - 1] if i else 0.0
+        hi = knots[i + 1] if i + 1 < len(knots) else float("inf")
+        if ((sizes > lo) & (sizes < hi)).any():
+            kept.append(t)
+    return kept
 
 
 def _solve(x: np.ndarray, y: np.ndarray, fixed: dict[int, float], nonnegative: tuple[int, ...]) -> np.ndarray:
@@ -183,70 +228,85 @@ def _solve(x: np.ndarray, y: np.ndarray, fixed: dict[int, float], nonnegative: t
         fixed.update({j: 0.0 for j in negative})
 
 
-def calibrate(steps: list[MeasuredStep], roofline: Roofline, name: str | None = None) -> Calibration:
+def calibrate(steps: list[MeasuredStep], roofline: Roofline, name: str | None = None,
+              curve: bool = True) -> Calibration:
     """Fit ``roofline.hw``'s efficiency factors and fixed costs to ``steps``, with compute and
     memory overlapping (the roofline's ``max``) and adding (``overlap`` off), and keep the form
     of the lower mean error (see the module docstring).
 
+    Args:
+        curve: fit the GEMM efficiency per power of two of rows (``gemm_curve``); else one figure.
+
     Raises:
-        ValueError: fewer than 5 steps (there are 5 unknowns).
+        ValueError: fewer steps than unknowns.
     """
-    if len(steps) < 5:
-        raise ValueError(f"need at least 5 measured steps to fit 5 factors, got {len(steps)}")
+    knots = curve_knots(steps) if curve else []
+    if len(steps) < len(knots) + 5:
+        raise ValueError(f"need at least {len(knots) + 5} measured steps to fit {len(knots) + 4} factors, "
+                         f"got {len(steps)}")
     hw = roofline.hw
     terms = [roofline.unit_terms(s.composition) for s in steps]
-    rows = np.array([s.composition.num_rows for s in steps], dtype=np.float64)
     y = np.maximum(np.array([s.seconds - u.allreduce_s for s, u in zip(steps, terms)]), _TINY)
-    fits = [_fit(terms, rows, y, hw, overlap) for overlap in (True, False)]
+    fits = [_fit(terms, steps, y, hw, overlap, knots) for overlap in (True, False)]
     w, overlap, rounds, errors, unidentified = min(fits, key=lambda f: float(f[3].mean()))
-    fitted = _profile(hw, w, name).with_factors(overlap=overlap)
+    fitted = _profile(hw, w, name, knots).with_factors(overlap=overlap)
     host = [(s.composition.num_rows, s.host_seconds) for s in steps if s.host_seconds is not None]
     if len(host) >= 2:
         hx = np.array([[1.0, r] for r, _ in host])
         hy = np.maximum(np.array([h for _, h in host]), _TINY)
         h0, hr = _solve(hx, hy, {}, nonnegative=(0, 1))
         fitted = fitted.with_factors(host_per_step_s=float(h0), host_per_row_s=float(hr))
-    names = ("gemm_efficiency", "memory_efficiency", "attention_efficiency")
+    k = max(1, len(knots))
+    names = [f"gemm_efficiency at {int(t)} tokens" for t in knots] or ["gemm_efficiency"]
+    names += ["memory_efficiency", "attention_efficiency"]
     return Calibration(fitted, len(steps), rounds, float(errors.mean()), float(np.percentile(errors, 90)),
-                       tuple(names[j] for j in sorted(unidentified)))
+                       tuple(names[j] for j in sorted(unidentified) if j < k + 2))
 
 
-def _fit(terms: list[UnitTerms], rows: np.ndarray, y: np.ndarray, hw: HardwareProfile, overlap: bool):
+def _fit(terms: list[UnitTerms], steps: list[MeasuredStep], y: np.ndarray, hw: HardwareProfile, overlap: bool,
+         knots: Sequence[float]):
     """One form's fit: ``(w, overlap, rounds, relative errors, unidentified factor columns)``."""
-    w = np.array([1 / hw.gemm_efficiency, 1 / hw.memory_efficiency, 1 / hw.attention_efficiency,
-                  hw.step_overhead_s, hw.device_per_row_s])
+    k = max(1, len(knots))
+    gemm = [1 / hw.gemm_efficiency_at(t) for t in knots] or [1 / hw.gemm_efficiency]
+    w = np.array([*gemm, 1 / hw.memory_efficiency, 1 / hw.attention_efficiency, hw.step_overhead_s,
+                  hw.device_per_row_s])
+    factors, constants = range(k + 2), (k + 2, k + 3)
     rounds, previous, unidentified = 0, None, {}
     while rounds < MAX_ROUNDS:
         rounds += 1
-        x = _design(terms, rows, w, overlap)
-        unidentified = {j: w[j] for j in range(3) if not x[:, j].any()}
-        w_new = _solve(x, y, unidentified, nonnegative=(3, 4))
-        bad = {j: w[j] for j in range(3) if j not in unidentified and not w_new[j] > 0}
-        if bad:  # a factor the data drives to zero or below: hold it where it was
+        x = _design(terms, steps, w, overlap, knots)
+        unidentified = {j: w[j] for j in factors if not x[:, j].any()}
+        while True:  # a factor the data drives to zero or below is held where it was
+            w_new = _solve(x, y, unidentified, nonnegative=constants)
+            bad = {j: w[j] for j in factors if j not in unidentified and not w_new[j] > 0}
+            if not bad:
+                break
             unidentified.update(bad)
-            w_new = _solve(x, y, unidentified, nonnegative=(3, 4))
         w = w_new
-        sides = _design(terms, rows, w, overlap) != 0
+        sides = _design(terms, steps, w, overlap, knots) != 0
         if not overlap or (previous is not None and np.array_equal(sides, previous)):
             break
         previous = sides
-    errors = np.abs(_design(terms, rows, w, overlap) @ w - y) / y
+    errors = np.abs(_design(terms, steps, w, overlap, knots) @ w - y) / y
     return w, overlap, rounds, errors, unidentified
 
 
-def _profile(hw: HardwareProfile, w: np.ndarray, name: str | None) -> HardwareProfile:
-    """The profile of fitted ``w``: efficiencies from the inverse factors, a peak raised where a
-    factor says the kernels beat it."""
-    gemm_flops = hw.peak_flops * hw.gemm_efficiency if not w[0] > 0 else hw.peak_flops / w[0]
-    attn_flops = hw.peak_flops * hw.attention_efficiency if not w[2] > 0 else hw.peak_flops / w[2]
-    bandwidth = hw.memory_bandwidth * hw.memory_efficiency if not w[1] > 0 else hw.memory_bandwidth / w[1]
-    peak = max(hw.peak_flops, gemm_flops, attn_flops)
+def _profile(hw: HardwareProfile, w: np.ndarray, name: str | None, knots: Sequence[float]) -> HardwareProfile:
+    """The profile of fitted ``w``: efficiencies from the inverse factors, the peaks raised where a
+    factor says the kernels beat them."""
+    k = max(1, len(knots))
+    gemm_flops = [hw.peak_flops / wg for wg in w[:k]]
+    attn_flops = hw.peak_flops / w[k + 1]
+    bandwidth = hw.memory_bandwidth / w[k]
+    peak = max(hw.peak_flops, *gemm_flops, attn_flops)
     memory_bandwidth = max(hw.memory_bandwidth, bandwidth)
+    curve = tuple((t, f / peak) for t, f in zip(knots, gemm_flops))
     try:
         return hw.with_factors(
             name=name or f"{hw.name}-calibrated", peak_flops=peak, memory_bandwidth=memory_bandwidth,
-            gemm_efficiency=gemm_flops / peak, attention_efficiency=attn_flops / peak,
-            memory_efficiency=bandwidth / memory_bandwidth, step_overhead_s=float(w[3]), device_per_row_s=float(w[4]))
+            gemm_efficiency=gemm_flops[-1] / peak, gemm_curve=curve, attention_efficiency=attn_flops / peak,
+            memory_efficiency=bandwidth / memory_bandwidth, step_overhead_s=float(w[k + 2]),
+            device_per_row_s=float(w[k + 3]))
     except ProfileError as exc:
         raise ValueError(f"the fit gave an invalid profile ({exc}): too few or too alike steps?") from exc
 

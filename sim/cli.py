@@ -2,16 +2,22 @@
 ``cadenza.commands`` entry point, as ``cadenza up`` is).
 
     cadenza sim --trace T.csv --pool P.yaml --model llama-3.1-8b --hardware h100-sxm [--tp N]
-                [--time-scale F] [--length-scale F] [--num-requests N] [--json OUT]
+                [--time-scale F | --qps-scale F] [--length-scale F] [--num-requests N]
+                [--compare [POLICY ...]] [--sweep] [--json OUT] [--plot DIR]
+    cadenza sim calibrate --steps STEPS.jsonl --model M --base cpu|PROFILE --out PROFILE.json
 
-Every request of the trace is ``interactive`` (the Azure traces carry no class column). The
-report gives, per class, TTFT / ITL / TPOT p50/p95/p99, throughput, drops, and the controller's
-actions for an ``auto`` pool.
+A request goes as the class and tenant its trace names (``class`` and ``tenant`` columns), else
+as ``interactive`` (the Azure traces carry neither). The report gives, per class, TTFT / ITL /
+TPOT p50/p95/p99, SLO attainment and goodput against the pool's ``spec.slo``, throughput and
+drops; per run, KV usage, preemptions and the controller's actions (``auto``). ``--compare``
+runs the policies of :mod:`cadenza.sim.policies` side by side on the same trace and cost model;
+``--sweep`` finds each one's capacity at SLO.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -29,9 +35,17 @@ def register_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="a shipped model (llama-3.1-8b, ...) or a config.json path (required)")
     p.add_argument("--hardware", help="a profile (a100-80g, h100-sxm, h200, l40s) or a .json file (required)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per replica (default 1)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (< 1: more load)")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (< 1: more load)")
+    rate.add_argument("--qps-scale", type=float, help="multiply the request rate (2: twice the load)")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths")
     p.add_argument("--num-requests", type=int, help="the first N requests of the trace")
+    p.add_argument("--compare", nargs="*", metavar="POLICY",
+                   help="run these policies side by side on the same trace and cost model (default: all of "
+                        "prefill-first, chunked-fcfs, chunked-classes, dedicated, auto)")
+    p.add_argument("--sweep", action="store_true",
+                   help="find each policy's capacity at the pool's SLOs (requests/s) by bisection over the rate")
+    p.add_argument("--plot", type=Path, metavar="DIR", help="write PNG figures here (needs matplotlib)")
     p.add_argument("--json", type=Path, help="write the report here as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_sim, sim_parser=p)
@@ -82,53 +96,118 @@ def run_sim(args: argparse.Namespace) -> int:
     from cadenza.node.replay.trace import load_trace, scale_trace
     from cadenza.operator.pool import PoolSpecError
     from cadenza.operator.validate import PoolValidationError, load_pools
-    from cadenza.sim.control import SimController
-    from cadenza.sim.fleet import Fleet
     from cadenza.sim.hardware import ProfileError, load_profile
     from cadenza.sim.model_dims import ModelDimsError, load_model_dims
-    from cadenza.sim.pool import fleet_layout
+    from cadenza.sim.policies import POLICIES, policies
     from cadenza.sim.roofline import Roofline
-    from tqdm import tqdm
 
     missing = [f"--{name}" for name in ("trace", "pool", "model", "hardware") if getattr(args, name) is None]
     if missing:
         args.sim_parser.error(f"the following arguments are required: {', '.join(missing)}")
+    if args.qps_scale is not None and not args.qps_scale > 0:
+        args.sim_parser.error(f"--qps-scale must be > 0, got {args.qps_scale}")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        print("cadenza sim: --plot needs matplotlib; pip install 'cadenza[plot]'", file=sys.stderr)
+        return 2
+    time_scale = args.time_scale / args.qps_scale if args.qps_scale else args.time_scale
     try:
         pools = load_pools(args.pool)
         if args.pool_name:
             pools = [p for p in pools if p["metadata"]["name"] == args.pool_name]
         if len(pools) != 1:
             raise ValueError(f"{args.pool}: name one ServingPool with --pool-name (found {len(pools)})")
+        pool = pools[0]
         roofline = Roofline(load_model_dims(args.model), load_profile(args.hardware), args.tp)
-        layout = fleet_layout(pools[0], roofline)
-        trace = scale_trace(load_trace(args.trace), time_scale=args.time_scale, length_scale=args.length_scale,
+        own = {"colocated": "chunked-classes"}.get(pool["spec"].get("mode", "colocated"), pool["spec"].get("mode"))
+        names = (args.compare or list(POLICIES)) if args.compare is not None else [own]
+        runs_of = policies(pool, roofline, names)
+        trace = scale_trace(load_trace(args.trace), time_scale=time_scale, length_scale=args.length_scale,
                             num_requests=args.num_requests).requests
     except (OSError, ValueError, PoolValidationError, PoolSpecError, ProfileError, ModelDimsError) as exc:
         print(f"cadenza sim: {exc}", file=sys.stderr)
         return 2
-    fleet = Fleet(layout.roles, layout.configs, roofline, block_size=layout.block_size)
-    controller = SimController(layout.controller) if layout.controller is not None else None
-    if controller is not None:
-        controller.attach(fleet)
     started = time.perf_counter()
-    with tqdm(total=len(trace), desc="simulating", unit="req", disable=args.no_progress) as bar:
-        result = fleet.run(trace, on_done=bar.update)
-    wall = time.perf_counter() - started
+    runs = {}
+    for policy in runs_of:
+        desc = f"simulating {policy.name}" if len(runs_of) > 1 else "simulating"
+        with tqdm_bar(len(trace), desc, args.no_progress) as bar:
+            runs[policy.name] = run_report(policy, trace, roofline, bar.update)
     report = {
-        "pool": pools[0]["metadata"]["name"], "model": roofline.dims.name, "hardware": roofline.hw.name,
-        "tp": roofline.tp, "replicas": len(layout.configs), "requests": len(trace),
-        "simulated_s": round(fleet.clock.now, 3), "wall_s": round(wall, 3), "dropped": result.dropped,
-        "by_class": {cls: asdict(summary) for cls, summary in result.by_class.items()},
-        "actions": [asdict(a) for a in controller.actions] if controller else [],
+        "pool": pool["metadata"]["name"], "model": roofline.dims.name, "hardware": roofline.hw.name,
+        "tp": roofline.tp, "replicas": len(runs_of[0].layout.configs), "requests": len(trace),
+        "time_scale": time_scale, "length_scale": args.length_scale,
     }
-    for cls, s in result.by_class.items():
-        print(f"{cls:>12}: {s.requests} done, {s.rejected} dropped; TTFT p50/p99 {s.ttft_ms['p50']:.0f}/"
-              f"{s.ttft_ms['p99']:.0f} ms; ITL p50/p99 {s.itl_ms['p50']:.1f}/{s.itl_ms['p99']:.1f} ms; "
-              f"TPOT p99 {s.tpot_ms['p99']:.1f} ms; {s.output_tokens_per_s:.0f} output tok/s")
-    for a in report["actions"]:
-        print(f"  t={a['time_s']:.0f} s {a['action']}{' (advised)' if not a['acted'] else ''}: {a['reason']}")
-    print(f"{len(trace)} requests on {len(layout.configs)} x {roofline.tp} {roofline.hw.name}, "
-          f"{fleet.clock.now:.0f} simulated s in {wall:.1f} s")
+    if args.compare is not None:
+        report["policies"] = runs
+    else:
+        report.update(runs[runs_of[0].name])
+    if args.sweep:
+        report["capacity_req_s"] = {p.name: sweep(p, trace, roofline, args.no_progress) for p in runs_of}
+    report["wall_s"] = round(time.perf_counter() - started, 3)
+    print_report(report)
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=float) + "\n")
+    if args.plot is not None:
+        from cadenza.sim.plots import write_plots
+
+        for path in write_plots(report, args.plot):
+            print(f"wrote {path}")
     return 0
+
+
+def tqdm_bar(total: int, desc: str, disable: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", disable=disable, leave=False)
+
+
+def run_report(policy, trace, roofline, on_done) -> dict:
+    """One policy's run as the report's JSON-able dict."""
+    from cadenza.sim.policies import run_policy
+
+    run = run_policy(policy, trace, roofline, on_done=on_done)
+    result, fleet = run.result, run.fleet
+    interval = run.controller.interval_s if run.controller else 15.0
+    return {
+        "policy": policy.name, "simulated_s": round(fleet.clock.now, 3), "dropped": result.dropped,
+        "goodput_rps": run.goodput_rps, "reshapes": run.reshapes,
+        "kv_usage": result.kv_usage, "preemptions": result.preemptions,
+        "by_class": {cls: asdict(summary) for cls, summary in result.by_class.items()},
+        "actions": [asdict(a) for a in run.controller.actions] if run.controller else [],
+        "attainment_over_time": fleet.attainment_over_time(max(interval, result.span_s / 60)),
+    }
+
+
+def sweep(policy, trace, roofline, quiet: bool) -> float:
+    """Capacity at the pool's SLOs (requests/s) of ``policy`` on ``trace``, by bisection over the rate."""
+    from cadenza.sim.policies import run_policy
+    from cadenza.sim.sweep import at_rate, capacity_at_slo, pool_slo_met
+
+    base = (len(trace) - 1) / (trace[-1].arrival_s - trace[0].arrival_s)
+    slo = policy.layout.slo
+    found = capacity_at_slo(lambda rate: run_policy(policy, at_rate(trace, rate), roofline).result, None,
+                            low=base / 4, high=base / 2, tolerance=0.03, check=lambda r: pool_slo_met(r, slo))
+    if not quiet:
+        print(f"  {policy.name}: {found.rate:.3f} req/s at SLO ({len(found.runs)} runs)", file=sys.stderr)
+    return found.rate
+
+
+def print_report(report: dict) -> None:
+    runs = report.get("policies") or {report["policy"]: report}
+    for name, run in runs.items():
+        print(f"{name}: goodput {run['goodput_rps']:.2f} req/s within SLO, {run['dropped']} dropped, "
+              f"{run['reshapes']} reshapes, KV mean/peak {100 * run['kv_usage']['mean']:.0f}/"
+              f"{100 * run['kv_usage']['peak']:.0f} %, {sum(run['preemptions'].values())} preempted")
+        for cls, s in run["by_class"].items():
+            attained = f"{100 * s['slo_attainment']:.1f} %" if s["slo_attainment"] is not None else "-"
+            print(f"  {cls:>12}: {s['requests']} done, {s['rejected']} dropped, SLO met {attained}; TTFT p50/p99 "
+                  f"{s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms; ITL p50/p99 {s['itl_ms']['p50']:.1f}/"
+                  f"{s['itl_ms']['p99']:.1f} ms; TPOT p99 {s['tpot_ms']['p99']:.1f} ms; "
+                  f"{s['output_tokens_per_s']:.0f} output tok/s")
+        for a in run["actions"]:
+            print(f"    t={a['time_s']:.0f} s {a['action']}{' (advised)' if not a['acted'] else ''}: {a['reason']}")
+    for name, rate in (report.get("capacity_req_s") or {}).items():
+        print(f"capacity at SLO, {name}: {rate:.3f} req/s")
+    print(f"{report['requests']} requests on {report['replicas']} x {report['tp']} {report['hardware']}, "
+          f"simulated in {report['wall_s']:.1f} s")

@@ -23,7 +23,7 @@ from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream, Upstreams
 from cadenza.node.replay.trace import TraceRequest
 from cadenza.sim.replica import RequestTimes, SimReplica, VirtualClock
 from cadenza.sim.roofline import Roofline
-from cadenza.sim.report import LatencySummary, summarize
+from cadenza.sim.report import LatencySummary, meets_slo, summarize
 
 MAX_ATTEMPTS = 2  # as the gateway: the first try and at most one retry
 _STEP_END, _CALLBACK, _ARRIVAL = 0, 1, 2  # at equal times: free slots first, then act, then admit
@@ -34,14 +34,22 @@ class FleetResult:
     """A fleet run: the latency report per traffic class, and the counts.
 
     Attributes:
-        by_class: class -> :class:`LatencySummary` of its requests (``rejected``: dropped ones).
+        by_class: class -> :class:`LatencySummary` of its requests (``rejected``: dropped ones),
+            against the class's SLO.
         dropped: requests no replica took (the gateway's or every tried replica's 429).
         steps: steps run per replica.
+        span_s: virtual seconds from the first arrival to the last finish.
+        kv_usage: ``mean`` (KV blocks in use over the replicas' capacity, averaged over the span)
+            and ``peak`` (the highest any replica reached at a step's end).
+        preemptions: requests preempted, by the victim's class.
     """
 
     by_class: dict[str, LatencySummary]
     dropped: int
     steps: dict[str, int]
+    span_s: float = 0.0
+    kv_usage: dict[str, float] = field(default_factory=dict)
+    preemptions: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,6 +71,8 @@ class Fleet:
         max_outstanding: requests in flight that make a replica full at the gateway.
         scheduler_cls: every replica's scheduler (cadenza's, or a baseline).
         num_blocks: KV blocks per replica (None: what fits the device, see :class:`SimReplica`).
+        slo: class -> ``{"ttftP99Ms", "itlP99Ms"}`` (a ServingPool's ``spec.slo``), for SLO
+            attainment and goodput in the result.
 
     Raises:
         ValueError: a replica named in ``roles`` without a config.
@@ -70,7 +80,9 @@ class Fleet:
 
     def __init__(self, roles: Mapping[str, Sequence[str]], configs: Mapping[str, SchedulerConfig],
                  roofline: Roofline, max_outstanding: int = 256, block_size: int = 16,
-                 scheduler_cls: type[Scheduler] = Scheduler, num_blocks: int | None = None) -> None:
+                 scheduler_cls: type[Scheduler] = Scheduler, num_blocks: int | None = None,
+                 slo: Mapping[str, Mapping[str, float]] | None = None) -> None:
+        self.slo = {cls: dict(v) for cls, v in (slo or {}).items()}
         names = list(dict.fromkeys(n for group in roles.values() for n in group))
         missing = [n for n in names if n not in configs]
         if missing:
@@ -80,8 +92,10 @@ class Fleet:
                                        num_blocks=num_blocks) for n in names}
         self.upstreams = Upstreams({role: list(group) for role, group in roles.items()}, clock=self.clock)
         self.max_outstanding = max_outstanding
-        self.classes: dict[str, str] = {}  # request id -> traffic class
+        self.classes: dict[str, str] = {}  # request id -> traffic class it was sent as
+        self.labels: dict[str, str] = {}  # request id -> the class it is reported under (the trace's)
         self.dropped: dict[str, int] = {}
+        self.drop_times: dict[str, list[float]] = {}  # class -> when its requests were dropped
         self._served_by: dict[str, Upstream] = {}
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -133,6 +147,7 @@ class Fleet:
         """Route an arrival as the gateway would; False when it is dropped."""
         rid, t = f"r{i}", self.clock.now
         self.classes[rid] = cls
+        label = self.labels[rid] = req.traffic_class or cls
         candidates, tried = self.upstreams.of_role(ROLE_OF_CLASS[cls]), []
         for _ in range(MAX_ATTEMPTS):
             upstream = self.upstreams.pick(candidates, self.max_outstanding, exclude=tried)
@@ -140,7 +155,8 @@ class Fleet:
                 break
             tried.append(upstream)
             try:
-                self.replicas[upstream.url].add_request(rid, i, req.input_len, req.output_len, t, traffic_class=cls)
+                self.replicas[upstream.url].add_request(rid, i, req.input_len, req.output_len, t, traffic_class=cls,
+                                                        tenant=req.tenant or "default")
             except AdmissionError as exc:
                 if exc.retry_after:
                     self.upstreams.back_off(upstream, exc.retry_after)
@@ -149,19 +165,23 @@ class Fleet:
             self._served_by[rid] = upstream
             self._kick(upstream.url)
             return True
-        self.dropped[cls] = self.dropped.get(cls, 0) + 1
+        self.dropped[label] = self.dropped.get(label, 0) + 1
+        self.drop_times.setdefault(label, []).append(t)
         return False
 
     def run(self, trace: Sequence[TraceRequest], classes: Sequence[str] | None = None,
             on_done: Callable[[int], None] | None = None) -> FleetResult:
         """Replay ``trace`` (arrivals in seconds, lengths in tokens) to its end; ``on_done(n)``
         is told of every ``n`` requests that finished or were dropped (a progress bar's update).
+        Each request is sent as class ``classes[i]``, else the trace's, else ``interactive``, and
+        reported under the trace's class (else the one it was sent as); its tenant is the trace's,
+        else ``default``.
 
         Raises:
             ValueError: ``classes`` of the wrong length.
             RuntimeError: a replica stopped making progress with requests left.
         """
-        classes = list(classes) if classes is not None else ["interactive"] * len(trace)
+        classes = list(classes) if classes is not None else [r.traffic_class or "interactive" for r in trace]
         if len(classes) != len(trace):
             raise ValueError(f"classes: {len(classes)} for {len(trace)} requests")
         for i, req in enumerate(trace):
@@ -192,7 +212,7 @@ class Fleet:
         stuck = [n for n, r in self.replicas.items() if r.has_work]
         if stuck:
             raise RuntimeError(f"replicas {stuck} stopped making progress with requests left (a scheduler bug)")
-        return self.result(dict.fromkeys(classes))
+        return self.result(dict.fromkeys(r.traffic_class or c for r, c in zip(trace, classes)))
 
     def _observe(self, req, times: RequestTimes) -> None:
         """What the gateway's histograms would record for this token: a TTFT for the first, the
@@ -207,24 +227,52 @@ class Fleet:
             obs.itl_s.append(t - times.token_s[-2])
 
     def timelines(self, cls: str) -> list[RequestTimes]:
-        """The timelines of class ``cls``'s requests, over every replica."""
-        return [t for r in self.replicas.values() for rid, t in r.times.items() if self.classes.get(rid) == cls]
+        """The timelines of the requests reported under class ``cls``, over every replica."""
+        return [t for r in self.replicas.values() for rid, t in r.times.items() if self.labels.get(rid) == cls]
+
+    def attainment_over_time(self, window_s: float) -> dict[str, list[tuple[float, float]]]:
+        """Per reported class, ``(window end, share of its requests that met the SLO)`` over
+        consecutive windows of ``window_s``: a request counts in the window it finished in (a
+        dropped one, missed, in the one it arrived in); windows with none are left out."""
+        out: dict[str, list[tuple[float, float]]] = {}
+        for cls in dict.fromkeys(self.labels.values()):
+            slo = self.slo.get(cls, {})
+            events = [(t.finished_s, meets_slo(t, slo)) for t in self.timelines(cls) if t.finished_s is not None]
+            events += [(t, False) for t in self.drop_times.get(cls, ())]
+            bins: dict[int, list[bool]] = {}
+            for t, ok in events:
+                bins.setdefault(int(t // window_s), []).append(ok)
+            out[cls] = [((k + 1) * window_s, sum(v) / len(v)) for k, v in sorted(bins.items())]
+        return out
 
     def result(self, classes: Mapping[str, object] | Sequence[str]) -> FleetResult:
-        by_class = {cls: summarize(self.timelines(cls), self.dropped.get(cls, 0)) for cls in classes}
-        return FleetResult(by_class, sum(self.dropped.values()), {n: r.steps for n, r in self.replicas.items()})
+        times = [t for r in self.replicas.values() for t in r.times.values()]
+        finished = [t.finished_s for t in times if t.finished_s is not None]
+        span = max(finished) - min(t.arrival_s for t in times) if finished else 0.0
+        by_class = {cls: summarize(self.timelines(cls), self.dropped.get(cls, 0), self.slo.get(cls), span)
+                    for cls in classes}
+        replicas = self.replicas.values()
+        kv = {"mean": sum(r.kv_usage_s for r in replicas) / (len(self.replicas) * span) if span else 0.0,
+              "peak": max((r.kv_peak for r in replicas), default=0.0)}
+        preemptions: dict[str, int] = {}
+        for r in replicas:
+            for cls, n in r.scheduler.stats.preemptions_by_class.items():
+                preemptions[cls] = preemptions.get(cls, 0) + n
+        return FleetResult(by_class, sum(self.dropped.values()), {n: r.steps for n, r in self.replicas.items()},
+                           span, kv, preemptions)
 
 
 def simulate_fleet(trace: Sequence[TraceRequest], roles: Mapping[str, Sequence[str]],
                    configs: Mapping[str, SchedulerConfig], roofline: Roofline,
                    classes: Sequence[str] | None = None, max_outstanding: int = 256,
-                   block_size: int = 16, scheduler_cls: type[Scheduler] = Scheduler) -> FleetResult:
+                   block_size: int = 16, scheduler_cls: type[Scheduler] = Scheduler,
+                   slo: Mapping[str, Mapping[str, float]] | None = None) -> FleetResult:
     """:class:`Fleet` ``(roles, configs, roofline, ...)`` replaying ``trace`` (see there).
 
     Raises:
         ValueError: a replica without a config, or ``classes`` of the wrong length.
     """
-    return Fleet(roles, configs, roofline, max_outstanding, block_size, scheduler_cls).run(trace, classes)
+    return Fleet(roles, configs, roofline, max_outstanding, block_size, scheduler_cls, slo=slo).run(trace, classes)
 
 
 def simulate_replica(trace: Sequence[TraceRequest], config: SchedulerConfig, roofline: Roofline,

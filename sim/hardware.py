@@ -53,6 +53,10 @@ class HardwareProfile:
         overlap: a kernel's compute and memory traffic overlap, so a term costs the slower of the
             two (a GPU's roofline); False: they add (a CPU core streaming weights between its
             FMAs, as calibrations on this project's CPU runner find).
+        gemm_curve: ``((tokens, efficiency), ...)``, tokens increasing: the GEMM efficiency at a
+            step of that many rows (a GEMM's ``M``), linear between knots and level beyond the
+            ends; empty: ``gemm_efficiency`` at every size. Small-``M`` GEMMs use other kernels
+            and reach less of the peak; a calibration fits one knot per power of two it has data at.
     """
 
     name: str
@@ -70,8 +74,13 @@ class HardwareProfile:
     host_per_row_s: float = 0.5e-6
     dtype_bytes: int = 2
     overlap: bool = True
+    gemm_curve: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        curve = tuple((float(t), float(e)) for t, e in self.gemm_curve)
+        object.__setattr__(self, "gemm_curve", curve)
+        if any(not 0 < e <= 1 for _t, e in curve) or any(b[0] <= a[0] for a, b in zip(curve, curve[1:])):
+            raise ProfileError(f"{self.name}: gemm_curve needs increasing token counts and efficiencies in (0, 1]")
         for f in ("peak_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth"):
             if not getattr(self, f) > 0:
                 raise ProfileError(f"{self.name}: {f} must be positive, got {getattr(self, f)!r}")
@@ -86,6 +95,18 @@ class HardwareProfile:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def gemm_efficiency_at(self, tokens: float) -> float:
+        """The GEMM efficiency at a step of ``tokens`` rows (see ``gemm_curve``)."""
+        curve = self.gemm_curve
+        if not curve:
+            return self.gemm_efficiency
+        if tokens <= curve[0][0]:
+            return curve[0][1]
+        for (t0, e0), (t1, e1) in zip(curve, curve[1:]):
+            if tokens <= t1:
+                return e0 + (e1 - e0) * (tokens - t0) / (t1 - t0)
+        return curve[-1][1]
 
     def with_factors(self, **factors: float) -> HardwareProfile:
         """A copy with some fields replaced (calibrated factors); unknown names raise ProfileError."""

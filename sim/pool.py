@@ -30,12 +30,17 @@ class FleetLayout:
         configs: replica name -> its scheduler knobs (``max_model_len`` resolved).
         controller: the ``auto`` pool's controller settings; None for a static shape.
         block_size: tokens per KV block (``spec.engine.blockSize``).
+        num_blocks: KV blocks per replica when the engine settings fix them (``numKvBlocks``,
+            ``kvCacheGiB``); None: what fits the device.
+        slo: class -> targets (``spec.slo``: ``ttftP99Ms``, ``itlP99Ms``).
     """
 
     roles: dict[str, list[str]]
     configs: dict[str, SchedulerConfig]
     controller: ControllerSpec | None
     block_size: int = 16
+    num_blocks: int | None = None
+    slo: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def fleet_layout(pool: Mapping[str, Any], roofline: Roofline, model_max_len: int = 131072) -> FleetLayout:
@@ -50,10 +55,14 @@ def fleet_layout(pool: Mapping[str, Any], roofline: Roofline, model_max_len: int
     capacity = roofline.kv_capacity_tokens()
     roles: dict[str, list[str]] = {"interactive": [], "batch": []}
     configs: dict[str, SchedulerConfig] = {}
-    block_size = 16
+    block_size, num_blocks = 16, None
     for role in p.roles():
         engine = engine_config("/model", role.engine, p.model_name)
         sched, block_size = engine.scheduler, engine.cache.block_size
+        if engine.cache.num_kv_blocks is not None:
+            num_blocks = engine.cache.num_kv_blocks
+        elif engine.cache.kv_cache_bytes is not None:
+            num_blocks = max(1, engine.cache.kv_cache_bytes // (roofline.kv_bytes_per_token() * block_size))
         sched = dataclasses.replace(sched, max_model_len=resolve_max_model_len(sched.max_model_len, model_max_len,
                                                                                 capacity))
         kind = "colocated" if role.name in ("colocated", "auto") else role.name
@@ -63,4 +72,6 @@ def fleet_layout(pool: Mapping[str, Any], roofline: Roofline, model_max_len: int
             for gateway_role in (("interactive", "batch") if kind == "colocated" else (kind,)):
                 roles[gateway_role].append(name)
     controller = ControllerSpec.from_pool_spec(spec) if p.mode == "auto" else None
-    return FleetLayout(roles, configs, controller, block_size)
+    slo = {cls: {k: float(v) for k, v in targets.items() if v} for cls, targets in (spec.get("slo") or {}).items()
+           if targets}
+    return FleetLayout(roles, configs, controller, block_size, num_blocks, slo)

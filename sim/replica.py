@@ -100,6 +100,9 @@ class SimReplica:
         self._index: dict[str, int] = {}
         self.busy_until = clock.now  # the end of the step in flight
         self.steps = 0
+        self.kv_usage_s = 0.0  # KV share in use, integrated over busy seconds (at each step's end)
+        self.kv_peak = 0.0
+        self._started = clock.now
         self._in_flight: SchedulerOutput | None = None
         self.last_step: SchedulerOutput | None = None
 
@@ -131,6 +134,7 @@ class SimReplica:
         seconds = self.roofline.step_time(composition(out)).total_s
         self.scheduler.observe_step_time(out, seconds)
         self._in_flight = out
+        self._started = self.clock.now
         self.busy_until = self.clock.now + seconds
         return self.busy_until
 
@@ -152,6 +156,10 @@ class SimReplica:
                 times.finished_s = end
         self.steps += 1
         self.last_step = out
+        bm = self.block_manager
+        usage = bm.num_used_blocks / bm.num_blocks
+        self.kv_usage_s += usage * (end - self._started)
+        self.kv_peak = max(self.kv_peak, usage)
         return sampled
 
     def step(self) -> SchedulerOutput | None:

@@ -1,8 +1,11 @@
-"""The latency report of simulated requests: TTFT, ITL and TPOT percentiles from their timelines."""
+"""The latency report of simulated requests: TTFT, ITL and TPOT percentiles from their timelines,
+and SLO attainment and goodput as ``cadenza bench`` counts them (:mod:`cadenza.node.replay.report`:
+a request meets its class's SLO when its TTFT is within ``ttftP99Ms`` and its own p99 ITL within
+``itlP99Ms``, vLLM's ``--goodput`` rule; a dropped request meets none)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +22,9 @@ class LatencySummary:
         ttft_ms, itl_ms, tpot_ms: ``{"p50", "p95", "p99"}`` (TPOT: a request's mean gap).
         output_tokens_per_s: output tokens over the virtual span from the first arrival to the
             last finish.
+        slo_met: finished requests within the class's SLO (all of them when it has none).
+        slo_attainment: ``slo_met`` over the requests finished or rejected (None: none were).
+        goodput_rps: ``slo_met`` per second of the run's span (None when no span was given).
     """
 
     requests: int
@@ -27,6 +33,19 @@ class LatencySummary:
     itl_ms: dict[str, float]
     tpot_ms: dict[str, float]
     output_tokens_per_s: float
+    slo_met: int = 0
+    slo_attainment: float | None = None
+    goodput_rps: float | None = None
+
+
+def meets_slo(times: RequestTimes, slo: Mapping[str, float]) -> bool:
+    """A finished request's TTFT within ``slo["ttftP99Ms"]`` and its p99 ITL within ``slo["itlP99Ms"]``
+    (either absent: not checked)."""
+    ttft, itl = slo.get("ttftP99Ms"), slo.get("itlP99Ms")
+    if ttft and (times.ttft_s is None or times.ttft_s * 1e3 > ttft):
+        return False
+    gaps = times.itl_s
+    return not (itl and gaps and float(np.percentile(gaps, 99)) * 1e3 > itl)
 
 
 def _percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -36,12 +55,17 @@ def _percentiles(values: Sequence[float]) -> dict[str, float]:
     return {f"p{q}": float(np.percentile(arr, q)) for q in (50, 95, 99)}
 
 
-def summarize(times: Sequence[RequestTimes], rejected: int = 0) -> LatencySummary:
-    """The latency report of finished timelines (unfinished ones are left out)."""
+def summarize(times: Sequence[RequestTimes], rejected: int = 0, slo: Mapping[str, float] | None = None,
+              span_s: float | None = None) -> LatencySummary:
+    """The latency report of finished timelines (unfinished ones are left out), against ``slo``
+    (``ttftP99Ms`` / ``itlP99Ms``, a ServingPool's per-class targets) over a run of ``span_s``."""
     done = [t for t in times if t.finished_s is not None]
+    met = sum(meets_slo(t, slo or {}) for t in done)
+    total = len(done) + rejected
     gaps = [g for t in done for g in t.itl_s]
     tpot = [(t.token_s[-1] - t.token_s[0]) / (len(t.token_s) - 1) for t in done if len(t.token_s) > 1]
     tokens = sum(len(t.token_s) for t in done)
     span = (max(t.finished_s for t in done) - min(t.arrival_s for t in done)) if done else 0.0
     return LatencySummary(len(done), rejected, _percentiles([t.ttft_s for t in done]), _percentiles(gaps),
-                          _percentiles(tpot), tokens / span if span > 0 else 0.0)
+                          _percentiles(tpot), tokens / span if span > 0 else 0.0, met,
+                          met / total if total else None, met / span_s if span_s else None)

@@ -137,13 +137,17 @@ class Roofline:
     def step_time(self, step: StepComposition) -> StepTime:
         """Predicted seconds of one step (per device of the group, which run in lockstep)."""
         hw, u = self.hw, self.unit_terms(step)
-        g, a, m = hw.gemm_efficiency, hw.attention_efficiency, hw.memory_efficiency
+        a, m = hw.attention_efficiency, hw.memory_efficiency
+        if hw.gemm_curve:
+            g, g_head = hw.gemm_efficiency_at(step.num_tokens), hw.gemm_efficiency_at(step.num_sampled)
+        else:
+            g = g_head = hw.gemm_efficiency
         both = max if hw.overlap else _add
         fixed = (hw.step_overhead_s + hw.host_per_step_s
                  + (hw.device_per_row_s + hw.host_per_row_s) * step.num_rows) if step.num_tokens else 0.0
         return StepTime(
             linear_s=both(u.linear_compute_s / g, u.linear_memory_s / m),
-            lm_head_s=both(u.lm_head_compute_s / g, u.lm_head_memory_s / m),
+            lm_head_s=both(u.lm_head_compute_s / g_head, u.lm_head_memory_s / m),
             prefill_attention_s=u.prefill_attention_s / a,
             decode_attention_s=both(u.decode_attention_compute_s / a, u.decode_attention_memory_s / m),
             allreduce_s=u.allreduce_s,
@@ -162,5 +166,9 @@ class Roofline:
         free = usable - d.num_params * hw.dtype_bytes / tp
         if free <= 0:
             raise ValueError(f"{d.name} on {tp} x {hw.name}: the weights do not fit ({d.num_params / 1e9:.1f}B params)")
-        per_token = 2 * d.num_layers * max(1, d.num_kv_heads // tp) * d.head_dim * hw.dtype_bytes
-        return int(free // per_token)
+        return int(free // self.kv_bytes_per_token())
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes on each device of the group."""
+        d = self.dims
+        return 2 * d.num_layers * max(1, d.num_kv_heads // self.tp) * d.head_dim * self.hw.dtype_bytes

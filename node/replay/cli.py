@@ -88,11 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="replay only requests arriving in the first S seconds (after "
                             "--time-scale)")
 
-    classes = parser.add_argument_group("traffic classes (x-cadenza-class header)")
+    classes = parser.add_argument_group("traffic classes (x-cadenza-class header; either option overrides a "
+                                        "trace's class column, and a trace's tenant column is sent as "
+                                        "x-cadenza-tenant)")
     pick = classes.add_mutually_exclusive_group()
     pick.add_argument("--class", dest="traffic_class", choices=CLASSES, default=None,
                       metavar="NAME", help=f"send every request as class NAME ({', '.join(CLASSES)}); "
-                                           "default: send no class header")
+                                           "default: the trace's class column, else no class header")
     pick.add_argument("--batch-above", type=int, default=None, metavar="N",
                       help="send prompts of N or more tokens as 'batch', the others as "
                            "'interactive'")

@@ -100,6 +100,7 @@ class RequestRecord:
         prompt_tokens: from the usage chunk, else None.
         completion_tokens: from the usage chunk, else the number of text-carrying chunks.
         traffic_class: the ``x-cadenza-class`` sent (JSON key ``class``), or None when none was.
+        tenant: the ``x-cadenza-tenant`` sent (the trace's ``tenant``), or None.
         trace_id: the trace id of the ``traceparent`` sent (32 hex digits).
     """
 
@@ -116,6 +117,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     traffic_class: str | None = None
+    tenant: str | None = None
     trace_id: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -203,7 +205,7 @@ async def send_request(session: aiohttp.ClientSession, config: ReplayConfig,
     url = config.base_url.rstrip("/") + ENDPOINT_PATHS[config.endpoint]
     payload = build_payload(config, prompt, record.output_len)
     traceparent, record.trace_id = new_traceparent()
-    headers = request_headers(config.api_key, record.traffic_class, traceparent)
+    headers = request_headers(config.api_key, record.traffic_class, traceparent, record.tenant)
     sent = time.perf_counter()
     record.start_s = sent - clock_zero
     last: float | None = None
@@ -279,8 +281,8 @@ async def replay(
     """
     if len(requests) != len(prompts):
         raise ValueError(f"{len(requests)} requests but {len(prompts)} prompts")
-    records = [RequestRecord(i, r.arrival_s, r.input_len, r.output_len,
-                             traffic_class=config.classes.class_for(r.input_len))
+    records = [RequestRecord(i, r.arrival_s, r.input_len, r.output_len,  # a --class rule wins over the trace's
+                             traffic_class=config.classes.class_for(r.input_len) or r.traffic_class, tenant=r.tenant)
                for i, r in enumerate(requests)]
 
     async def one(record: RequestRecord, prompt: str, session: aiohttp.ClientSession,

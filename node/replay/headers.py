@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cadenza.node.core.policy import CLASSES
-from cadenza.node.wire import CLASS_HEADER, TRACEPARENT_HEADER
+from cadenza.node.wire import CLASS_HEADER, TENANT_HEADER, TRACEPARENT_HEADER
 
 
 
@@ -74,11 +74,13 @@ def new_traceparent() -> TraceParent:
 
 
 def request_headers(api_key: str | None = None, traffic_class: str | None = None,
-                    traceparent: str | None = None) -> dict[str, str]:
-    """HTTP headers for one request: bearer auth, class and trace context, each when given."""
+                    traceparent: str | None = None, tenant: str | None = None) -> dict[str, str]:
+    """HTTP headers for one request: bearer auth, class, tenant and trace context, each when given."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if traffic_class is not None:
         headers[CLASS_HEADER] = traffic_class
+    if tenant is not None:
+        headers[TENANT_HEADER] = tenant
     if traceparent is not None:
         headers[TRACEPARENT_HEADER] = traceparent
     return headers

@@ -8,6 +8,10 @@ Two formats are read, detected from the first non-blank line:
 - **JSONL** as in public traces such as Mooncake's: one object a line with ``timestamp``
   (milliseconds), ``input_length`` and ``output_length`` (tokens); other keys ignored.
 
+Either may also say who sent each request: a ``class`` column or key (``interactive``,
+``batch``, ``background``: the ``x-cadenza-class`` it goes as) and a ``tenant`` (the
+``x-cadenza-tenant``); an empty value, or none, leaves the request to the replay's defaults.
+
 A trace carries no text, only arrival times and lengths. Arrivals become offsets in seconds from
 the first request, sorted. ``scale_trace`` stretches time, scales and caps lengths, and keeps a
 prefix of the trace; it says what it did in a :class:`TraceScaling`, which every report repeats.
@@ -22,8 +26,11 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from cadenza.node.core.policy import CLASSES
+
 CSV_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 JSONL_KEYS = ("timestamp", "input_length", "output_length")
+OPTIONAL_COLUMNS = ("class", "tenant")  # CSV columns and JSONL keys alike
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
@@ -35,11 +42,15 @@ class TraceRequest:
         arrival_s: arrival time in seconds after the trace's first request (≥ 0).
         input_len: prompt length in tokens (≥ 0 as loaded; ≥ 1 after :func:`scale_trace`).
         output_len: output length in tokens (≥ 0 as loaded; ≥ 1 after :func:`scale_trace`).
+        traffic_class: the trace's class for it (one of ``CLASSES``), or None.
+        tenant: the trace's tenant for it, or None.
     """
 
     arrival_s: float
     input_len: int
     output_len: int
+    traffic_class: str | None = None
+    tenant: str | None = None
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
@@ -64,11 +75,25 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
         raise ValueError(f"{path}: the trace holds no requests")
     rows.sort(key=lambda row: row[0])
     t0 = rows[0][0]
-    return [TraceRequest((t - t0) / 1e6, n_in, n_out) for t, n_in, n_out in rows]
+    return [TraceRequest((t - t0) / 1e6, n_in, n_out, cls, tenant) for t, n_in, n_out, cls, tenant in rows]
 
 
-def _parse_csv(path: Path, lines: list[str]) -> list[tuple[float, int, int]]:
-    """Rows of (arrival in microseconds, input tokens, output tokens)."""
+_Row = tuple[float, int, int, "str | None", "str | None"]
+
+
+def _who(cls: Any, tenant: Any, where: str) -> tuple[str | None, str | None]:
+    """The optional class and tenant of a row: None when absent or empty."""
+    cls = None if cls in (None, "") else cls
+    tenant = None if tenant in (None, "") else tenant
+    if cls is not None and cls not in CLASSES:
+        raise ValueError(f"{where}: bad class {cls!r} (expected one of {', '.join(CLASSES)})")
+    if tenant is not None and not isinstance(tenant, str):
+        raise ValueError(f"{where}: bad tenant {tenant!r} (expected a string)")
+    return cls, tenant
+
+
+def _parse_csv(path: Path, lines: list[str]) -> list[_Row]:
+    """Rows of (arrival in microseconds, input tokens, output tokens, class, tenant)."""
     reader = csv.reader(lines)
     header = next(reader)
     missing = [c for c in CSV_COLUMNS if c not in header]
@@ -78,6 +103,7 @@ def _parse_csv(path: Path, lines: list[str]) -> list[tuple[float, int, int]]:
             f"(expected columns {', '.join(CSV_COLUMNS)})"
         )
     i_ts, i_in, i_out = (header.index(c) for c in CSV_COLUMNS)
+    i_cls, i_tenant = (header.index(c) if c in header else None for c in OPTIONAL_COLUMNS)
     rows = []
     for lineno, fields in enumerate(reader, start=2):
         if not fields or not "".join(fields).strip():
@@ -89,8 +115,10 @@ def _parse_csv(path: Path, lines: list[str]) -> list[tuple[float, int, int]]:
             t = _microseconds(fields[i_ts])
         except ValueError:
             raise ValueError(f"{where}: bad TIMESTAMP {fields[i_ts]!r}") from None
+        who = _who(fields[i_cls].strip() if i_cls is not None else None,
+                   fields[i_tenant].strip() if i_tenant is not None else None, where)
         rows.append((t, _length(fields[i_in], "ContextTokens", where),
-                     _length(fields[i_out], "GeneratedTokens", where)))
+                     _length(fields[i_out], "GeneratedTokens", where), *who))
     return rows
 
 
@@ -104,8 +132,8 @@ def _microseconds(timestamp: str) -> int:
     return (dt - _EPOCH) // timedelta(microseconds=1)
 
 
-def _parse_jsonl(path: Path, lines: list[str]) -> list[tuple[float, int, int]]:
-    """Rows of (arrival in microseconds, input tokens, output tokens)."""
+def _parse_jsonl(path: Path, lines: list[str]) -> list[_Row]:
+    """Rows of (arrival in microseconds, input tokens, output tokens, class, tenant)."""
     rows = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
@@ -124,7 +152,8 @@ def _parse_jsonl(path: Path, lines: list[str]) -> list[tuple[float, int, int]]:
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts != ts:
             raise ValueError(f"{where}: bad timestamp {ts!r} (expected milliseconds)")
         rows.append((ts * 1000, _length(obj["input_length"], "input_length", where),
-                     _length(obj["output_length"], "output_length", where)))
+                     _length(obj["output_length"], "output_length", where),
+                     *_who(obj.get("class"), obj.get("tenant"), where)))
     return rows
 
 
@@ -250,7 +279,7 @@ def scale_trace(
         if num_requests is not None and len(kept) >= num_requests:
             break
         kept.append(TraceRequest(arrival, length(r.input_len, max_input_len),
-                                 length(r.output_len, max_output_len)))
+                                 length(r.output_len, max_output_len), r.traffic_class, r.tenant))
     n = max(len(kept), 1)
     scaling = TraceScaling(
         time_scale=time_scale,

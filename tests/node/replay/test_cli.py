@@ -285,3 +285,22 @@ def test_bench_output_written_in_the_repository_root_is_git_ignored():
         assert ignored(path), path
     for path in ("bench/classes.py", "node/replay/cli.py", "docs/img/ttft_itl_over_time.png"):
         assert not ignored(path), path
+
+
+def test_cli_sends_the_traces_class_and_tenant_columns(
+        tmp_path, threaded_base_url, fake_app, fake, byte_tokenizer_path):
+    trace = tmp_path / "classes.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": i, "output_length": o, "class": c,
+                                         "tenant": n}) + "\n"
+                             for t, i, o, c, n in [(0, 12, 3, "batch", "etl"), (50, 25, 2, "interactive", "chat")]))
+    out = tmp_path / "bench.json"
+    assert cli.main(_argv(trace, threaded_base_url, byte_tokenizer_path, "--json", str(out))) == 0
+    sent = {len(h["prompt"]): (h["headers"]["x-cadenza-class"], h["headers"]["x-cadenza-tenant"])
+            for h in fake_app[fake.RECEIVED_HEADERS]}
+    assert sent == {12: ("batch", "etl"), 25: ("interactive", "chat")}
+    assert [(r["class"], r["tenant"]) for r in json.loads(out.read_text())["requests"]] == [
+        ("batch", "etl"), ("interactive", "chat")]
+    # a --class given on the command line wins over the trace's
+    assert cli.main(_argv(trace, threaded_base_url, byte_tokenizer_path, "--class", "background",
+                          "--json", str(out))) == 0
+    assert {r["class"] for r in json.loads(out.read_text())["requests"]} == {"background"}

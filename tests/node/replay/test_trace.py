@@ -175,3 +175,24 @@ def test_scaling_description_reports_what_was_done():
 def test_invalid_scaling_options_are_rejected(options):
     with pytest.raises(ValueError):
         scale_trace(TRACE, **options)
+
+
+def test_class_and_tenant_columns_are_read_when_present(tmp_path):
+    path = _jsonl(tmp_path, [{"timestamp": 0, "input_length": 5, "output_length": 2, "class": "batch",
+                              "tenant": "etl"},
+                             {"timestamp": 10, "input_length": 6, "output_length": 3, "class": ""},
+                             {"timestamp": 20, "input_length": 7, "output_length": 4}])
+    loaded = load_trace(path)
+    assert [(r.traffic_class, r.tenant) for r in loaded] == [("batch", "etl"), (None, None), (None, None)]
+    scaled = scale_trace(loaded, time_scale=2.0, length_scale=2.0).requests
+    assert (scaled[0].traffic_class, scaled[0].tenant, scaled[0].input_len) == ("batch", "etl", 10)
+    csv = tmp_path / "trace.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens,class,tenant\n"
+                   "2023-11-16 18:15:46.0,10,2,interactive,chat\n2023-11-16 18:15:47.0,11,3,,\n")
+    assert [(r.traffic_class, r.tenant) for r in load_trace(csv)] == [("interactive", "chat"), (None, None)]
+
+
+def test_an_unknown_class_in_a_trace_names_the_line(tmp_path):
+    path = _jsonl(tmp_path, [{"timestamp": 0, "input_length": 5, "output_length": 2, "class": "urgent"}])
+    with pytest.raises(ValueError, match=r"trace.jsonl:1: bad class 'urgent'"):
+        load_trace(path)

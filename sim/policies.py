@@ -1,0 +1,128 @@
+"""The policies ``cadenza sim --compare`` runs side by side: one ServingPool's replicas, hardware
+and engine knobs under each way of scheduling them, on the same trace and cost model.
+
+- ``prefill-first``: whole prompts first, decodes wait, no chunking (vLLM V0's default;
+  :class:`~cadenza.sim.baselines.PrefillFirstScheduler`), every replica serving every class;
+- ``chunked-fcfs``: chunked prefill with every request in one class (Sarathi-Serve);
+- ``chunked-classes``: chunked prefill with the trace's traffic classes, decode reservation and
+  fair queuing (cadenza's colocated mode);
+- ``dedicated``: interactive-only replicas beside batch ones (``spec.dedicated.interactiveReplicas``,
+  else half the pool), a static split;
+- ``auto``: cadenza's hybrid mode, its controller moving replicas and retuning knobs at run time.
+
+Each is the pool document with its ``spec.mode`` (and, for the split, ``spec.dedicated``) set,
+laid out by :func:`cadenza.sim.pool.fleet_layout` as ``cadenza up`` would run it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cadenza.node.core.scheduler import Scheduler
+from cadenza.node.replay.trace import TraceRequest
+from cadenza.sim.baselines import PrefillFirstScheduler
+from cadenza.sim.control import SimController
+from cadenza.sim.fleet import Fleet, FleetResult
+from cadenza.sim.pool import FleetLayout, fleet_layout
+from cadenza.sim.roofline import Roofline
+
+POLICIES = ("prefill-first", "chunked-fcfs", "chunked-classes", "dedicated", "auto")
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """One way of running the pool.
+
+    Attributes:
+        name: one of :data:`POLICIES`.
+        layout: its replicas, roles, knobs and (``auto``) controller.
+        scheduler_cls: the replicas' scheduler.
+        one_class: send every request as ``interactive`` (the trace's classes ignored).
+    """
+
+    name: str
+    layout: FleetLayout
+    scheduler_cls: type[Scheduler] = Scheduler
+    one_class: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyRun:
+    """A policy's run: the fleet's result, the fleet, and the controller (``auto``; None otherwise)."""
+
+    policy: str
+    result: FleetResult
+    fleet: Fleet
+    controller: SimController | None
+
+    @property
+    def goodput_rps(self) -> float:
+        """Requests per second within their class's SLO, over every class."""
+        return sum(s.goodput_rps or 0.0 for s in self.result.by_class.values())
+
+    @property
+    def reshapes(self) -> int:
+        return sum(1 for a in self.controller.actions if a.acted and a.action == "reshape") if self.controller else 0
+
+
+def _with_mode(pool: Mapping[str, Any], mode: str) -> dict:
+    doc = copy.deepcopy(dict(pool))
+    spec = doc["spec"]
+    spec["mode"] = mode
+    if mode == "dedicated":
+        replicas = int(spec.get("replicas", 1))
+        dedicated = dict(spec.get("dedicated") or {})
+        dedicated.setdefault("interactiveReplicas", max(1, replicas // 2))
+        spec["dedicated"] = dedicated
+    return doc
+
+
+def policies(pool: Mapping[str, Any], roofline: Roofline, names: Sequence[str] = POLICIES) -> list[Policy]:
+    """The named policies of ``pool`` (a validated ServingPool document); ``dedicated`` is left
+    out of a one-replica pool, which cannot be split.
+
+    Raises:
+        ValueError: an unknown policy name, or a pool the engine refuses.
+    """
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}: choose from {', '.join(POLICIES)}")
+    out = []
+    for name in names:
+        if name == "dedicated":
+            if int(pool["spec"].get("replicas", 1)) < 2:
+                continue
+            out.append(Policy(name, fleet_layout(_with_mode(pool, "dedicated"), roofline)))
+        elif name == "auto":
+            out.append(Policy(name, fleet_layout(_with_mode(pool, "auto"), roofline)))
+        else:
+            layout = fleet_layout(_with_mode(pool, "colocated"), roofline)
+            if name == "prefill-first":  # whole prompts: no chunk cap, a budget of the longest one
+                configs = {n: dataclasses.replace(c, chunk_size=None, token_budget=max(c.token_budget, c.max_model_len))
+                           for n, c in layout.configs.items()}
+                out.append(Policy(name, dataclasses.replace(layout, configs=configs), PrefillFirstScheduler, True))
+            else:
+                out.append(Policy(name, layout, one_class=name == "chunked-fcfs"))
+    return out
+
+
+def run_policy(policy: Policy, trace: Sequence[TraceRequest], roofline: Roofline,
+               on_done=None, **controller_args: float) -> PolicyRun:
+    """Replay ``trace`` under ``policy`` (``controller_args``: :class:`SimController` delays).
+
+    Raises:
+        RuntimeError: a replica stopped making progress.
+    """
+    layout = policy.layout
+    fleet = Fleet(layout.roles, layout.configs, roofline, block_size=layout.block_size,
+                  scheduler_cls=policy.scheduler_cls, num_blocks=layout.num_blocks, slo=layout.slo)
+    controller = None
+    if layout.controller is not None:
+        controller = SimController(layout.controller, **controller_args)
+        controller.attach(fleet)
+    classes = ["interactive"] * len(trace) if policy.one_class else None  # reported by the trace's all the same
+    return PolicyRun(policy.name, fleet.run(trace, classes, on_done=on_done), fleet, controller)
