@@ -49,6 +49,8 @@ bench: model
 	$(BIN)/python -m bench.frontend_overhead
 	$(BIN)/python -m bench.engine_process
 	$(BIN)/python -m bench.sim_capacity
+	$(BIN)/python -m bench.sim_validation
+	$(BIN)/python -m bench.sim_hybrid
 	$(BIN)/python -m bench.decode_speed
 
 # On a machine with a CUDA GPU: native kernel tests, attention bandwidth/throughput, engine step.

@@ -36,9 +36,12 @@ from cadenza.sim.roofline import Roofline
 
 CODE_TRACE = ROOT / "data" / "traces" / "azure2023" / "AzureLLMInferenceTrace_code.csv"
 REPLICAS = 8
-DURATION_S = 3600.0
-CONV_RATE = 4.0
-BURST_EVERY_S, BURST_S, BURST_RATE = 600.0, 120.0, 8.0
+DURATION_S = 600.0
+CONV_RATE = 32
+BURST_S, BURST_RATE = 200.0, 4.0
+BURSTS = (200.0,)  # burst starts (s)
+DEDICATED_CHUNK = 256
+SPLITS = (5, 6, 7)  # interactive replicas of the dedicated shapes tried (fewer starve interactive further)
 SLO = {"interactive": {"ttftP99Ms": 1000, "itlP99Ms": 50}, "batch": {"ttftP99Ms": 60000}}
 POOL = {
     "apiVersion": "serving.cadenza.dev/v1alpha1", "kind": "ServingPool",
@@ -46,27 +49,33 @@ POOL = {
     "spec": {"model": {"name": "Llama-3.1-8B-Instruct", "source": {"path": "/models/llama"}},
              "replicas": REPLICAS, "mode": "colocated",
              "engine": {"tokenBudget": 2048, "chunkSize": 1024, "maxNumSeqs": 256, "maxModelLen": 16384},
-             "slo": SLO},
+             "slo": SLO,
+             "controller": {"fastWindowSeconds": 20, "windowSeconds": 60, "cooldownSeconds": 120, "minSamples": 200,
+                            "bounds": {"chunkSize": {"min": 128, "max": 1024}}}},
 }
 
 
-def workload(bursts: bool = True) -> list[TraceRequest]:
-    """The conversation trace as interactive, with (``bursts``) the code trace's bursts as batch."""
-    conv = [TraceRequest(r.arrival_s / CONV_RATE, r.input_len, r.output_len, "interactive", "chat")
-            for r in load_trace(CONV_TRACE)]
-    out = [r for r in conv if r.arrival_s < DURATION_S]
+def workload(bursts: bool = True, duration_s: float = DURATION_S) -> list[TraceRequest]:
+    """The conversation trace as interactive (``CONV_RATE`` copies of its hour overlaid, each
+    shifted by an equal share of it), with (``bursts``) the code trace's bursts as batch."""
+    conv = load_trace(CONV_TRACE)
+    span = conv[-1].arrival_s
+    out = [TraceRequest((r.arrival_s + k * span / CONV_RATE) % span, r.input_len, r.output_len, "interactive", "chat")
+           for k in range(int(CONV_RATE)) for r in conv]
+    out = [r for r in out if r.arrival_s < duration_s]
     if bursts:
         code = load_trace(CODE_TRACE)
-        t, i = 0.0, 0
-        while t < DURATION_S:
-            start = t + BURST_EVERY_S / 2
+        i = 0
+        for start in BURSTS:
+            if start >= duration_s:
+                break
+            i %= len(code) - 1  # past its end, the code trace starts over
             offset = code[i].arrival_s
             while i < len(code) and (code[i].arrival_s - offset) / BURST_RATE < BURST_S:
                 r = code[i]
                 out.append(TraceRequest(start + (r.arrival_s - offset) / BURST_RATE, r.input_len, r.output_len,
                                         "batch", "code"))
                 i += 1
-            t += BURST_EVERY_S
     out = [r for r in out if r.input_len + r.output_len <= 16384 and r.input_len > 0]
     return sorted(out, key=lambda r: r.arrival_s)
 
@@ -74,19 +83,17 @@ def workload(bursts: bool = True) -> list[TraceRequest]:
 def pool(mode: str, interactive: int | None = None) -> dict:
     doc = copy.deepcopy(POOL)
     doc["spec"]["mode"] = mode
-    if interactive is not None:
-        doc["spec"]["dedicated"] = {"interactiveReplicas": interactive}
+    if interactive is not None:  # interactive replicas with small chunks, as a dedicated pool is meant to run
+        doc["spec"]["dedicated"] = {"interactiveReplicas": interactive, "engine": {"chunkSize": DEDICATED_CHUNK}}
     return doc
 
 
 def run(name: str, doc: dict, trace: list[TraceRequest], model: Roofline) -> PolicyRun:
     started = time.perf_counter()
     result = run_policy(Policy(name, fleet_layout(doc, model)), trace, model)
-    s = result.result.by_class
-    print(f"{name:>22}: goodput {result.goodput_rps:.2f} req/s; interactive SLO met "
-          f"{100 * (s['interactive'].slo_attainment or 0):.1f} %, batch "
-          f"{100 * (s['batch'].slo_attainment or 0):.1f} %" if "batch" in s else "",
-          f"{result.result.dropped} dropped, {result.reshapes} reshapes ({time.perf_counter() - started:.0f} s)")
+    met = ", ".join(f"{cls} {100 * (s.slo_attainment or 0):.1f} %" for cls, s in result.result.by_class.items())
+    print(f"{name:>22}: goodput {result.goodput_rps:.2f} req/s; SLO met {met}; {result.result.dropped} dropped, "
+          f"{result.reshapes} reshapes ({time.perf_counter() - started:.0f} s)")
     return result
 
 
@@ -97,7 +104,7 @@ def main() -> None:
     print(f"{len(trace)} requests over {DURATION_S:.0f} s: {sum(r.traffic_class == 'batch' for r in trace)} batch "
           f"in bursts of {BURST_S:.0f} s every {BURST_EVERY_S:.0f} s")
     runs = {"colocated": run("colocated", pool("colocated"), trace, model)}
-    for k in range(1, REPLICAS):
+    for k in SPLITS:
         runs[f"dedicated {k}+{REPLICAS - k}"] = run(f"dedicated {k}+{REPLICAS - k}", pool("dedicated", k), trace, model)
     auto = run("auto", pool("auto"), trace, model)
     best_name = max(runs, key=lambda n: runs[n].goodput_rps)

@@ -21,6 +21,7 @@ The replica count is not the controller's; start-up delays of new replicas do no
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -48,7 +49,7 @@ class Action:
 def _histogram(times: list[float], values: list[float], start: float, end: float,
                bounds: tuple[float, ...]) -> Histogram:
     """The observations with time in ``(start, end]``, as cumulative bucket counts."""
-    lo, hi = np.searchsorted(times, [start, end], side="right")
+    lo, hi = bisect.bisect_right(times, start), bisect.bisect_right(times, end)  # the lists grow: no copy
     window = np.sort(np.asarray(values[lo:hi], dtype=np.float64))
     cumulative = np.searchsorted(window, bounds, side="right").astype(float)
     return Histogram(bounds, (*cumulative.tolist(), float(len(window))))

@@ -46,8 +46,10 @@ class StepCostModel:
     """
 
     def __init__(self, window: int = 256, refit_every: int = 8) -> None:
-        self._x: deque[list[float]] = deque(maxlen=window)
-        self._y: deque[float] = deque(maxlen=window)
+        # a ring of the last ``window`` steps, kept as arrays (the fit reads them without copying)
+        self._x = np.zeros((window, 5))
+        self._y = np.zeros(window)
+        self._n = self._next = 0
         self._errors: deque[float] = deque(maxlen=window)
         self._refit_every = refit_every
         self._since_fit = 0
@@ -69,15 +71,17 @@ class StepCostModel:
         predicted = self.predict(features)
         if predicted is not None and seconds > 0:
             self._errors.append(abs(predicted - seconds) / seconds)
-        self._x.append(features.vector())
-        self._y.append(seconds)
+        i = self._next
+        self._x[i] = features.vector()
+        self._y[i] = seconds
+        self._next = (i + 1) % len(self._y)
+        self._n = min(self._n + 1, len(self._y))
         self._since_fit += 1
-        if len(self._y) >= _MIN_OBSERVATIONS and (self.coef is None or self._since_fit >= self._refit_every):
+        if self._n >= _MIN_OBSERVATIONS and (self.coef is None or self._since_fit >= self._refit_every):
             self._fit()
 
     def _fit(self) -> None:
-        x = np.asarray(self._x, dtype=np.float64)
-        y = np.asarray(self._y, dtype=np.float64)
+        x, y = self._x[:self._n], self._y[:self._n]
         scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # columns to comparable magnitudes
         xs = x / scale
         ridge = 1e-6 * len(y)

@@ -64,3 +64,28 @@ def test_bad_arguments_are_refused():
         simulate_fleet(trace(2, 1), {"interactive": ["a"]}, {}, MODEL)
     with pytest.raises(ValueError, match="classes"):
         simulate_fleet(trace(2, 1), {"interactive": ["a"]}, {"a": CONFIG}, MODEL, classes=["batch"])
+
+
+def test_the_result_counts_slo_attainment_goodput_kv_and_preemptions():
+    requests = [replace(r, traffic_class="batch" if i % 3 == 2 else "interactive", tenant=f"t{i % 2}")
+                for i, r in enumerate(trace(90, 0.01))]
+    slo = {"interactive": {"ttftP99Ms": 150, "itlP99Ms": 40}, "batch": {"ttftP99Ms": 60000}}
+    # a small KV pool: preemptions happen, and usage nears the top
+    fleet = Fleet({"interactive": ["a"], "batch": ["a"]}, {"a": CONFIG}, MODEL, num_blocks=120, slo=slo)
+    result = fleet.run(requests)
+    inter, batch = result.by_class["interactive"], result.by_class["batch"]
+    assert (inter.requests, batch.requests) == (60, 30)  # classes from the trace's column
+    assert batch.slo_met == 30 and batch.slo_attainment == 1.0  # only a loose TTFT target
+    assert 0 < inter.slo_met < 60 and inter.slo_attainment == inter.slo_met / 60
+    assert inter.goodput_rps == pytest.approx(inter.slo_met / result.span_s)
+    assert sum(result.preemptions.values()) > 0 and 0.5 < result.kv_usage["peak"] <= 1.0
+    assert 0 < result.kv_usage["mean"] < result.kv_usage["peak"]
+    over_time = fleet.attainment_over_time(0.5)
+    assert set(over_time) == {"interactive", "batch"} and all(0 <= a <= 1 for _t, a in over_time["interactive"])
+    assert {r.tenant for r in fleet.replicas["a"].scheduler.requests.values()} <= {"t0", "t1"}
+
+
+def test_requests_sent_as_one_class_are_reported_under_the_traces():
+    requests = [replace(r, traffic_class="batch" if i % 2 else "interactive") for i, r in enumerate(trace(20, 0.05))]
+    result = Fleet({"interactive": ["a"]}, {"a": CONFIG}, MODEL).run(requests, classes=["interactive"] * 20)
+    assert result.by_class["interactive"].requests == result.by_class["batch"].requests == 10

@@ -11,7 +11,7 @@ from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.roofline import Roofline
 from cadenza.sim.fleet import simulate_replica
 from cadenza.sim.report import LatencySummary
-from cadenza.sim.sweep import capacity_at_slo, slo_met
+from cadenza.sim.sweep import at_rate, capacity_at_slo, pool_slo_met, slo_met
 
 
 def summary(itl_p99: float, rejected: int = 0) -> LatencySummary:
@@ -46,3 +46,21 @@ def test_more_hardware_bandwidth_buys_capacity_in_the_simulator():
     targets = {"itl_ms": ("p99", 60.0), "ttft_ms": ("p50", 1000.0)}
     a100, h200 = (capacity_at_slo(at(hw), targets, 1.0, 2.0, tolerance=0.05).rate for hw in ("a100-80g", "h200"))
     assert a100 > 1.0 and h200 > 1.5 * a100
+
+
+def test_at_rate_scales_arrivals_and_keeps_who_sent_them():
+    base = [TraceRequest(float(i), 10, 5, "batch", "etl") for i in range(11)]
+    fast = at_rate(base, 5.0)  # 10 gaps over 2 s
+    assert fast[-1].arrival_s == pytest.approx(2.0) and fast[3].traffic_class == "batch" and fast[3].tenant == "etl"
+    with pytest.raises(ValueError, match="spread over time"):
+        at_rate(base[:1], 1.0)
+
+
+def test_a_pool_slo_is_met_only_with_nothing_dropped_and_every_class_within_it():
+    from cadenza.sim.fleet import FleetResult
+
+    ok = summary(40.0)
+    slo = {"interactive": {"ttftP99Ms": 5, "itlP99Ms": 50}, "batch": {"ttftP99Ms": 1}}
+    assert pool_slo_met(FleetResult({"interactive": ok}, 0, {}), slo)  # no batch requests: not judged
+    assert not pool_slo_met(FleetResult({"interactive": summary(60.0)}, 0, {}), slo)
+    assert not pool_slo_met(FleetResult({"interactive": ok}, 1, {}), slo)
