@@ -12,6 +12,10 @@
    Target on Hopper: >= 0.7x SDPA.
 4. **One engine step**: SmolLM2-135M-Instruct, bf16, 32 decoding requests (512-token prompts) plus
    a 512-token prefill chunk, Triton backend against torch backend (median of several steps).
+5. **A step table for the simulator**: the same engine (Triton backend) through waves of requests
+   of mixed lengths, each step's composition and seconds written to ``gpu-steps.jsonl`` (the
+   step log's format): ``cadenza sim calibrate --steps gpu-steps.jsonl --model smollm2-135m
+   --base h100-sxm --out my-gpu.json`` fits a profile of this GPU from it.
 
 Prints each figure and, last, one JSON line with ``benchmark``, ``ratio`` (decode bandwidth
 fraction), ``target`` and the other ratios.
@@ -142,6 +146,44 @@ def engine_step() -> dict:
     return {"triton_ms": round(times["triton"], 2), "torch_ms": round(times["torch"], 2), "speedup": round(speedup, 3)}
 
 
+def step_table(path: Path, device: str = "cuda", max_steps: int = 3000) -> dict:
+    """Waves of random requests (prompts 16-4,096 tokens, outputs 1-256, 1 to 128 at once)
+    through the engine, every step logged to ``path`` as ``cadenza serve --step-log`` logs it."""
+    import random
+
+    from cadenza.node.core.request import SamplingParams
+    from cadenza.node.embedded import ensure_embedded_model
+    from cadenza.node.frontend.llm import Engine
+    from cadenza.node.frontend.step_log import StepLog
+
+    engine = Engine.from_model(ensure_embedded_model(), device=device, dtype="bfloat16" if device == "cuda" else "auto",
+                               token_budget=2048, chunk_size=1024, max_num_seqs=256, kv_cache_bytes=4 << 30,
+                               prefix_caching=False)
+    path.unlink(missing_ok=True)
+    log = StepLog(path)
+
+    class Observer:
+        @staticmethod
+        def on_step(record, _now):
+            log.write(record)
+
+    engine.observer = Observer()
+    rng, steps, wave = random.Random(0), 0, 0
+    while steps < max_steps:
+        for i in range(rng.choice([1, 4, 16, 64, 128])):
+            prompt = [rng.randrange(100, 40000) for _ in range(int(2 ** rng.uniform(4, 12)))]
+            engine.add_request(f"w{wave}-{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 256), temperature=0,
+                                                                      ignore_eos=True))
+        while engine.has_unfinished_requests() and steps < max_steps:
+            engine.step()
+            steps += 1
+        wave += 1
+    log.close()
+    print(f"step table: {steps} steps in {wave} waves -> {path} (cadenza sim calibrate --steps {path} "
+          f"--model smollm2-135m --base h100-sxm --out my-gpu.json)")
+    return {"steps": steps, "path": str(path)}
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -151,7 +193,8 @@ def main() -> int:
 
     result: dict = {"benchmark": "gpu_check", "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name, fn in (("kernel_tests", kernel_tests), ("decode", lambda: decode_bandwidth(do_bench)),
-                     ("prefill", lambda: prefill_throughput(do_bench)), ("engine_step", engine_step)):
+                     ("prefill", lambda: prefill_throughput(do_bench)), ("engine_step", engine_step),
+                     ("step_table", lambda: step_table(Path("gpu-steps.jsonl")))):
         try:
             result[name] = fn()
         except Exception as exc:  # report every section even if one fails

@@ -1,20 +1,28 @@
 """Hybrid mode at fleet scale, in the simulator: ``python -m bench.sim_hybrid``.
 
 Eight replicas of Llama-3.1-8B on H100 (the data-sheet profile) serve a bursty mixed workload
-from the Azure 2023 traces: the conversation trace as steady ``interactive`` traffic (its first
-hour at ``CONV_RATE`` times its rate) and bursts of the code trace as ``batch`` (every
-``BURST_EVERY_S``, ``BURST_S`` seconds of code-trace requests at ``BURST_RATE`` times the code
-trace's own rate, lengths as recorded). SLOs: interactive TTFT p99 <= 1 s and ITL p99 <= 50 ms,
-batch TTFT p99 <= 60 s (a request meets its SLO when its TTFT and its own p99 ITL are within its
-class's targets: vLLM's ``--goodput`` rule).
+from the Azure 2023 traces for 15 simulated minutes: the conversation trace as steady
+``interactive`` traffic (28 copies of its hour overlaid, each shifted by 1/28 of it: ~155 req/s,
+enough to need the whole pool) and, from 300 s to 500 s, a burst of the code trace as ``batch``
+(its requests at twice their recorded rate, lengths as recorded). SLOs: interactive TTFT p99 <=
+1 s and ITL p99 <= 50 ms, batch TTFT p99 <= 60 s; a request meets its SLO when its TTFT and its
+own p99 ITL are within its class's targets (vLLM's ``--goodput`` rule). The pool's engines run a
+2,048-token budget and 1,024-token chunks.
 
-Three shapes of the same pool, same trace, same cost model: static ``colocated`` (every replica
-serves both classes, chunked prefill with decode reservation), static ``dedicated`` (the best
-split of interactive-only and batch replicas, every split tried) and ``auto`` (the SLO
-controller moving replicas and retuning knobs at run time, with a 15 s scrape delay and a 10 s
-reshape delay). Reported: goodput (requests/s within SLO), per-class attainment, drops, and
-``auto``'s reshapes; then ``auto`` alone on a stationary segment (the conversation traffic with
-no bursts) for its reshapes per simulated hour.
+The same pool, trace and cost model in each shape:
+- static ``colocated``: every replica serves both classes, with chunked prefill and decode
+  reservation, at the pool's knobs;
+- static ``dedicated`` k+(8-k): interactive-only replicas with 128-token chunks (the floor
+  ``auto`` may retune to) beside batch ones, for k = 6 and 7 (fewer starve interactive further);
+- ``auto``: the SLO controller (fast and slow windows 20 s and 60 s, 15 s scrape delay, chunk
+  bounds 128-1,024, retune factor 0.25, 10 s reshape delay) retuning knobs and moving replicas at
+  run time, from the colocated shape at the pool's knobs.
+
+Reported: goodput (requests/s within SLO), per-class attainment, drops and reshapes; then
+``auto`` alone on a stationary segment (the same conversation traffic, no burst) for its
+reshapes per simulated hour; and, for reference, colocated at the knobs ``auto`` ended at. That
+last shape is not a static baseline: it shows how much of ``auto``'s gain comes from finding
+those knobs live.
 
 Targets (issue 13): ``auto`` goodput >= 1.3x the better static shape (``ratio``), zero dropped
 requests, <= 4 reshapes per simulated hour on the stationary segment. Last line JSON.
@@ -36,12 +44,12 @@ from cadenza.sim.roofline import Roofline
 
 CODE_TRACE = ROOT / "data" / "traces" / "azure2023" / "AzureLLMInferenceTrace_code.csv"
 REPLICAS = 8
-DURATION_S = 600.0
-CONV_RATE = 32
-BURST_S, BURST_RATE = 200.0, 4.0
-BURSTS = (200.0,)  # burst starts (s)
-DEDICATED_CHUNK = 256
-SPLITS = (5, 6, 7)  # interactive replicas of the dedicated shapes tried (fewer starve interactive further)
+DURATION_S = 900.0
+CONV_COPIES = 28
+BURST_S, BURST_RATE = 200.0, 2.0
+BURSTS = (300.0,)  # burst starts (s)
+DEDICATED_CHUNK = 128
+SPLITS = (6, 7)  # interactive replicas of the dedicated shapes tried (fewer starve interactive further)
 SLO = {"interactive": {"ttftP99Ms": 1000, "itlP99Ms": 50}, "batch": {"ttftP99Ms": 60000}}
 POOL = {
     "apiVersion": "serving.cadenza.dev/v1alpha1", "kind": "ServingPool",
@@ -51,17 +59,18 @@ POOL = {
              "engine": {"tokenBudget": 2048, "chunkSize": 1024, "maxNumSeqs": 256, "maxModelLen": 16384},
              "slo": SLO,
              "controller": {"fastWindowSeconds": 20, "windowSeconds": 60, "cooldownSeconds": 120, "minSamples": 200,
+                            "retuneFactor": 0.25,
                             "bounds": {"chunkSize": {"min": 128, "max": 1024}}}},
 }
 
 
 def workload(bursts: bool = True, duration_s: float = DURATION_S) -> list[TraceRequest]:
-    """The conversation trace as interactive (``CONV_RATE`` copies of its hour overlaid, each
+    """The conversation trace as interactive (``CONV_COPIES`` copies of its hour overlaid, each
     shifted by an equal share of it), with (``bursts``) the code trace's bursts as batch."""
     conv = load_trace(CONV_TRACE)
     span = conv[-1].arrival_s
-    out = [TraceRequest((r.arrival_s + k * span / CONV_RATE) % span, r.input_len, r.output_len, "interactive", "chat")
-           for k in range(int(CONV_RATE)) for r in conv]
+    out = [TraceRequest((r.arrival_s + k * span / CONV_COPIES) % span, r.input_len, r.output_len, "interactive", "chat")
+           for k in range(int(CONV_COPIES)) for r in conv]
     out = [r for r in out if r.arrival_s < duration_s]
     if bursts:
         code = load_trace(CODE_TRACE)
@@ -101,33 +110,44 @@ def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     model = Roofline(load_model_dims("llama-3.1-8b"), PROFILES["h100-sxm"])
     trace = workload()
-    print(f"{len(trace)} requests over {DURATION_S:.0f} s: {sum(r.traffic_class == 'batch' for r in trace)} batch "
-          f"in bursts of {BURST_S:.0f} s every {BURST_EVERY_S:.0f} s")
+    print(f"{len(trace)} requests over {DURATION_S:.0f} s, {sum(r.traffic_class == 'batch' for r in trace)} of them "
+          f"batch in a {BURST_S:.0f} s burst")
     runs = {"colocated": run("colocated", pool("colocated"), trace, model)}
     for k in SPLITS:
         runs[f"dedicated {k}+{REPLICAS - k}"] = run(f"dedicated {k}+{REPLICAS - k}", pool("dedicated", k), trace, model)
     auto = run("auto", pool("auto"), trace, model)
+    for a in auto.controller.actions:
+        print(f"    t={a.time_s:.0f} s {a.action}: {a.reason}")
     best_name = max(runs, key=lambda n: runs[n].goodput_rps)
     best = runs[best_name].goodput_rps
     ratio = auto.goodput_rps / best if best else float("inf")
     print(f"auto / best static ({best_name}): {ratio:.2f}x goodput (target >= 1.3)")
-    stationary = run("auto, no bursts", pool("auto"), workload(bursts=False), model)
+    stationary = run("auto, no burst", pool("auto"), workload(bursts=False), model)
     per_hour = stationary.reshapes / (DURATION_S / 3600.0)
-    print(f"auto on the stationary segment: {per_hour:.1f} reshapes per simulated hour (target <= 4)")
+    print(f"auto on the stationary segment: {stationary.reshapes} reshapes in {DURATION_S:.0f} s, "
+          f"{per_hour:.1f} per simulated hour (target <= 4)")
+    final = auto.fleet.replicas[next(iter(auto.fleet.replicas))].scheduler.config
+    reference = pool("colocated")
+    reference["spec"]["engine"]["chunkSize"] = final.chunk_size
+    known = run(f"colocated, chunk {final.chunk_size}", reference, trace, model)
+    print(f"for reference, colocated at auto's final chunk size: {known.goodput_rps:.2f} req/s "
+          f"(auto reaches {auto.goodput_rps / known.goodput_rps:.2f}x of it, finding it live)")
+    dropped = auto.result.dropped
     report({
         "benchmark": "sim_hybrid",
         "ratio": round(ratio, 3),
         "target": 1.3,
-        "goodput_rps": {**{n: round(r.goodput_rps, 3) for n, r in runs.items()}, "auto": round(auto.goodput_rps, 3)},
+        "goodput_rps": {**{n: round(r.goodput_rps, 2) for n, r in runs.items()}, "auto": round(auto.goodput_rps, 2),
+                        f"colocated, chunk {final.chunk_size} (reference)": round(known.goodput_rps, 2)},
         "best_static": best_name,
-        "dropped": {**{n: r.result.dropped for n, r in runs.items()}, "auto": auto.result.dropped},
-        "auto_reshapes": auto.reshapes,
+        "dropped": {**{n: r.result.dropped for n, r in runs.items()}, "auto": dropped},
+        "auto_actions": [(round(a.time_s), a.action, a.knobs or a.move) for a in auto.controller.actions if a.acted],
         "stationary_reshapes_per_hour": per_hour,
         "slo": SLO,
         "setup": {"model": "llama-3.1-8b", "hardware": "h100-sxm", "replicas": REPLICAS, "duration_s": DURATION_S,
-                  "conv_rate": CONV_RATE, "burst": {"every_s": BURST_EVERY_S, "length_s": BURST_S,
-                                                    "rate": BURST_RATE}},
-        "pass": ratio >= 1.3 and auto.result.dropped == 0 and per_hour <= 4,
+                  "conv_copies": CONV_COPIES, "burst": {"starts_s": BURSTS, "length_s": BURST_S, "rate": BURST_RATE}},
+        "prefix_caching": True, "prefix_cache_hit_rate": 0.0,
+        "pass": ratio >= 1.3 and dropped == 0 and per_hour <= 4,
         "machine": machine(),
     })
 
