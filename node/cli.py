@@ -161,6 +161,10 @@ def _serve(args: argparse.Namespace) -> int:
     if problem := listen_problem(args.host, args.port):  # before minutes of model loading
         logger.error("%s", problem)
         return 1
+    if args.step_log is not None:  # a bad path fails now, not once the server is up
+        from cadenza.node.frontend.step_log import StepLog
+
+        StepLog(args.step_log).close()
     timeouts = http_timeouts_from_args(args)
     threads = choose_threads(args.threads)
     config = engine_config_from_args(args)

@@ -51,7 +51,11 @@ from cadenza.sim.roofline import Roofline, StepComposition, UnitTerms
 TABLE_COLUMNS = ("prefill_tokens", "decode_tokens", "decode_context_tokens", "prefill_attention_tokens",
                  "num_rows", "num_sampled", "seconds")
 MAX_ROUNDS = 20
+POOR_FIT = 0.25  # a mean error above this is reported as a poor fit
 _TINY = 1e-12
+_FREE = 1e-9  # the inverse efficiency of a term the fit finds costs nothing (NNLS's zero, kept positive)
+_MAX_VALUE = 2.0 ** 53  # larger counts or seconds are not measurements
+_COUNTS = ("prefill_tokens", "decode_tokens", "decode_context_tokens", "num_rows", "num_sampled")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +78,8 @@ class Calibration:
         rounds: alternations until the active sides settled.
         mean_abs_error: mean ``|predicted - measured| / measured`` of the device time, over the table.
         p90_abs_error: its 90th percentile.
-        fixed: factors the table could not identify (kept from the base, or held where a fit
-            drove them to zero).
+        fixed: factors the table could not identify (no step has their term: kept from the base).
+        free: factors whose term the fit found to cost nothing (run at the full peak).
     """
 
     profile: HardwareProfile
@@ -84,6 +88,12 @@ class Calibration:
     mean_abs_error: float
     p90_abs_error: float
     fixed: tuple[str, ...]
+    free: tuple[str, ...] = ()
+
+    @property
+    def poor(self) -> bool:
+        """The fit misses the table by more than :data:`POOR_FIT` on average."""
+        return self.mean_abs_error > POOR_FIT
 
 
 def cpu_base(name: str = "cpu") -> HardwareProfile:
@@ -110,6 +120,8 @@ def load_step_table(path: str | Path) -> list[MeasuredStep]:
     path = Path(path)
     lines = path.read_text(encoding="utf-8").splitlines()
     first = next((line.strip() for line in lines if line.strip()), "")
+    if first.startswith("["):
+        raise ValueError(f"{path}:1: a step table holds one JSON object a line (or a CSV header), not a list")
     if first.startswith("{"):
         rows = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
         records = []
@@ -129,13 +141,17 @@ def load_step_table(path: str | Path) -> list[MeasuredStep]:
         if missing:
             raise ValueError(f"{path}:{n}: missing column(s) {', '.join(missing)} (need {', '.join(TABLE_COLUMNS)})")
         try:
+            if any(isinstance(record[c], bool) for c in TABLE_COLUMNS):
+                raise ValueError
             values = {c: float(record[c]) for c in TABLE_COLUMNS}
             host = record.get("host_seconds")
             host = None if host in (None, "") else float(host)
         except (TypeError, ValueError):
             raise ValueError(f"{path}:{n}: every column must be a number") from None
-        if any(not v >= 0 or v == float("inf") for v in values.values()) or (host is not None and not host >= 0):
-            raise ValueError(f"{path}:{n}: values must be finite and >= 0")
+        if not all(0 <= v <= _MAX_VALUE for v in values.values()) or (host is not None and not 0 <= host <= _MAX_VALUE):
+            raise ValueError(f"{path}:{n}: values must be finite, >= 0 and at most {_MAX_VALUE:g}")
+        if any(values[c] != int(values[c]) for c in _COUNTS):
+            raise ValueError(f"{path}:{n}: {', '.join(_COUNTS)} must be whole numbers")
         comp = StepComposition(int(values["prefill_tokens"]), int(values["decode_tokens"]),
                                int(values["decode_context_tokens"]), values["prefill_attention_tokens"],
                                int(values["num_rows"]), int(values["num_sampled"]))
@@ -192,17 +208,19 @@ def _design(terms: list[UnitTerms], steps: list[MeasuredStep], w: np.ndarray, ov
 
 def curve_knots(steps: list[MeasuredStep]) -> list[float]:
     """Powers of two spanning the table's GEMM sizes (step tokens, sampled rows), each kept only
-    where some step lies between its neighbours (a knot with no data near it is not fitted)."""
-    sizes = np.array([m for s in steps for m in (s.composition.num_tokens, s.composition.num_sampled) if m > 0])
+    where enough steps (3, or 2 % of the table) lie between its neighbours: a knot with little
+    data near it is not fitted, and one the fit drives to no cost at all is dropped afterwards."""
+    sizes = np.array([m for s in steps for m in (s.composition.num_tokens, s.composition.num_sampled) if m > 0],
+                     dtype=np.float64)
     top = 1
     while top < sizes.max():
         top *= 2
     knots = [float(2 ** e) for e in range(int(np.log2(top)) + 1)]
-    kept = []
+    kept, enough = [], max(3, len(steps) // 50)
     for i, t in enumerate(knots):
         lo = knots[i - 1] if i else 0.0
         hi = knots[i + 1] if i + 1 < len(knots) else float("inf")
-        if ((sizes > lo) & (sizes < hi)).any():
+        if ((sizes > lo) & (sizes < hi)).sum() >= enough:
             kept.append(t)
     return kept
 
@@ -247,9 +265,18 @@ def calibrate(steps: list[MeasuredStep], roofline: Roofline, name: str | None = 
     hw = roofline.hw
     terms = [roofline.unit_terms(s.composition) for s in steps]
     y = np.maximum(np.array([s.seconds - u.allreduce_s for s, u in zip(steps, terms)]), _TINY)
-    fits = [_fit(terms, steps, y, hw, overlap, knots) for overlap in (True, False)]
-    w, overlap, rounds, errors, unidentified = min(fits, key=lambda f: float(f[3].mean()))
-    fitted = _profile(hw, w, name, knots).with_factors(overlap=overlap)
+    fits = []
+    for overlap in (True, False):
+        form_knots = list(knots)
+        while True:  # a knot the data drives to a free GEMM is dropped (its neighbours interpolate)
+            fit = _fit(terms, steps, y, hw, overlap, form_knots)
+            dropped = [form_knots[j] for j in fit[5] if j < len(form_knots)]
+            if not dropped or len(form_knots) <= 1:
+                break
+            form_knots = [t for t in form_knots if t not in dropped]
+        fits.append((*fit, form_knots))
+    w, overlap, rounds, errors, unidentified, free, knots = min(fits, key=lambda f: float(f[3].mean()))
+    fitted = _profile(hw, w, name, knots, free).with_factors(overlap=overlap)
     host = [(s.composition.num_rows, s.host_seconds) for s in steps if s.host_seconds is not None]
     if len(host) >= 2:
         hx = np.array([[1.0, r] for r, _ in host])
@@ -260,7 +287,8 @@ def calibrate(steps: list[MeasuredStep], roofline: Roofline, name: str | None = 
     names = [f"gemm_efficiency at {int(t)} tokens" for t in knots] or ["gemm_efficiency"]
     names += ["memory_efficiency", "attention_efficiency"]
     return Calibration(fitted, len(steps), rounds, float(errors.mean()), float(np.percentile(errors, 90)),
-                       tuple(names[j] for j in sorted(unidentified) if j < k + 2))
+                       tuple(names[j] for j in sorted(unidentified) if j < k + 2),
+                       tuple(names[j] for j in free if j not in unidentified))
 
 
 def _fit(terms: list[UnitTerms], steps: list[MeasuredStep], y: np.ndarray, hw: HardwareProfile, overlap: bool,
@@ -276,30 +304,37 @@ def _fit(terms: list[UnitTerms], steps: list[MeasuredStep], y: np.ndarray, hw: H
         rounds += 1
         x = _design(terms, steps, w, overlap, knots)
         unidentified = {j: w[j] for j in factors if not x[:, j].any()}
-        while True:  # a factor the data drives to zero or below is held where it was
-            w_new = _solve(x, y, unidentified, nonnegative=constants)
-            bad = {j: w[j] for j in factors if j not in unidentified and not w_new[j] > 0}
-            if not bad:
+        held = dict(unidentified)
+        while True:  # a term the data says costs nothing (a factor at or below zero) is made free
+            w_new = _solve(x, y, held, nonnegative=constants)
+            free = {j: _FREE for j in factors if j not in held and not w_new[j] > 0}
+            if not free:
                 break
-            unidentified.update(bad)
+            held.update(free)
         w = w_new
         sides = _design(terms, steps, w, overlap, knots) != 0
         if not overlap or (previous is not None and np.array_equal(sides, previous)):
             break
         previous = sides
     errors = np.abs(_design(terms, steps, w, overlap, knots) @ w - y) / y
-    return w, overlap, rounds, errors, unidentified
+    return w, overlap, rounds, errors, unidentified, [j for j in factors if w[j] == _FREE]
 
 
-def _profile(hw: HardwareProfile, w: np.ndarray, name: str | None, knots: Sequence[float]) -> HardwareProfile:
+def _profile(hw: HardwareProfile, w: np.ndarray, name: str | None, knots: Sequence[float],
+             free: Sequence[int] = ()) -> HardwareProfile:
     """The profile of fitted ``w``: efficiencies from the inverse factors, the peaks raised where a
-    factor says the kernels beat them."""
+    factor says the kernels beat them. A free term (the fit found it costs nothing) runs at the
+    peaks the others set, at full efficiency: as cheap as a valid profile can make it."""
     k = max(1, len(knots))
     gemm_flops = [hw.peak_flops / wg for wg in w[:k]]
     attn_flops = hw.peak_flops / w[k + 1]
     bandwidth = hw.memory_bandwidth / w[k]
-    peak = max(hw.peak_flops, *gemm_flops, attn_flops)
-    memory_bandwidth = max(hw.memory_bandwidth, bandwidth)
+    flops = [f for j, f in enumerate([*gemm_flops, attn_flops]) if (j if j < k else k + 1) not in free]
+    peak = max(hw.peak_flops, *flops) if flops else hw.peak_flops
+    memory_bandwidth = max(hw.memory_bandwidth, bandwidth) if k not in free else hw.memory_bandwidth
+    gemm_flops = [peak if j in free else f for j, f in enumerate(gemm_flops)]
+    attn_flops = peak if k + 1 in free else attn_flops
+    bandwidth = memory_bandwidth if k in free else bandwidth
     curve = tuple((t, f / peak) for t, f in zip(knots, gemm_flops))
     try:
         return hw.with_factors(

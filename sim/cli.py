@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import sys
 import time
 from dataclasses import asdict
@@ -71,6 +72,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from cadenza.sim.roofline import Roofline
 
     try:
+        if args.out.suffix != ".json":
+            raise ValueError(f"--out {args.out}: a profile is a .json file (what --hardware reads)")
         base = cpu_base() if args.base == "cpu" else load_profile(args.base)
         roofline = Roofline(load_model_dims(args.model), base, args.tp)
         fit = calibrate(load_step_table(args.steps), roofline, args.name)
@@ -88,6 +91,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
           f"host {1e6 * hw.host_per_step_s:.0f} us/step + {1e6 * hw.host_per_row_s:.1f} us/row")
     if fit.fixed:
         print(f"  not identifiable from this table (kept from {args.base}): {', '.join(fit.fixed)}")
+    if fit.free:
+        print(f"  costs nothing measurable in this table (set to the full peak): {', '.join(fit.free)}")
+    if fit.poor:
+        print(f"cadenza sim calibrate: warning: a poor fit ({100 * fit.mean_abs_error:.0f} % mean error): the table "
+              "may be too small, too noisy (a busy machine) or too alike (one step shape) to calibrate from",
+              file=sys.stderr)
     print(f"wrote {args.out}")
     return 0
 
@@ -112,20 +121,32 @@ def run_sim(args: argparse.Namespace) -> int:
     time_scale = args.time_scale / args.qps_scale if args.qps_scale else args.time_scale
     try:
         pools = load_pools(args.pool)
+        if not pools:
+            raise ValueError(f"{args.pool}: holds no ServingPool")
         if args.pool_name:
             pools = [p for p in pools if p["metadata"]["name"] == args.pool_name]
+            if not pools:
+                raise ValueError(f"{args.pool}: no ServingPool named {args.pool_name!r}")
         if len(pools) != 1:
-            raise ValueError(f"{args.pool}: name one ServingPool with --pool-name (found {len(pools)})")
+            raise ValueError(f"{args.pool}: holds {len(pools)} ServingPools; name one with --pool-name")
         pool = pools[0]
         roofline = Roofline(load_model_dims(args.model), load_profile(args.hardware), args.tp)
         own = {"colocated": "chunked-classes"}.get(pool["spec"].get("mode", "colocated"), pool["spec"].get("mode"))
-        names = (args.compare or list(POLICIES)) if args.compare is not None else [own]
+        names = list(dict.fromkeys(args.compare or POLICIES)) if args.compare is not None else [own]
         runs_of = policies(pool, roofline, names)
+        if not runs_of:
+            raise ValueError(f"--compare {' '.join(names)}: a pool of one replica has no dedicated split to run")
+        skipped = [n for n in names if n not in {p.name for p in runs_of}]
         trace = scale_trace(load_trace(args.trace), time_scale=time_scale, length_scale=args.length_scale,
                             num_requests=args.num_requests).requests
+        if args.sweep and (len(trace) < 2 or not trace[-1].arrival_s > trace[0].arrival_s):
+            raise ValueError("--sweep scales the trace's request rate: it needs two or more requests spread over time")
+        _writable(args.json, args.plot)
     except (OSError, ValueError, PoolValidationError, PoolSpecError, ProfileError, ModelDimsError) as exc:
         print(f"cadenza sim: {exc}", file=sys.stderr)
         return 2
+    for name in skipped:
+        print(f"cadenza sim: {name} skipped: a pool of one replica has no split", file=sys.stderr)
     started = time.perf_counter()
     runs = {}
     for policy in runs_of:
@@ -145,15 +166,42 @@ def run_sim(args: argparse.Namespace) -> int:
         report["capacity_req_s"] = {p.name: sweep(p, trace, roofline, args.no_progress) for p in runs_of}
     report["wall_s"] = round(time.perf_counter() - started, 3)
     print_report(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2, default=float) + "\n")
+    if args.json:  # strict JSON: a percentile of no values is null, not NaN
+        args.json.write_text(json.dumps(_finite(report), indent=2, default=float, allow_nan=False) + "\n")
     if args.plot is not None:
         from cadenza.sim.plots import write_plots
 
         for path in write_plots(report, args.plot):
             print(f"wrote {path}")
     return 0
+
+
+def _writable(json_path: Path | None, plot_dir: Path | None) -> None:
+    """Make the output folders now, so a bad path fails before the run, not after it.
+
+    Raises:
+        OSError: a path that cannot be written (a folder where the report goes, a file where
+            the figures go, no permission).
+    """
+    if json_path is not None:
+        if json_path.is_dir():
+            raise IsADirectoryError(f"--json {json_path}: is a folder")
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+    if plot_dir is not None:
+        if plot_dir.exists() and not plot_dir.is_dir():
+            raise NotADirectoryError(f"--plot {plot_dir}: is a file, not a folder")
+        plot_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _finite(value):
+    """``value`` with every NaN or infinite float replaced by None (JSON's null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def tqdm_bar(total: int, desc: str, disable: bool):

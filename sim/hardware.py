@@ -20,6 +20,7 @@ dense, 864 GB/s GDDR6, 48 GB, PCIe Gen4 x16).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -77,19 +78,27 @@ class HardwareProfile:
     gemm_curve: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
-        curve = tuple((float(t), float(e)) for t, e in self.gemm_curve)
+        try:
+            curve = tuple((float(t), float(e)) for t, e in self.gemm_curve)
+        except (TypeError, ValueError):
+            raise ProfileError(f"{self.name}: gemm_curve must be a list of [tokens, efficiency] pairs, "
+                               f"got {self.gemm_curve!r}") from None
         object.__setattr__(self, "gemm_curve", curve)
-        if any(not 0 < e <= 1 for _t, e in curve) or any(b[0] <= a[0] for a, b in zip(curve, curve[1:])):
-            raise ProfileError(f"{self.name}: gemm_curve needs increasing token counts and efficiencies in (0, 1]")
+        if (any(not (0 < t < math.inf and 0 < e <= 1) for t, e in curve)
+                or any(b[0] <= a[0] for a, b in zip(curve, curve[1:]))):
+            raise ProfileError(f"{self.name}: gemm_curve needs increasing finite token counts above 0 and "
+                               "efficiencies in (0, 1]")
+        if not isinstance(self.overlap, bool):
+            raise ProfileError(f"{self.name}: overlap must be true or false, got {self.overlap!r}")
         for f in ("peak_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth"):
-            if not getattr(self, f) > 0:
-                raise ProfileError(f"{self.name}: {f} must be positive, got {getattr(self, f)!r}")
+            if not 0 < getattr(self, f) < math.inf:
+                raise ProfileError(f"{self.name}: {f} must be positive and finite, got {getattr(self, f)!r}")
         for f in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ProfileError(f"{self.name}: {f} must be in (0, 1], got {getattr(self, f)!r}")
         for f in ("link_latency_s", "step_overhead_s", "device_per_row_s", "host_per_step_s", "host_per_row_s"):
-            if not getattr(self, f) >= 0:
-                raise ProfileError(f"{self.name}: {f} must be >= 0, got {getattr(self, f)!r}")
+            if not 0 <= getattr(self, f) < math.inf:
+                raise ProfileError(f"{self.name}: {f} must be finite and >= 0, got {getattr(self, f)!r}")
         if self.dtype_bytes not in (1, 2, 4):
             raise ProfileError(f"{self.name}: dtype_bytes must be 1, 2 or 4, got {self.dtype_bytes!r}")
 
@@ -144,5 +153,7 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     try:
         data = json.loads(path.read_text())
         return HardwareProfile(**data)
+    except ProfileError as exc:
+        raise ProfileError(f"{path}: {exc}") from None
     except (TypeError, json.JSONDecodeError) as exc:
         raise ProfileError(f"{path}: not a hardware profile ({exc})") from exc

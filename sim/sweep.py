@@ -5,8 +5,8 @@ A rate is *met* when every request was served (none dropped) and each named perc
 its target (``{"itl_ms": ("p99", 100.0), "ttft_ms": ("p50", 2000.0)}``: Sarathi-Serve's capacity
 is the highest load at which the P99 time between tokens stays under its SLO while the median
 scheduling delay stays under 2 s). Latency grows with load, so met-ness is taken as monotone in
-the rate: the search doubles the rate until it fails, then bisects until the bracket is within
-``tolerance`` (relative).
+the rate: the search halves the rate until it is met (at most 10 times), doubles it until it
+fails, then bisects until the bracket is within ``tolerance`` (relative).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Capacity:
     """The result of a sweep.
 
     Attributes:
-        rate: the highest rate found met (requests/s; 0.0 if even ``low`` failed).
+        rate: the highest rate found met (requests/s; 0.0 if even ``low / 1024`` failed).
         runs: every (rate, met, result) evaluated, in order.
     """
 
@@ -81,7 +81,8 @@ def capacity_at_slo(run: Callable[[float], Any], targets: Targets | None, low: f
     Args:
         run: simulates the workload at a rate (e.g. the trace with its time scale set so).
         targets: what a :class:`LatencySummary` from ``run`` must meet (:func:`slo_met`).
-        low, high: the first bracket; ``high`` doubles while it is still met.
+        low, high: the first bracket; ``low`` halves while it is not met, ``high`` doubles while
+            it is.
         check: instead of ``targets``, whether ``run``'s result is met (e.g. :func:`pool_slo_met`).
 
     Raises:
@@ -97,8 +98,11 @@ def capacity_at_slo(run: Callable[[float], Any], targets: Targets | None, low: f
         result.runs.append((rate, ok, summary))
         return ok
 
-    if not met(low):
-        return result
+    floor = low / 1024
+    while not met(low):  # the first bracket is already too fast: search down
+        if low / 2 < floor or len(result.runs) >= max_runs:
+            return result
+        low, high = low / 2, low
     while met(high):
         low, high = high, 2 * high
         if len(result.runs) >= max_runs:

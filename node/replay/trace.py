@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -149,7 +150,7 @@ def _parse_jsonl(path: Path, lines: list[str]) -> list[_Row]:
         if missing:
             raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
         ts = obj["timestamp"]
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts != ts:
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
             raise ValueError(f"{where}: bad timestamp {ts!r} (expected milliseconds)")
         rows.append((ts * 1000, _length(obj["input_length"], "input_length", where),
                      _length(obj["output_length"], "output_length", where),
@@ -252,14 +253,14 @@ def scale_trace(
     arrival is at most that many seconds; ``num_requests`` keeps the first N of those.
 
     Raises:
-        ValueError: a negative ``time_scale``, a non-positive ``length_scale`` or
-            ``duration_s``, or a cap or count below 1.
+        ValueError: a negative or non-finite ``time_scale``, a non-positive or non-finite
+            ``length_scale``, a non-positive ``duration_s``, or a cap or count below 1.
     """
-    if time_scale < 0:
-        raise ValueError(f"time scale must be >= 0, got {time_scale}")
-    if length_scale <= 0:
-        raise ValueError(f"length scale must be > 0, got {length_scale}")
-    if duration_s is not None and duration_s <= 0:
+    if not (math.isfinite(time_scale) and time_scale >= 0):
+        raise ValueError(f"time scale must be a finite number >= 0, got {time_scale}")
+    if not (math.isfinite(length_scale) and length_scale > 0):
+        raise ValueError(f"length scale must be a finite number > 0, got {length_scale}")
+    if duration_s is not None and not duration_s > 0:
         raise ValueError(f"duration must be > 0 seconds, got {duration_s}")
     for name, value in (("max input length", max_input_len),
                         ("max output length", max_output_len),

@@ -113,21 +113,22 @@ def test_too_few_steps_and_bad_tables_are_refused(tmp_path):
 def run_trace(core: EngineCore, log: StepLog, lengths: list[tuple[int, int]], seed: int) -> None:
     rng = random.Random(seed)
     vocab = core.model_config.vocab_size
-    for i, (prompt, output) in enumerate(lengths):
-        core.add_request(AddRequest(f"s{seed}-{i}", [rng.randrange(vocab) for _ in range(prompt)],
-                                    SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)))
-    while core.has_unfinished_requests():
-        _deltas, record = core.step()
-        if record is not None:
-            log.write(record)
+    for wave in range(0, len(lengths), 12):  # waves within the engine's queue limit
+        for i, (prompt, output) in enumerate(lengths[wave:wave + 12], wave):
+            core.add_request(AddRequest(f"s{seed}-{i}", [rng.randrange(vocab) for _ in range(prompt)],
+                                        SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)))
+        while core.has_unfinished_requests():
+            _deltas, record = core.step()
+            if record is not None:
+                log.write(record)
 
 
 def test_a_profile_fitted_on_one_real_run_predicts_another(tiny_llama_dir, tmp_path):
     core = EngineCore.from_model(tiny_llama_dir, token_budget=96, chunk_size=64, max_num_seqs=8)
     rng = random.Random(7)
-    lengths = [(rng.randint(8, 200), rng.randint(2, 24)) for _ in range(24)]
+    lengths = [(rng.randint(8, 200), rng.randint(2, 24)) for _ in range(48)]
     fit_log, test_log = tmp_path / "fit.jsonl", tmp_path / "test.jsonl"
-    for path, part, seed in ((fit_log, lengths[:12], 1), (test_log, lengths[12:], 2)):
+    for path, part, seed in ((fit_log, lengths[:36], 1), (test_log, lengths[36:], 2)):
         log = StepLog(path)
         run_trace(core, log, part, seed)
         log.close()
@@ -139,10 +140,10 @@ def test_a_profile_fitted_on_one_real_run_predicts_another(tiny_llama_dir, tmp_p
     roofline = Roofline(load_model_dims(tiny_llama_dir), load_profile(profile))
     held_out = load_step_table(test_log)
     errors = step_errors(held_out, roofline)
-    predicted = sum(roofline.step_time(s.composition).total_s for s in held_out)
-    measured = sum(s.seconds + s.host_seconds for s in held_out)
-    # loose: a shared CPU's step times scatter (the benchmark holds the real targets)
-    assert np.mean(errors) < 0.6 and predicted == pytest.approx(measured, rel=0.5)
+    ratios = [roofline.step_time(s.composition).total_s / (s.seconds + s.host_seconds) for s in held_out]
+    # loose: a tiny model's steps are a few ms of Python on a shared CPU, and scatter with the
+    # machine's load, a stray slow step now and then (the benchmark holds the real targets, on SmolLM2)
+    assert np.median(errors) < 0.5 and 1 / 2 < np.median(ratios) < 2
 
 
 def test_calibrate_cli_reports_bad_input(tmp_path, capsys):
@@ -150,3 +151,49 @@ def test_calibrate_cli_reports_bad_input(tmp_path, capsys):
                  "--base", "cpu", "--out", str(tmp_path / "p.json")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prefill_tokens": 4.5}, "whole numbers"),
+    ({"host_seconds": float("inf")}, "finite"),
+    ({"decode_tokens": True}, "must be a number"),
+    ({"prefill_tokens": 1e300}, "at most"),
+])
+def test_a_table_row_that_is_no_measurement_is_refused(tmp_path, row, message):
+    good = {"prefill_tokens": 4, "decode_tokens": 2, "decode_context_tokens": 300, "prefill_attention_tokens": 8.0,
+            "num_rows": 3, "num_sampled": 3, "seconds": 0.02, "host_seconds": 0.0001}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({**good, **row}).replace("Infinity", "1e999") + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_step_table(path)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match="one JSON object a line"):
+        load_step_table(path)
+
+
+def test_a_fit_the_table_cannot_support_says_so(tmp_path, capsys):
+    # times that no roofline explains: the same step shape taking wildly different times
+    rng = random.Random(5)
+    rows = [{"prefill_tokens": 0, "decode_tokens": n, "decode_context_tokens": 100 * n, "prefill_attention_tokens": 0,
+             "num_rows": n, "num_sampled": n, "seconds": rng.choice([0.001, 0.5])} for n in [1, 2, 4, 8] * 10]
+    table = tmp_path / "noise.jsonl"
+    table.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["sim", "calibrate", "--steps", str(table), "--model", "smollm2-135m", "--base", "cpu",
+                 "--out", str(tmp_path / "p.json")]) == 0
+    assert "warning: a poor fit" in capsys.readouterr().err
+    assert main(["sim", "calibrate", "--steps", str(table), "--model", "smollm2-135m", "--base", "cpu",
+                 "--out", str(tmp_path / "p.txt")]) == 2
+    assert "a profile is a .json file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value, message", [("gemm_curve", [[1]], "pairs"),
+                                                   ("gemm_curve", [[1, 0.5], [float("nan"), 0.6]], "increasing"),
+                                                   ("overlap", "no", "true or false"),
+                                                   ("step_overhead_s", float("inf"), "finite")])
+def test_a_hand_edited_profile_is_checked_and_named(tmp_path, field, value, message):
+    from cadenza.sim.hardware import ProfileError
+
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({**PROFILES["h100-sxm"].to_dict(), field: value}))
+    with pytest.raises(ProfileError, match=rf"mine.json: .*{message}"):
+        load_profile(path)

@@ -127,3 +127,28 @@ def test_an_unknown_policy_is_refused(tmp_path, capsys):
                  write_pool(tmp_path / "p.yaml", "colocated"), "--model", "llama-3.1-8b", "--hardware", "h100-sxm",
                  "--compare", "round-robin"]) == 2
     assert "unknown policies ['round-robin']" in capsys.readouterr().err
+
+
+def test_outputs_and_sweeps_that_cannot_work_fail_before_the_run(tmp_path, capsys):
+    base = ["sim", "--trace", write_trace(tmp_path / "t.jsonl", 1), "--pool", write_pool(tmp_path / "p.yaml", "colocated"),
+            "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--no-progress"]
+    assert main([*base, "--sweep"]) == 2
+    assert "two or more requests spread over time" in capsys.readouterr().err
+    assert main([*base, "--json", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert main([*base, "--time-scale", "inf"]) == 2
+    assert "finite" in capsys.readouterr().err
+    one = write_pool(tmp_path / "one.yaml", "colocated", replicas=1)
+    assert main([*base[:4], one, *base[5:], "--compare", "dedicated"]) == 2
+    assert "no dedicated split" in capsys.readouterr().err
+
+
+def test_the_json_report_is_strict_json(tmp_path):
+    out = tmp_path / "r.json"
+    trace = tmp_path / "t.jsonl"  # one-token outputs: no inter-token gaps, no ITL percentiles
+    trace.write_text("".join(json.dumps({"timestamp": 10 * i, "input_length": 50, "output_length": 1}) + "\n"
+                             for i in range(5)))
+    assert main(["sim", "--trace", str(trace), "--pool", write_pool(tmp_path / "p.yaml", "colocated"), "--model",
+                 "llama-3.1-8b", "--hardware", "h100-sxm", "--no-progress", "--json", str(out)]) == 0
+    assert "NaN" not in out.read_text()
+    assert json.loads(out.read_text())["by_class"]["interactive"]["itl_ms"]["p50"] is None

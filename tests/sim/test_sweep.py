@@ -64,3 +64,9 @@ def test_a_pool_slo_is_met_only_with_nothing_dropped_and_every_class_within_it()
     assert pool_slo_met(FleetResult({"interactive": ok}, 0, {}), slo)  # no batch requests: not judged
     assert not pool_slo_met(FleetResult({"interactive": summary(60.0)}, 0, {}), slo)
     assert not pool_slo_met(FleetResult({"interactive": ok}, 1, {}), slo)
+
+
+def test_a_first_bracket_that_fails_is_searched_downwards():
+    # met at or below 3 req/s, starting from a bracket of (10, 20)
+    found = capacity_at_slo(lambda rate: summary(50.0 if rate <= 3 else 500.0), {"itl_ms": ("p99", 100.0)}, 10.0, 20.0)
+    assert 2.9 < found.rate <= 3.0

@@ -196,3 +196,14 @@ def test_an_unknown_class_in_a_trace_names_the_line(tmp_path):
     path = _jsonl(tmp_path, [{"timestamp": 0, "input_length": 5, "output_length": 2, "class": "urgent"}])
     with pytest.raises(ValueError, match=r"trace.jsonl:1: bad class 'urgent'"):
         load_trace(path)
+
+
+def test_infinite_scales_and_timestamps_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="finite"):
+        scale_trace(_trace((0.0, 5, 5), (1.0, 5, 5)), time_scale=float("inf"))
+    with pytest.raises(ValueError, match="finite"):
+        scale_trace(_trace((0.0, 5, 5)), length_scale=float("nan"))
+    path = tmp_path / "inf.jsonl"
+    path.write_text('{"timestamp": Infinity, "input_length": 5, "output_length": 2}\n')
+    with pytest.raises(ValueError, match="bad timestamp"):
+        load_trace(path)
