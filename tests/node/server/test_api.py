@@ -432,3 +432,23 @@ async def test_a_cache_salt_keeps_a_prompt_out_of_other_requests_prefix_cache(cl
     assert await hits({}) == 0  # the salted copy is invisible without the salt
     assert await hits({"cache_salt": "tenant-b"}) == 0
     assert await hits({"cache_salt": "tenant-a-secret"}) == 64
+
+
+async def test_the_step_log_records_every_step_the_server_runs(aiohttp_client, tiny_llama_dir, tmp_path):
+    from cadenza.sim.calibrate import load_step_table
+
+    log = tmp_path / "steps.jsonl"
+    config = EngineConfig(model=str(tiny_llama_dir), served_model_name=MODEL,
+                          scheduler=SchedulerConfig(token_budget=64, chunk_size=16, max_model_len=MAX_MODEL_LEN),
+                          cache=CacheConfig(block_size=16, num_kv_blocks=64))
+    app = create_app(config, MODEL, step_log=log)
+    client = await aiohttp_client(app)
+    await app[ENGINE].wait_ready()
+    resp = await client.post("/v1/completions", json={**GOOD_COMPLETION, "prompt": "word " * 40, "ignore_eos": True})
+    body = await resp.json()
+    steps = load_step_table(log)  # flushed as it goes: readable while the server runs
+    prompt, output = body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
+    assert sum(s.composition.prefill_tokens for s in steps) == prompt
+    assert sum(s.composition.num_sampled for s in steps) == output
+    assert all(s.composition.prefill_tokens <= 16 for s in steps)  # chunks of the server's chunk size
+    assert all(s.seconds > 0 and s.host_seconds > 0 for s in steps)
