@@ -20,13 +20,13 @@ import time
 from bench.common import conv_trace, machine, report
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.core.scheduler import Scheduler
-from cadenza.node.replay.trace import TraceRequest, scale_trace
+from cadenza.node.replay.trace import scale_trace
 from cadenza.sim.baselines import PrefillFirstScheduler
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.roofline import Roofline
 from cadenza.sim.fleet import simulate_replica
-from cadenza.sim.sweep import capacity_at_slo
+from cadenza.sim.sweep import at_rate, capacity_at_slo
 
 REQUESTS = 1000
 TARGETS = {"itl_ms": ("p99", 100.0), "ttft_ms": ("p50", 2000.0)}
@@ -36,13 +36,6 @@ POLICIES = {
     "prefill-first, unchunked": (SchedulerConfig(token_budget=8192, chunk_size=None, max_num_seqs=256,
                                                  max_model_len=8192), PrefillFirstScheduler),
 }
-
-
-def at_rate(base: list[TraceRequest], rate: float) -> list[TraceRequest]:
-    """``base`` with its arrivals stretched or squeezed to ``rate`` requests/s on average."""
-    span = base[-1].arrival_s - base[0].arrival_s
-    factor = (len(base) - 1) / rate / span
-    return [TraceRequest(r.arrival_s * factor, r.input_len, r.output_len) for r in base]
 
 
 def main() -> None:

@@ -45,11 +45,11 @@ from pathlib import Path
 
 import numpy as np
 
+from cadenza.node.core.step import STEP_LOG_FIELDS
 from cadenza.sim.hardware import GB, TFLOPS, HardwareProfile, ProfileError
 from cadenza.sim.roofline import Roofline, StepComposition, UnitTerms
 
-TABLE_COLUMNS = ("prefill_tokens", "decode_tokens", "decode_context_tokens", "prefill_attention_tokens",
-                 "num_rows", "num_sampled", "seconds")
+TABLE_COLUMNS = STEP_LOG_FIELDS[:-1]  # required; host_seconds is optional
 MAX_ROUNDS = 20
 POOR_FIT = 0.25  # a mean error above this is reported as a poor fit
 _TINY = 1e-12

@@ -33,6 +33,12 @@ class ScheduledRow(NamedTuple):
 new_row = tuple.__new__  # builds a row without a Python-level __new__ call (hot path)
 
 
+# The step table's columns, one row a step: what ``cadenza serve --step-log`` writes
+# (:mod:`cadenza.node.frontend.step_log`, from each step's record) and ``cadenza sim calibrate``
+# reads; the last is optional.
+STEP_LOG_FIELDS = ("prefill_tokens", "decode_tokens", "decode_context_tokens", "prefill_attention_tokens",
+                   "num_rows", "num_sampled", "seconds", "host_seconds")
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """What one step computes: decode rows first, then prefill rows.

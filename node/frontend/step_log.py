@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 
 from cadenza.node.core.messages import StepRecord
+from cadenza.node.core.step import STEP_LOG_FIELDS
 
-STEP_LOG_FIELDS = ("prefill_tokens", "decode_tokens", "decode_context_tokens", "prefill_attention_tokens",
-                   "num_rows", "num_sampled", "seconds", "host_seconds")
+__all__ = ["STEP_LOG_FIELDS", "StepLog"]
 
 
 class StepLog:
