@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -160,12 +161,17 @@ def _compare_windows(url: str, gateway: str, replica: str, slo: dict) -> None:
             resp.read()
 
     # A series is born at its first observation, and Prometheus counts no increase into its
-    # first sample: one request first, scraped (Prometheus starts scraping a few seconds after
-    # it is ready), as in a pool that has been serving.
+    # first sample: one request first, scraped whole (Prometheus starts scraping a few seconds
+    # after it is ready), as in a pool that has been serving. Whole: a scrape in the middle of it
+    # would leave its last gaps, the slow ones of a cold engine, inside Prometheus' window only.
     stream()
+    gaps = sum(map(float, re.findall(r'^cadenza_gateway_inter_token_latency_seconds_count\{[^}]*\} (\S+)$',
+                                     metrics()["gateway"], re.M)))
+    assert gaps, "the gateway exports its inter-token histogram"
     source = PrometheusSource(url, 'job="chat-gateway"', engine_selector='job="chat-engine"', step_s=1)
-    wait_until(lambda: source._query('cadenza_gateway_time_to_first_token_seconds_count{job="chat-gateway"}',
-                                     time.time()), 60, "prometheus to scrape the gateway", interval=0.5)
+    scraped = 'sum(cadenza_gateway_inter_token_latency_seconds_count{job="chat-gateway"})'
+    wait_until(lambda: (r := source._query(scraped, time.time())) and float(r[0]["value"][1]) == gaps,
+               60, "prometheus to scrape the gateway after the first request", interval=0.5)
     direct = ScrapeSource(metrics, keep_s=120)
     time.sleep(2)
     start = time.time()
