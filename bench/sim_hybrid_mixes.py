@@ -1,0 +1,127 @@
+"""Other bursty mixes for hybrid mode, in the simulator: ``python -m bench.sim_hybrid_mixes``.
+
+:mod:`bench.sim_hybrid` measures one mix. This script runs the same pool (eight Llama-3.1-8B
+replicas, H100 profile, the same SLOs) on a mix given on the command line, so a mix where one
+shape should win can be tried side by side with the others:
+
+- interactive: the conversation trace overlaid ``--copies`` times (each copy shifted by an equal
+  share of its hour);
+- batch: from each ``--burst`` start, ``--burst-length`` seconds of the code trace at
+  ``--burst-rate`` times its recorded rate, prompts scaled by ``--prompt-scale`` (capped at
+  ``--prompt-max``) and outputs set to ``--output-len`` tokens (0: as recorded). Scaling prompts
+  and outputs models a long-context batch job (repository or document summaries) whose KV stays
+  resident for seconds, rather than the short code completions the trace holds.
+
+Shapes (positional): ``colocated[:CHUNK]``, ``dedicated:K[:CHUNK]`` (K interactive replicas, their
+chunk size), ``auto[:CHUNK]``; CHUNK sets ``spec.engine.chunkSize`` for every replica (for a split,
+the interactive replicas'). ``--controller '{...}'`` overrides ``spec.controller`` fields.
+
+Last line JSON: ``ratio`` is auto's goodput over the best static shape run (null without both).
+The runs are slow (0.4-0.7 s of one core per simulated second at ~165 req/s); run two
+processes at most on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from bench.common import CONV_TRACE, machine, report
+from bench.sim_hybrid import CODE_TRACE, POOL, REPLICAS, SLO, pool, run
+from cadenza.node.replay.trace import TraceRequest, load_trace
+from cadenza.sim.hardware import PROFILES
+from cadenza.sim.model_dims import load_model_dims
+from cadenza.sim.roofline import Roofline
+
+MAX_LEN = POOL["spec"]["engine"]["maxModelLen"]
+
+
+def mix(copies: int, duration_s: float, bursts: list[float], length_s: float, rate: float,
+        prompt_scale: float, prompt_max: int, output_len: int) -> list[TraceRequest]:
+    """The conversation trace x ``copies`` as interactive, with the code-trace bursts as batch
+    (arrivals in seconds, lengths in tokens), sorted by arrival."""
+    conv = load_trace(CONV_TRACE)
+    span = conv[-1].arrival_s
+    out = [TraceRequest((r.arrival_s + k * span / copies) % span, r.input_len, r.output_len, "interactive", "chat")
+           for k in range(copies) for r in conv]
+    out = [r for r in out if r.arrival_s < duration_s]
+    code, i = load_trace(CODE_TRACE), 0
+    for start in bursts:
+        i %= len(code) - 1  # past its end, the code trace starts over
+        offset = code[i].arrival_s
+        while i < len(code) and (code[i].arrival_s - offset) / rate < length_s:
+            r = code[i]
+            prompt = min(int(r.input_len * prompt_scale), prompt_max)
+            out.append(TraceRequest(start + (r.arrival_s - offset) / rate, prompt, output_len or r.output_len,
+                                    "batch", "code"))
+            i += 1
+    out = [r for r in out if 0 < r.input_len and r.input_len + r.output_len <= MAX_LEN]
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def shape_pool(shape: str, controller: dict) -> dict:
+    """The pool document of one shape argument (see the module docstring)."""
+    kind, *rest = shape.split(":")
+    if kind not in ("colocated", "dedicated", "auto") or len(rest) > (2 if kind == "dedicated" else 1):
+        raise SystemExit(f"unknown shape {shape!r}: colocated[:CHUNK], dedicated:K[:CHUNK] or auto[:CHUNK]")
+    numbers = [int(x) for x in rest]
+    if kind == "dedicated":
+        if not numbers or not 1 <= numbers[0] < REPLICAS:
+            raise SystemExit(f"{shape!r}: dedicated needs K interactive replicas, 1 <= K < {REPLICAS}")
+        doc = pool("dedicated", numbers[0], numbers[1] if len(numbers) > 1 else None)
+    else:
+        doc = pool(kind)
+        if numbers:
+            doc["spec"]["engine"]["chunkSize"] = numbers[0]
+    doc["spec"]["controller"].update(controller)
+    return doc
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("shapes", nargs="+")
+    p.add_argument("--copies", type=int, default=20)
+    p.add_argument("--duration", type=float, default=300.0, help="simulated seconds")
+    p.add_argument("--burst", type=float, action="append", help="a burst's start (s); repeatable")
+    p.add_argument("--burst-length", type=float, default=200.0)
+    p.add_argument("--burst-rate", type=float, default=3.0)
+    p.add_argument("--prompt-scale", type=float, default=4.0)
+    p.add_argument("--prompt-max", type=int, default=12000)
+    p.add_argument("--output-len", type=int, default=400)
+    p.add_argument("--controller", type=json.loads, default={}, help="JSON: spec.controller overrides")
+    a = p.parse_args()
+    docs = {s: shape_pool(s, a.controller) for s in a.shapes}
+    bursts = a.burst if a.burst is not None else [0.0]
+    trace = mix(a.copies, a.duration, bursts, a.burst_length, a.burst_rate, a.prompt_scale, a.prompt_max,
+                a.output_len)
+    print(f"{len(trace)} requests over {a.duration:.0f} s, {sum(r.traffic_class == 'batch' for r in trace)} batch")
+    model = Roofline(load_model_dims("llama-3.1-8b"), PROFILES["h100-sxm"])
+    runs = {}
+    for name, doc in docs.items():
+        runs[name] = run(name, doc, trace, model)
+        if runs[name].controller:
+            for x in runs[name].controller.actions:
+                if x.acted:
+                    print(f"    t={x.time_s:.0f} s {x.action} {x.knobs or x.move}: {x.reason}")
+    static = {n: r.goodput_rps for n, r in runs.items() if not n.startswith("auto")}
+    auto = [r.goodput_rps for n, r in runs.items() if n.startswith("auto")]
+    best = max(static, key=static.get) if static else None
+    ratio = auto[0] / static[best] if auto and best and static[best] else None
+    report({
+        "benchmark": "sim_hybrid_mixes", "ratio": None if ratio is None else round(ratio, 3), "target": 1.3,
+        "goodput_rps": {n: round(r.goodput_rps, 2) for n, r in runs.items()}, "best_static": best,
+        "interactive_slo_met": {n: r.result.by_class["interactive"].slo_attainment for n, r in runs.items()
+                                if "interactive" in r.result.by_class},
+        "dropped": {n: r.result.dropped for n, r in runs.items()},
+        "reshapes": {n: r.reshapes for n, r in runs.items() if r.controller},
+        "slo": SLO,
+        "setup": {"model": "llama-3.1-8b", "hardware": "h100-sxm", "replicas": REPLICAS, "copies": a.copies,
+                  "duration_s": a.duration, "bursts_s": bursts, "burst_length_s": a.burst_length,
+                  "burst_rate": a.burst_rate, "prompt_scale": a.prompt_scale, "prompt_max": a.prompt_max,
+                  "output_len": a.output_len, "controller": a.controller},
+        "prefix_caching": True, "prefix_cache_hit_rate": 0.0, "machine": machine(),
+    })
+
+
+if __name__ == "__main__":
+    main()
