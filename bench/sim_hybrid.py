@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from collections.abc import Sequence
 
 from bench.common import CONV_TRACE, ROOT, machine, report
 from cadenza.node.replay.trace import TraceRequest, load_trace
@@ -70,24 +71,33 @@ POOL = {
 def workload(bursts: bool = True, duration_s: float = DURATION_S) -> list[TraceRequest]:
     """The conversation trace as interactive (``CONV_COPIES`` copies of its hour overlaid, each
     shifted by an equal share of it), with (``bursts``) the code trace's bursts as batch."""
+    return bursty_mix(CONV_COPIES, duration_s, BURSTS if bursts else (), BURST_S, BURST_RATE)
+
+
+def bursty_mix(copies: int, duration_s: float, bursts: Sequence[float], length_s: float, rate: float,
+               prompt_scale: float = 1.0, prompt_max: int | None = None, output_len: int = 0) -> list[TraceRequest]:
+    """The conversation trace x ``copies`` as interactive, and from each of ``bursts`` (start, s)
+    ``length_s`` of the code trace at ``rate`` x its recorded rate as batch: prompts x
+    ``prompt_scale`` capped at ``prompt_max`` tokens, outputs of ``output_len`` tokens (0: as
+    recorded). Requests longer than the engines' 16,384 tokens are left out; sorted by arrival."""
     conv = load_trace(CONV_TRACE)
     span = conv[-1].arrival_s
-    out = [TraceRequest((r.arrival_s + k * span / CONV_COPIES) % span, r.input_len, r.output_len, "interactive", "chat")
-           for k in range(int(CONV_COPIES)) for r in conv]
+    out = [TraceRequest((r.arrival_s + k * span / copies) % span, r.input_len, r.output_len, "interactive", "chat")
+           for k in range(int(copies)) for r in conv]
     out = [r for r in out if r.arrival_s < duration_s]
-    if bursts:
-        code = load_trace(CODE_TRACE)
-        i = 0
-        for start in BURSTS:
-            if start >= duration_s:
-                break
-            i %= len(code) - 1  # past its end, the code trace starts over
-            offset = code[i].arrival_s
-            while i < len(code) and (code[i].arrival_s - offset) / BURST_RATE < BURST_S:
-                r = code[i]
-                out.append(TraceRequest(start + (r.arrival_s - offset) / BURST_RATE, r.input_len, r.output_len,
-                                        "batch", "code"))
-                i += 1
+    code, i = load_trace(CODE_TRACE) if bursts else [], 0
+    for start in bursts:
+        if start >= duration_s:
+            break
+        i %= len(code) - 1  # past its end, the code trace starts over
+        offset = code[i].arrival_s
+        while i < len(code) and (code[i].arrival_s - offset) / rate < length_s:
+            r = code[i]
+            prompt = int(r.input_len * prompt_scale)
+            out.append(TraceRequest(start + (r.arrival_s - offset) / rate,
+                                    prompt if prompt_max is None else min(prompt, prompt_max),
+                                    output_len or r.output_len, "batch", "code"))
+            i += 1
     out = [r for r in out if r.input_len + r.output_len <= 16384 and r.input_len > 0]
     return sorted(out, key=lambda r: r.arrival_s)
 

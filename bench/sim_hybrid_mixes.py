@@ -26,38 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench.common import CONV_TRACE, machine, report
-from bench.sim_hybrid import CODE_TRACE, POOL, REPLICAS, SLO, pool, run
-from cadenza.node.replay.trace import TraceRequest, load_trace
+from bench.common import machine, report
+from bench.sim_hybrid import REPLICAS, SLO, bursty_mix, pool, run
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.roofline import Roofline
-
-MAX_LEN = POOL["spec"]["engine"]["maxModelLen"]
-
-
-def mix(copies: int, duration_s: float, bursts: list[float], length_s: float, rate: float,
-        prompt_scale: float, prompt_max: int, output_len: int) -> list[TraceRequest]:
-    """The conversation trace x ``copies`` as interactive, with the code-trace bursts as batch
-    (arrivals in seconds, lengths in tokens), sorted by arrival."""
-    conv = load_trace(CONV_TRACE)
-    span = conv[-1].arrival_s
-    out = [TraceRequest((r.arrival_s + k * span / copies) % span, r.input_len, r.output_len, "interactive", "chat")
-           for k in range(copies) for r in conv]
-    out = [r for r in out if r.arrival_s < duration_s]
-    code, i = load_trace(CODE_TRACE), 0
-    for start in bursts:
-        i %= len(code) - 1  # past its end, the code trace starts over
-        offset = code[i].arrival_s
-        while i < len(code) and (code[i].arrival_s - offset) / rate < length_s:
-            r = code[i]
-            prompt = min(int(r.input_len * prompt_scale), prompt_max)
-            out.append(TraceRequest(start + (r.arrival_s - offset) / rate, prompt, output_len or r.output_len,
-                                    "batch", "code"))
-            i += 1
-    out = [r for r in out if 0 < r.input_len and r.input_len + r.output_len <= MAX_LEN]
-    return sorted(out, key=lambda r: r.arrival_s)
-
 
 def shape_pool(shape: str, controller: dict) -> dict:
     """The pool document of one shape argument (see the module docstring)."""
@@ -92,8 +65,8 @@ def main() -> None:
     a = p.parse_args()
     docs = {s: shape_pool(s, a.controller) for s in a.shapes}
     bursts = a.burst if a.burst is not None else [0.0]
-    trace = mix(a.copies, a.duration, bursts, a.burst_length, a.burst_rate, a.prompt_scale, a.prompt_max,
-                a.output_len)
+    trace = bursty_mix(a.copies, a.duration, bursts, a.burst_length, a.burst_rate, a.prompt_scale, a.prompt_max,
+                       a.output_len)
     print(f"{len(trace)} requests over {a.duration:.0f} s, {sum(r.traffic_class == 'batch' for r in trace)} batch")
     model = Roofline(load_model_dims("llama-3.1-8b"), PROFILES["h100-sxm"])
     runs = {}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import time
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cadenza.node.gateway.metrics import GatewayMetrics, latency_buckets
 from cadenza.operator.signals import PrometheusSource, ScrapeSource, SnapshotHistory, parse_pool_metrics
@@ -165,8 +165,8 @@ def _compare_windows(url: str, gateway: str, replica: str, slo: dict) -> None:
     # after it is ready), as in a pool that has been serving. Whole: a scrape in the middle of it
     # would leave its last gaps, the slow ones of a cold engine, inside Prometheus' window only.
     stream()
-    gaps = sum(map(float, re.findall(r'^cadenza_gateway_inter_token_latency_seconds_count\{[^}]*\} (\S+)$',
-                                     metrics()["gateway"], re.M)))
+    gaps = sum(sample.value for family in text_string_to_metric_families(metrics()["gateway"])
+               for sample in family.samples if sample.name == "cadenza_gateway_inter_token_latency_seconds_count")
     assert gaps, "the gateway exports its inter-token histogram"
     source = PrometheusSource(url, 'job="chat-gateway"', engine_selector='job="chat-engine"', step_s=1)
     scraped = 'sum(cadenza_gateway_inter_token_latency_seconds_count{job="chat-gateway"})'
