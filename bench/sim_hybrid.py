@@ -43,7 +43,7 @@ from cadenza.node.replay.trace import TraceRequest, load_trace
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.policies import Policy, PolicyRun, run_policy
-from cadenza.sim.pool import fleet_layout
+from cadenza.sim.pool import FleetLayout, fleet_layout
 from cadenza.sim.roofline import Roofline
 
 CODE_TRACE = ROOT / "data" / "traces" / "azure2023" / "AzureLLMInferenceTrace_code.csv"
@@ -112,9 +112,12 @@ def pool(mode: str, interactive: int | None = None, chunk: int | None = None) ->
     return doc
 
 
-def run(name: str, doc: dict, trace: list[TraceRequest], model: Roofline) -> PolicyRun:
+def run(name: str, layout: FleetLayout | dict, trace: list[TraceRequest], model: Roofline) -> PolicyRun:
+    """One shape's run (a layout, or a pool document laid out on ``model``), printed on one line."""
     started = time.perf_counter()
-    result = run_policy(Policy(name, fleet_layout(doc, model)), trace, model)
+    if not isinstance(layout, FleetLayout):
+        layout = fleet_layout(layout, model)
+    result = run_policy(Policy(name, layout), trace, model)
     met = ", ".join(f"{cls} {100 * (s.slo_attainment or 0):.1f} %" for cls, s in result.result.by_class.items())
     print(f"{name:>22}: goodput {result.goodput_rps:.2f} req/s; SLO met {met}; {result.result.dropped} dropped, "
           f"{result.reshapes} reshapes ({time.perf_counter() - started:.0f} s)")

@@ -13,10 +13,18 @@ shape should win can be tried side by side with the others:
   resident for seconds, rather than the short code completions the trace holds.
 
 Shapes (positional): ``colocated[:CHUNK]``, ``dedicated:K[:CHUNK]`` (K interactive replicas, their
-chunk size), ``auto[:CHUNK]``; CHUNK sets ``spec.engine.chunkSize`` for every replica (for a split,
-the interactive replicas'). ``--controller '{...}'`` overrides ``spec.controller`` fields.
+chunk size), ``auto[:CHUNK]``, ``held:K[:CHUNK]``; CHUNK sets ``spec.engine.chunkSize`` for every
+replica (for a split, the interactive replicas'). ``--controller '{...}'`` overrides
+``spec.controller`` fields.
 
-Last line JSON: ``ratio`` is auto's goodput over the best static shape run (null without both).
+``held:K`` is an oracle for ``auto``'s reshaping, not a shape a pool can be given: the shape
+``auto`` reaches after ``8 - K`` dedicates (interactive routed to every replica, batch to the K
+colocated ones only), held from the first second with no controller, so no detection delay, no
+transition and no cooldown is paid. Where it stays under 1.3x a static shape, no reshaping
+schedule that holds one shape through a burst reaches the target either.
+
+Last line JSON: ``ratio`` is auto's goodput over the best static shape run (null without both;
+``held`` shapes are neither).
 The runs are slow (0.4-0.7 s of one core per simulated second at ~165 req/s); run two
 processes at most on this machine.
 """
@@ -24,30 +32,40 @@ processes at most on this machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from bench.common import machine, report
 from bench.sim_hybrid import REPLICAS, SLO, bursty_mix, pool, run
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
+from cadenza.sim.pool import FleetLayout, fleet_layout
 from cadenza.sim.roofline import Roofline
 
-def shape_pool(shape: str, controller: dict) -> dict:
-    """The pool document of one shape argument (see the module docstring)."""
+
+def shape_layout(shape: str, controller: dict, model: Roofline) -> FleetLayout:
+    """The fleet layout of one shape argument (see the module docstring)."""
     kind, *rest = shape.split(":")
-    if kind not in ("colocated", "dedicated", "auto") or len(rest) > (2 if kind == "dedicated" else 1):
-        raise SystemExit(f"unknown shape {shape!r}: colocated[:CHUNK], dedicated:K[:CHUNK] or auto[:CHUNK]")
+    split = kind in ("dedicated", "held")
+    if kind not in ("colocated", "dedicated", "auto", "held") or len(rest) > (2 if split else 1):
+        raise SystemExit(f"unknown shape {shape!r}: colocated[:CHUNK], dedicated:K[:CHUNK], auto[:CHUNK] "
+                         "or held:K[:CHUNK]")
     numbers = [int(x) for x in rest]
+    if split and (not numbers or not 1 <= numbers[0] < REPLICAS):
+        raise SystemExit(f"{shape!r}: {kind} needs K replicas, 1 <= K < {REPLICAS}")
+    chunk = numbers[-1] if len(numbers) > split else None
     if kind == "dedicated":
-        if not numbers or not 1 <= numbers[0] < REPLICAS:
-            raise SystemExit(f"{shape!r}: dedicated needs K interactive replicas, 1 <= K < {REPLICAS}")
-        doc = pool("dedicated", numbers[0], numbers[1] if len(numbers) > 1 else None)
+        doc = pool("dedicated", numbers[0], chunk)
     else:
-        doc = pool(kind)
-        if numbers:
-            doc["spec"]["engine"]["chunkSize"] = numbers[0]
+        doc = pool("colocated" if kind == "held" else kind)
+        if chunk:
+            doc["spec"]["engine"]["chunkSize"] = chunk
     doc["spec"]["controller"].update(controller)
-    return doc
+    layout = fleet_layout(doc, model)
+    if kind == "held":
+        names = layout.roles["interactive"]
+        layout = dataclasses.replace(layout, roles={"interactive": list(names), "batch": names[:numbers[0]]})
+    return layout
 
 
 def main() -> None:
@@ -63,20 +81,20 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=400)
     p.add_argument("--controller", type=json.loads, default={}, help="JSON: spec.controller overrides")
     a = p.parse_args()
-    docs = {s: shape_pool(s, a.controller) for s in a.shapes}
+    model = Roofline(load_model_dims("llama-3.1-8b"), PROFILES["h100-sxm"])
+    layouts = {s: shape_layout(s, a.controller, model) for s in a.shapes}
     bursts = a.burst if a.burst is not None else [0.0]
     trace = bursty_mix(a.copies, a.duration, bursts, a.burst_length, a.burst_rate, a.prompt_scale, a.prompt_max,
                        a.output_len)
     print(f"{len(trace)} requests over {a.duration:.0f} s, {sum(r.traffic_class == 'batch' for r in trace)} batch")
-    model = Roofline(load_model_dims("llama-3.1-8b"), PROFILES["h100-sxm"])
     runs = {}
-    for name, doc in docs.items():
-        runs[name] = run(name, doc, trace, model)
+    for name, layout in layouts.items():
+        runs[name] = run(name, layout, trace, model)
         if runs[name].controller:
             for x in runs[name].controller.actions:
                 if x.acted:
                     print(f"    t={x.time_s:.0f} s {x.action} {x.knobs or x.move}: {x.reason}")
-    static = {n: r.goodput_rps for n, r in runs.items() if not n.startswith("auto")}
+    static = {n: r.goodput_rps for n, r in runs.items() if n.startswith(("colocated", "dedicated"))}
     auto = [r.goodput_rps for n, r in runs.items() if n.startswith("auto")]
     best = max(static, key=static.get) if static else None
     ratio = auto[0] / static[best] if auto and best and static[best] else None
