@@ -52,6 +52,7 @@ bench: model
 	$(BIN)/python -m bench.sim_validation
 	$(BIN)/python -m bench.sim_hybrid
 	$(BIN)/python -m bench.decode_speed
+	$(BIN)/python -m bench.kv_transfer
 
 # On a machine with a CUDA GPU: native kernel tests, attention bandwidth/throughput, engine step.
 gpu-check: $(DEV_STAMP) model

@@ -139,9 +139,17 @@ def test_the_front_end_and_server_never_import_the_runner_or_the_scheduler():
             assert not [n for n in names if n.startswith(internals)], f"{folder}/{py.name} reaches into the core"
 
 
+def test_kv_transfer_imports_nothing_of_cadenza_but_itself_and_never_torch():
+    # the wire moves bytes: the engine adapts its blocks to it, never the other way round
+    for py, names in cadenza_imports("kv_transfer").items():
+        outside = [n for n in names if not n.startswith("cadenza.node.kv_transfer")]
+        assert not outside, f"kv_transfer/{py.name} imports {outside}"
+        assert not [n for n in imports_of(py) if n == "torch" or n.startswith("torch.")], f"kv_transfer/{py.name}"
+
+
 def test_the_node_has_no_import_cycle():
     graph: dict[str, set[str]] = {}
-    for folder in ("core", "runner", "frontend", "server", "gateway", "replay"):
+    for folder in ("core", "runner", "frontend", "server", "gateway", "replay", "kv_transfer"):
         for py, names in cadenza_imports(folder).items():
             graph["cadenza.node." + ".".join(py.relative_to(ROOT / "node").with_suffix("").parts)] = names
     done: set[str] = set()

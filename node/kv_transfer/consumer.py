@@ -1,0 +1,186 @@
+"""The decode side's KV transfer client: pulls a request's blocks from a prefill replica, verified.
+
+:meth:`KVConsumer.pull` connects (or reuses an idle connection to the same producer), checks the
+handshake — the producer's fingerprint must equal ours, and its boot id the one the request was
+prefilled under, else the producer restarted and holds nothing of it — then yields the request's
+blocks frame by frame as :class:`ReceivedBlocks`, each checked against its CRC32C before it is
+yielded, and releases the producer's lease once the last one is in (or on any failure, when the
+connection still works). Every failure is one :class:`~.protocol.TransferError` with its kind; the
+caller drops what it got from the first bad block on and recomputes it.
+
+Idle connections are kept per producer address; one that saw a new boot id replaces them all
+(a connection to a restarted producer is never reused: llm-d's stale-connection crash). A
+connection that failed in any way is closed, never returned. A producer that stops sending for
+``read_timeout_s`` fails the pull (``connection``): a decode replica never waits forever on
+remote KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from cadenza.node.kv_transfer import protocol
+from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedBlocks:
+    """One verified frame: ``num_blocks`` blocks from ``first_block`` of the request, all
+    ``num_layers`` layers from ``first_layer``, as raw bytes laid out layer-major per block."""
+
+    first_block: int
+    num_blocks: int
+    first_layer: int
+    num_layers: int
+    payload: bytes
+
+
+@dataclass(slots=True)
+class _Connection:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    boot_id: str
+
+    async def read(self, timeout_s: float) -> dict:
+        """The next header; the connection ending between frames is ``connection``, inside one
+        ``truncated``."""
+        try:
+            prefix = await asyncio.wait_for(self.reader.readexactly(4), timeout_s)
+        except asyncio.IncompleteReadError as e:
+            raise TransferError("truncated" if e.partial else "connection",
+                                "the producer closed the connection") from None
+        try:
+            body = await asyncio.wait_for(self.reader.readexactly(protocol.header_length(prefix)), timeout_s)
+        except asyncio.IncompleteReadError:
+            raise TransferError("truncated", "the connection ended inside a header") from None
+        return protocol.decode(body)
+
+    async def payload(self, n: int, timeout_s: float) -> bytes:
+        try:
+            return await asyncio.wait_for(self.reader.readexactly(n), timeout_s)
+        except asyncio.IncompleteReadError as e:
+            raise TransferError("truncated", f"the connection ended after {len(e.partial)} of {n} payload bytes") from None
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class KVConsumer:
+    """Pulls KV blocks from prefill replicas.
+
+    Args:
+        fingerprint: this engine's KV layout (the producer must match it).
+        connect_timeout_s: seconds to connect and finish the handshake.
+        read_timeout_s: seconds a pull waits for the producer's next frame.
+    """
+
+    def __init__(self, fingerprint: Fingerprint, connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0) -> None:
+        self.fingerprint = fingerprint
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._boot: dict[tuple[str, int], str] = {}  # the last boot id seen per producer
+
+    async def close(self) -> None:
+        for conns in self._idle.values():
+            for c in conns:
+                c.close()
+        self._idle.clear()
+
+    async def pull(self, host: str, port: int, request_id: str, boot_id: str | None = None,
+                   first_block: int = 0) -> AsyncIterator[ReceivedBlocks]:
+        """The request's blocks from ``first_block``, verified, in order.
+
+        Args:
+            host, port: the producer's KV transfer endpoint.
+            request_id: the request as the producer published it.
+            boot_id: the producer's boot id the request was prefilled under (None: any).
+            first_block: blocks before it are not sent (already held locally).
+
+        Raises:
+            TransferError: the pull failed; ``kind`` says how. Blocks yielded before it are good.
+        """
+        conn = await self._connection(host, port)
+        ok = False
+        try:
+            if boot_id is not None and conn.boot_id != boot_id:
+                raise TransferError("restarted", f"the producer at {host}:{port} restarted (boot id "
+                                    f"{conn.boot_id}, the request was prefilled under {boot_id})")
+            conn.writer.write(protocol.encode("pull", request_id=request_id, first_block=first_block))
+            await conn.writer.drain()
+            expected = first_block
+            while True:
+                msg = await conn.read(self.read_timeout_s)
+                if msg["kind"] == "blocks":
+                    if msg["request_id"] != request_id or msg["first_block"] != expected:
+                        raise TransferError("protocol", f"blocks {msg['first_block']}.. of {msg['request_id']} "
+                                            f"while pulling block {expected} of {request_id}")
+                    payload = await conn.payload(msg["nbytes"], self.read_timeout_s)
+                    protocol.check_payload(msg, payload, self.fingerprint)
+                    expected += msg["num_blocks"]
+                    yield ReceivedBlocks(msg["first_block"], msg["num_blocks"], msg["first_layer"], msg["num_layers"],
+                                         payload)
+                elif msg["kind"] == "done":
+                    if msg["num_blocks"] != expected:
+                        raise TransferError("protocol", f"done after {expected} blocks, the producer says "
+                                            f"{msg['num_blocks']}")
+                    conn.writer.write(protocol.encode("release", request_id=request_id))
+                    await conn.writer.drain()
+                    ok = True
+                    return
+                elif msg["kind"] == "error":
+                    ok = True  # the producer said so cleanly: the connection is still good
+                    raise TransferError(msg["code"], msg["message"])
+                else:
+                    raise TransferError("protocol", f"a {msg['kind']} frame in a pull")
+        except (ConnectionError, OSError) as e:
+            raise TransferError("connection", f"{host}:{port}: {e}") from None
+        except TimeoutError:
+            raise TransferError("connection", f"{host}:{port} sent nothing for {self.read_timeout_s:.0f} s") from None
+        finally:
+            if ok:
+                self._idle.setdefault((host, port), []).append(conn)
+            else:
+                # a failed or abandoned pull: ask for the lease back if the socket still works, then drop it
+                try:
+                    conn.writer.write(protocol.encode("release", request_id=request_id))
+                except Exception:
+                    pass
+                conn.close()
+
+    async def _connection(self, host: str, port: int) -> _Connection:
+        idle = self._idle.get((host, port))
+        while idle:
+            conn = idle.pop()
+            if not conn.writer.is_closing() and not conn.reader.at_eof():
+                return conn
+            conn.close()
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.connect_timeout_s)
+        except (OSError, TimeoutError) as e:
+            raise TransferError("connection", f"cannot connect to {host}:{port}: {e or 'timed out'}") from None
+        try:
+            writer.write(protocol.encode("hello", version=protocol.PROTOCOL_VERSION,
+                                         fingerprint=self.fingerprint.to_wire()))
+            await writer.drain()
+            conn = _Connection(reader, writer, "")
+            msg = await conn.read(self.connect_timeout_s)
+        except BaseException as e:
+            writer.close()
+            if isinstance(e, (OSError, TimeoutError)):
+                raise TransferError("connection", f"{host}:{port}: handshake failed: {e or 'timed out'}") from None
+            raise
+        if msg["kind"] == "refused":
+            writer.close()
+            raise TransferError("incompatible", f"{host}:{port} refused: {msg['reason']}")
+        if msg["kind"] != "welcome":
+            writer.close()
+            raise TransferError("protocol", f"{host}:{port} answered hello with {msg['kind']}")
+        conn.boot_id = msg["boot_id"]
+        if self._boot.get((host, port), conn.boot_id) != conn.boot_id:
+            for old in self._idle.pop((host, port), []):  # connections to the old process are stale
+                old.close()
+        self._boot[(host, port)] = conn.boot_id
+        return conn

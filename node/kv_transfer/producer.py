@@ -1,0 +1,246 @@
+"""The prefill side's KV transfer endpoint: a TCP server streaming each request's blocks as written.
+
+The engine **publishes** a request's KV when its prefill starts (:meth:`KVProducer.publish`, with
+a reader of the block bytes and a callback that frees them), reports **progress** after each step
+that wrote some of its blocks (:meth:`KVProducer.progress`), and may **abort** it. A decode replica
+connects, says hello (fingerprints must match, or it is refused before any block moves) and pulls
+requests one at a time per connection; a pull streams the blocks already written at once and the
+rest as steps write them, so the transfer overlaps the remaining prefill, and ends with ``done``.
+
+Every published request is held under a lease (:mod:`.leases`): renewed by each frame the decode
+side consumes (TCP's flow control makes a frame's ``drain`` wait on it), ended by its ``release``,
+by :meth:`KVProducer.abort` or by expiry, which a timer checks every second; the blocks are freed
+on the end, whichever it is. A pull of a request that holds no lease gets ``error
+unknown_request``; a lease that ends mid-stream, ``error expired``.
+
+Runs on one asyncio event loop (the engine's front end loop) and takes no locks. The wire is
+:mod:`.protocol`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cadenza.node.kv_transfer import protocol
+from cadenza.node.kv_transfer.leases import DEFAULT_LEASE_S, LeaseTable
+from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BLOCKS = 64  # blocks per data frame: a chunk's worth at most, so frames interleave with steps
+HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello in this long is closed
+
+# Reads ``count`` blocks from ``first`` (all layers, layer-major within each block) as bytes.
+BlockReader = Callable[[int, int], bytes | bytearray | memoryview]
+
+
+@dataclass
+class _Published:
+    read: BlockReader
+    free: Callable[[], None]
+    written: int = 0  # blocks whose KV the engine has written
+    complete: bool = False  # the prefill is over: ``written`` is every block
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class ProducerStats:
+    """Counters of one producer (monotonic since start)."""
+
+    connections: int = 0
+    refused: int = 0
+    transfers: int = 0  # pulls that ended with ``done``
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    expired: int = 0  # leases that ran out (their blocks freed by the timer)
+    failures: dict[str, int] = field(default_factory=dict)  # kind -> pulls that failed so
+
+    def failed(self, kind: str) -> None:
+        self.failures[kind] = self.failures.get(kind, 0) + 1
+
+
+class KVProducer:
+    """The prefill replica's KV blocks, served to decode replicas.
+
+    Args:
+        fingerprint: this engine's KV layout; a consumer's must equal it.
+        lease_s: a published request's lease, renewed by the decode side's progress (seconds).
+        clock: seconds, monotonic (injected for tests).
+    """
+
+    def __init__(self, fingerprint: Fingerprint, lease_s: float = DEFAULT_LEASE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.fingerprint = fingerprint
+        self.boot_id = uuid.uuid4().hex  # new per process: a consumer sees a restart by it
+        self.leases: LeaseTable[_Published] = LeaseTable(lease_s)
+        self.clock = clock
+        self.stats = ProducerStats()
+        self._server: asyncio.Server | None = None
+        self._timer: asyncio.Task | None = None
+        self._connections: set[asyncio.Task] = set()
+
+    # -- the engine's side --------------------------------------------------------------------
+
+    def publish(self, request_id: str, read: BlockReader, free: Callable[[], None]) -> None:
+        """Hold ``request_id``'s blocks under a lease for a decode replica to pull; ``free``
+        is called exactly once, when the lease ends. ValueError if it is already published."""
+        self.leases.hold(request_id, _Published(read, free), self.clock())
+
+    def progress(self, request_id: str, written: int, complete: bool = False) -> None:
+        """``written`` of the request's blocks now hold their KV (``complete``: all of them).
+        A request that is not held (released, expired) is ignored."""
+        entry = self.leases.get(request_id)
+        if entry is None:
+            return
+        if written < entry.written:
+            raise ValueError(f"{request_id}: written blocks went down from {entry.written} to {written}")
+        entry.written, entry.complete = written, complete or entry.complete
+        entry.changed.set()
+
+    def abort(self, request_id: str) -> None:
+        """End the request's lease now (the client went away): its blocks are freed."""
+        self._end(request_id)
+
+    def held(self) -> list[str]:
+        """Request ids whose blocks are held now."""
+        return list(self.leases._leases)
+
+    def _end(self, request_id: str) -> bool:
+        entry = self.leases.release(request_id)
+        if entry is None:
+            return False
+        entry.changed.set()  # a stream waiting on it sees the lease gone
+        try:
+            entry.free()
+        except Exception:  # the owner's bug must not leave the others' leases running
+            log.exception("freeing the KV blocks of %s failed", request_id)
+        return True
+
+    def expire(self) -> list[str]:
+        """End the leases past their deadline (the timer calls this every second)."""
+        gone = []
+        for rid, entry in self.leases.expire(self.clock()):
+            self.stats.expired += 1
+            entry.changed.set()
+            try:
+                entry.free()
+            except Exception:
+                log.exception("freeing the KV blocks of %s failed", rid)
+            gone.append(rid)
+        return gone
+
+    # -- the server ---------------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen on ``host:port`` (0: a free port); the port bound."""
+        self._server = await asyncio.start_server(self._serve, host, port)
+        self._timer = asyncio.create_task(self._expire_every_second())
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        """Stop listening, cut every connection and free every held block."""
+        if self._server is not None:
+            self._server.close()
+        for task in (*self._connections, *([self._timer] if self._timer else [])):
+            task.cancel()
+        await asyncio.gather(*self._connections, *([self._timer] if self._timer else []), return_exceptions=True)
+        for rid in self.held():
+            self._end(rid)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _expire_every_second(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.expire()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._connections.add(task)
+        self.stats.connections += 1
+        try:
+            if await self._handshake(reader, writer):
+                while True:
+                    msg = await _read_header(reader)
+                    if msg["kind"] == "pull":
+                        await self._stream(msg["request_id"], msg["first_block"], writer)
+                    elif msg["kind"] == "release":
+                        self._end(msg["request_id"])
+                    else:
+                        raise TransferError("protocol", f"a {msg['kind']} frame from a consumer")
+        except (TransferError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
+            log.debug("KV transfer connection closed: %s", e)
+        finally:
+            self._connections.discard(task)
+            writer.close()
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        hello = await asyncio.wait_for(_read_header(reader), HELLO_TIMEOUT_S)
+        reason = None
+        if hello["kind"] != "hello":
+            reason = f"expected hello, got {hello['kind']}"
+        elif hello["version"] != protocol.PROTOCOL_VERSION:
+            reason = f"protocol version {hello['version']} (this replica speaks {protocol.PROTOCOL_VERSION})"
+        else:
+            try:
+                theirs = Fingerprint.from_wire(hello["fingerprint"])
+            except TransferError as e:
+                reason = str(e)
+            else:
+                if diff := self.fingerprint.mismatch(theirs):
+                    reason = "incompatible KV layout: " + "; ".join(diff) + " (this replica's != the consumer's)"
+        if reason is not None:
+            self.stats.refused += 1
+            writer.write(protocol.encode("refused", reason=reason))
+            await writer.drain()
+            return False
+        writer.write(protocol.encode("welcome", version=protocol.PROTOCOL_VERSION,
+                                     fingerprint=self.fingerprint.to_wire(), boot_id=self.boot_id))
+        await writer.drain()
+        return True
+
+    async def _stream(self, request_id: str, first_block: int, writer: asyncio.StreamWriter) -> None:
+        entry = self.leases.get(request_id)
+        if entry is None:
+            self.stats.failed("unknown_request")
+            writer.write(protocol.encode("error", request_id=request_id, code="unknown_request",
+                                         message=f"no KV held for {request_id} (never published, released or expired)"))
+            await writer.drain()
+            return
+        sent = first_block
+        layers = self.fingerprint.num_layers
+        while True:
+            if self.leases.get(request_id) is not entry:  # released, aborted or expired meanwhile
+                self.stats.failed("expired")
+                writer.write(protocol.encode("error", request_id=request_id, code="expired",
+                                             message=f"the lease on {request_id}'s KV ended while streaming"))
+                await writer.drain()
+                return
+            if sent < entry.written:
+                count = min(entry.written - sent, MAX_FRAME_BLOCKS)
+                payload = entry.read(sent, count)
+                writer.write(protocol.blocks_header(request_id, sent, count, 0, layers, payload))
+                writer.write(payload)
+                await writer.drain()
+                self.leases.renew(request_id, self.clock())
+                sent += count
+                self.stats.blocks_sent += count
+                self.stats.bytes_sent += len(payload)
+                continue
+            if entry.complete:
+                writer.write(protocol.encode("done", request_id=request_id, num_blocks=entry.written))
+                await writer.drain()
+                self.stats.transfers += 1
+                return
+            entry.changed.clear()
+            await entry.changed.wait()
+
+
+async def _read_header(reader: asyncio.StreamReader) -> dict:
+    n = protocol.header_length(await reader.readexactly(4))
+    return protocol.decode(await reader.readexactly(n))

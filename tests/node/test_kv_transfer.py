@@ -1,0 +1,362 @@
+"""KV transfer between a prefill and a decode replica: the wire, leases, and every way it can fail.
+
+The producer and consumer talk over real loopback TCP; faults in transit (a flipped byte, a cut
+socket) are made by a small proxy between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from cadenza.node.kv_transfer import protocol
+from cadenza.node.kv_transfer.consumer import KVConsumer
+from cadenza.node.kv_transfer.leases import LeaseTable
+from cadenza.node.kv_transfer.producer import MAX_FRAME_BLOCKS, KVProducer
+from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
+
+FP = Fingerprint("tiny-llama", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+BLOCK = FP.num_layers * FP.block_layer_bytes  # bytes of one block, every layer
+
+
+def block_bytes(request: int, block: int) -> bytes:
+    """Distinct, checkable contents for block ``block`` of request ``request``."""
+    return bytes((request * 31 + block * 7 + i) % 251 for i in range(BLOCK))
+
+
+class Published:
+    """A request's blocks on the prefill side, as the engine would publish them."""
+
+    def __init__(self, request: int, blocks: int) -> None:
+        self.data = [block_bytes(request, b) for b in range(blocks)]
+        self.freed = 0
+
+    def read(self, first: int, count: int) -> bytes:
+        return b"".join(self.data[first:first + count])
+
+    def free(self) -> None:
+        self.freed += 1
+
+
+async def collect(consumer: KVConsumer, port: int, rid: str, **kw) -> list[bytes]:
+    out = []
+    async for got in consumer.pull("127.0.0.1", port, rid, **kw):
+        out += [got.payload[i * BLOCK:(i + 1) * BLOCK] for i in range(got.num_blocks)]
+    return out
+
+
+@pytest.fixture
+async def producer():
+    p = KVProducer(FP, lease_s=30.0)
+    port = await p.start()
+    yield p, port
+    await p.close()
+
+
+# -- the wire ------------------------------------------------------------------------------------
+
+
+def test_bytes_per_token_is_two_times_layers_heads_head_dim_and_dtype_size():
+    fp = Fingerprint("llama-3.1-8b", "bfloat16", 16, num_layers=32, num_kv_heads=8, head_dim=128)
+    assert fp.bytes_per_token == 2 * 32 * 8 * 128 * 2 == 131072
+    assert fp.block_layer_bytes * fp.num_layers == 16 * fp.bytes_per_token
+
+
+def test_a_header_round_trips_and_a_bad_one_is_a_protocol_error():
+    frame = protocol.encode("pull", request_id="r1", first_block=3)
+    assert protocol.header_length(frame[:4]) == len(frame) - 4
+    assert protocol.decode(frame[4:]) == {"kind": "pull", "request_id": "r1", "first_block": 3}
+    for body in (b"\xc1", protocol.encode("pull", request_id="r1")[4:], protocol.encode("nope")[4:],
+                 protocol.encode("pull", request_id="r1", first_block=-1)[4:]):
+        with pytest.raises(TransferError) as e:
+            protocol.decode(body)
+        assert e.value.kind == "protocol"
+    with pytest.raises(TransferError):
+        protocol.header_length(b"\xff\xff\xff\xff")
+
+
+def test_a_flipped_payload_byte_fails_the_crc_and_a_short_payload_is_truncated():
+    payload = block_bytes(0, 0) + block_bytes(0, 1)
+    header = protocol.decode(protocol.blocks_header("r", 0, 2, 0, FP.num_layers, payload)[4:])
+    protocol.check_payload(header, payload, FP)
+    flipped = bytearray(payload)
+    flipped[100] ^= 0x01
+    with pytest.raises(TransferError) as e:
+        protocol.check_payload(header, bytes(flipped), FP)
+    assert e.value.kind == "corrupt"
+    with pytest.raises(TransferError) as e:
+        protocol.check_payload(header, payload[:-1], FP)
+    assert e.value.kind == "truncated"
+
+
+def test_fingerprints_name_every_field_that_differs():
+    other = dataclasses.replace(FP, dtype="bfloat16", num_kv_heads=4)
+    assert FP.mismatch(other) == ["dtype: 'float32' != 'bfloat16'", "num_kv_heads: 2 != 4"]
+    assert FP.mismatch(Fingerprint.from_wire(FP.to_wire())) == []
+    with pytest.raises(ValueError):
+        Fingerprint("m", "int3", 16, 1, 1, 1)
+
+
+# -- leases --------------------------------------------------------------------------------------
+
+
+def test_a_lease_is_renewed_by_progress_and_handed_back_exactly_once():
+    t = LeaseTable[str](ttl_s=30.0)
+    t.hold("a", "blocks-a", now=0.0)
+    t.hold("b", "blocks-b", now=0.0)
+    assert t.renew("a", now=20.0)
+    assert t.expire(now=30.0) == [("b", "blocks-b")]
+    assert t.expire(now=49.0) == []
+    assert t.release("a") == "blocks-a"
+    assert t.release("a") is None and not t.renew("a", 50.0) and t.expire(1e9) == []
+    with pytest.raises(ValueError):
+        LeaseTable(ttl_s=0)
+
+
+# -- producer and consumer over loopback ---------------------------------------------------------
+
+
+async def test_a_pull_streams_blocks_as_the_prefill_writes_them_and_release_frees_them(producer):
+    p, port = producer
+    blocks = Published(1, 10)
+    p.publish("r1", blocks.read, blocks.free)
+    p.progress("r1", 3)
+    consumer = KVConsumer(FP)
+    got: list[bytes] = []
+
+    async def pull():
+        async for frame in consumer.pull("127.0.0.1", port, "r1", boot_id=p.boot_id):
+            got.extend(frame.payload[i * BLOCK:(i + 1) * BLOCK] for i in range(frame.num_blocks))
+
+    task = asyncio.create_task(pull())
+    for _ in range(100):  # the first chunk's blocks arrive before the prefill goes on
+        await asyncio.sleep(0.01)
+        if len(got) == 3:
+            break
+    assert len(got) == 3 and not task.done()
+    p.progress("r1", 7)
+    p.progress("r1", 10, complete=True)
+    await asyncio.wait_for(task, 5)
+    assert got == blocks.data
+    for _ in range(100):
+        if not p.held():
+            break
+        await asyncio.sleep(0.01)
+    assert p.held() == [] and blocks.freed == 1
+    assert p.stats.transfers == 1 and p.stats.bytes_sent == 10 * BLOCK
+    await consumer.close()
+
+
+async def test_many_blocks_come_in_frames_and_a_pull_may_start_past_the_blocks_held(producer):
+    p, port = producer
+    blocks = Published(2, MAX_FRAME_BLOCKS * 2 + 5)
+    p.publish("r2", blocks.read, blocks.free)
+    p.progress("r2", len(blocks.data), complete=True)
+    consumer = KVConsumer(FP)
+    assert await collect(consumer, port, "r2", first_block=4) == blocks.data[4:]
+    await consumer.close()
+
+
+async def test_connections_are_reused_across_pulls(producer):
+    p, port = producer
+    consumer = KVConsumer(FP)
+    for i in range(3):
+        blocks = Published(i, 2)
+        p.publish(f"r{i}", blocks.read, blocks.free)
+        p.progress(f"r{i}", 2, complete=True)
+        assert await collect(consumer, port, f"r{i}") == blocks.data
+    assert p.stats.connections == 1
+    await consumer.close()
+
+
+async def test_an_incompatible_consumer_is_refused_before_any_block_moves(producer):
+    p, port = producer
+    blocks = Published(3, 2)
+    p.publish("r3", blocks.read, blocks.free)
+    p.progress("r3", 2, complete=True)
+    consumer = KVConsumer(dataclasses.replace(FP, head_dim=16))
+    with pytest.raises(TransferError) as e:
+        await collect(consumer, port, "r3")
+    assert e.value.kind == "incompatible" and "head_dim: 8 != 16" in str(e.value)
+    assert p.stats.blocks_sent == 0 and p.stats.refused == 1 and p.held() == ["r3"]
+
+
+async def test_a_request_the_producer_does_not_hold_is_unknown(producer):
+    p, port = producer
+    consumer = KVConsumer(FP)
+    with pytest.raises(TransferError) as e:
+        await collect(consumer, port, "nobody")
+    assert e.value.kind == "unknown_request"
+    blocks = Published(4, 1)  # the connection is still good after a clean error
+    p.publish("r4", blocks.read, blocks.free)
+    p.progress("r4", 1, complete=True)
+    assert await collect(consumer, port, "r4") == blocks.data
+    assert p.stats.connections == 1
+    await consumer.close()
+
+
+class FaultyProxy:
+    """Forwards producer -> consumer bytes, flipping the byte at ``flip_at`` or closing both
+    sides after ``cut_after`` bytes (counted from the start of the producer's stream)."""
+
+    def __init__(self, target_port: int, flip_at: int | None = None, cut_after: int | None = None) -> None:
+        self.target_port, self.flip_at, self.cut_after = target_port, flip_at, cut_after
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _handle(self, creader, cwriter):
+        preader, pwriter = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def upstream():
+            while data := await creader.read(65536):
+                pwriter.write(data)
+            pwriter.close()
+
+        async def downstream():
+            seen = 0
+            while data := await preader.read(65536):
+                if self.flip_at is not None and seen <= self.flip_at < seen + len(data):
+                    data = bytearray(data)
+                    data[self.flip_at - seen] ^= 0x40
+                if self.cut_after is not None and seen + len(data) >= self.cut_after:
+                    cwriter.write(data[:self.cut_after - seen])
+                    await cwriter.drain()
+                    cwriter.close()
+                    pwriter.close()
+                    return
+                seen += len(data)
+                cwriter.write(data)
+                await cwriter.drain()
+            cwriter.close()
+
+        await asyncio.gather(upstream(), downstream(), return_exceptions=True)
+
+    async def close(self):
+        self.server.close()
+
+
+def welcome_len(p: KVProducer) -> int:
+    return len(protocol.encode("welcome", version=protocol.PROTOCOL_VERSION, fingerprint=FP.to_wire(),
+                               boot_id=p.boot_id))
+
+
+async def test_one_flipped_byte_in_transit_is_caught_and_nothing_after_it_is_used():
+    p = KVProducer(FP, lease_s=0.5)
+    port = await p.start()
+    blocks = Published(5, MAX_FRAME_BLOCKS + 4)
+    p.publish("r5", blocks.read, blocks.free)
+    p.progress("r5", len(blocks.data), complete=True)
+    first = len(protocol.blocks_header("r5", 0, MAX_FRAME_BLOCKS, 0, 2, blocks.read(0, MAX_FRAME_BLOCKS)))
+    # a byte in the second frame's payload: the first frame's blocks are good and delivered
+    flip = welcome_len(p) + first + MAX_FRAME_BLOCKS * BLOCK + 200
+    proxy = FaultyProxy(port, flip_at=flip)
+    consumer = KVConsumer(FP)
+    good = []
+    with pytest.raises(TransferError) as e:
+        async for frame in consumer.pull("127.0.0.1", await proxy.start(), "r5"):
+            good.append(frame)
+    assert e.value.kind == "corrupt"
+    assert [f.num_blocks for f in good] == [MAX_FRAME_BLOCKS]
+    assert good[0].payload == blocks.read(0, MAX_FRAME_BLOCKS)
+    await wait_freed(p, blocks, within_s=0.5 + 1.0)
+    await proxy.close(); await consumer.close(); await p.close()
+
+
+async def wait_freed(p: KVProducer, blocks: Published, within_s: float) -> None:
+    """The producer holds nothing and freed ``blocks`` once, within ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while p.held() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert p.held() == [] and blocks.freed == 1
+
+
+async def test_a_socket_cut_mid_frame_fails_the_pull_as_truncated_and_the_lease_still_ends():
+    p = KVProducer(FP, lease_s=0.5)
+    port = await p.start()
+    blocks = Published(6, 8)
+    p.publish("r6", blocks.read, blocks.free)
+    p.progress("r6", 8, complete=True)
+    proxy = FaultyProxy(port, cut_after=welcome_len(p) + 300)
+    consumer = KVConsumer(FP)
+    started = time.monotonic()
+    with pytest.raises(TransferError) as e:
+        await collect(consumer, await proxy.start(), "r6")
+    assert e.value.kind == "truncated" and time.monotonic() - started < 2
+    await wait_freed(p, blocks, within_s=0.5 + 1.0)
+    await proxy.close(); await consumer.close(); await p.close()
+
+
+async def test_a_decode_side_stalled_past_the_lease_finds_it_expired_and_the_blocks_freed():
+    p = KVProducer(FP, lease_s=0.5)
+    port = await p.start()
+    blocks = Published(7, 6)
+    p.publish("r7", blocks.read, blocks.free)
+    p.progress("r7", 2)  # the prefill stalls too: nothing renews the lease
+    consumer = KVConsumer(FP)
+    frames = consumer.pull("127.0.0.1", port, "r7")
+    first = await anext(frames)
+    assert first.num_blocks == 2
+    await wait_freed(p, blocks, within_s=0.5 + 1.0)
+    p.progress("r7", 6, complete=True)  # too late: ignored, nothing is read from freed blocks
+    with pytest.raises(TransferError) as e:
+        await anext(frames)
+    assert e.value.kind == "expired" and p.stats.expired == 1
+    await consumer.close(); await p.close()
+
+
+async def test_a_restarted_producer_is_detected_by_its_boot_id_and_stale_connections_dropped():
+    p = KVProducer(FP)
+    port = await p.start()
+    consumer = KVConsumer(FP)
+    blocks = Published(8, 1)
+    p.publish("r8", blocks.read, blocks.free)
+    p.progress("r8", 1, complete=True)
+    assert await collect(consumer, port, "r8", boot_id=p.boot_id) == blocks.data
+    old_boot = p.boot_id
+    await p.close()
+    restarted = KVProducer(FP)
+    await restarted.start(port=port)
+    with pytest.raises(TransferError) as e:  # the request was prefilled by the process that died
+        await collect(consumer, port, "r8", boot_id=old_boot)
+    assert e.value.kind == "restarted"
+    fresh = Published(9, 2)
+    restarted.publish("r9", fresh.read, fresh.free)
+    restarted.progress("r9", 2, complete=True)
+    assert await collect(consumer, port, "r9", boot_id=restarted.boot_id) == fresh.data
+    await consumer.close(); await restarted.close()
+
+
+async def test_a_producer_killed_mid_pull_fails_it_at_once_and_one_that_goes_silent_times_out():
+    p = KVProducer(FP)
+    port = await p.start()
+    blocks = Published(10, 4)
+    p.publish("r10", blocks.read, blocks.free)
+    p.progress("r10", 1)
+    consumer = KVConsumer(FP, read_timeout_s=0.3)
+    frames = consumer.pull("127.0.0.1", port, "r10")
+    await anext(frames)
+    started = time.monotonic()
+    with pytest.raises(TransferError) as e:  # silent: the prefill never goes on
+        await anext(frames)
+    assert e.value.kind == "connection" and time.monotonic() - started < 2
+    blocks2 = Published(11, 4)
+    p.publish("r11", blocks2.read, blocks2.free)
+    p.progress("r11", 1)
+    frames = KVConsumer(FP, read_timeout_s=30).pull("127.0.0.1", port, "r11")
+    await anext(frames)
+    closing = asyncio.create_task(p.close())  # killed: every connection cut, every block freed
+    with pytest.raises(TransferError) as e:
+        await asyncio.wait_for(anext(frames), 5)
+    assert e.value.kind in ("connection", "truncated")
+    await closing
+    assert blocks2.freed == 1 and p.held() == []
+    with pytest.raises(TransferError) as e:
+        await collect(consumer, port, "r11")
+    assert e.value.kind == "connection"
+    await consumer.close()
