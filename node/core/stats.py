@@ -145,3 +145,40 @@ def retry_after(queued: int, per_second: float | None) -> int:
     if not per_second:
         return 1
     return int(min(300, max(1, math.ceil(queued / per_second))))
+
+
+def snapshot_of(sched) -> EngineStats:
+    """A :class:`~cadenza.node.core.scheduler.Scheduler`'s counters and gauges now: queues per
+    class, KV blocks by state, scheduler counters (its :meth:`snapshot`)."""
+    now = sched.clock()
+    bm, s = sched.block_manager, sched.stats
+    running = Counter(r.traffic_class for r in sched.running)
+    classes = {}
+    for name, queue in sched.queues.items():
+        oldest = queue.oldest()
+        classes[name] = ClassStats(
+            len(queue), running[name], sched.queue_limit(name),
+            round(now - oldest.arrival_time, 6) if oldest else 0.0,
+            s.prefill_tokens_by_class[name], s.preemptions_by_class[name], sched.drain[name].per_second(now))
+    tenants = {}
+    for name, tenant in [*sched.policy.tenants.items(), *((t, sched.policy.default_tenant) for t in sched.tenant_live)]:
+        if name not in tenants and (tenant.max_concurrent is not None or tenant.max_queued_prompt_tokens is not None):
+            queued = sum(q.queued_prompt_tokens.get(name, 0) for q in sched.queues.values())
+            tenants[name] = TenantLoad(sched.tenant_live.get(name, 0), queued)
+    error = sched.cost_model.mean_relative_error
+    return EngineStats(
+        num_running=sched.num_running, num_waiting=sched.num_waiting,
+        kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks,
+        kv_blocks_reserved=bm.num_reserved_blocks, kv_blocks_cached=bm.num_cached_free_blocks,
+        kv_blocks_free=bm.num_plain_free_blocks, num_steps=s.num_steps, num_preemptions=s.num_preemptions,
+        num_admission_preemptions=s.num_admission_preemptions, num_recomputed_tokens=s.num_recomputed_tokens,
+        num_finished=s.num_finished, num_aborted=s.num_aborted,
+        num_cancelled_before_first_token=s.num_cancelled_before_first_token,
+        prefill_tokens_admitted=s.prefill_tokens_admitted, decode_tokens=s.decode_tokens,
+        prefill_tokens_deferred=s.prefill_tokens_deferred, decode_steps_delayed=s.decode_steps_delayed,
+        allocation_failures=s.allocation_failures, kv_admission_delays=s.kv_admission_delays,
+        prefix_cache_queried_tokens=s.prefix_cache_queried_tokens,
+        prefix_cache_hit_tokens=s.prefix_cache_hit_tokens, prefix_cache_evictions=bm.num_evictions,
+        rejected=dict(s.rejected), cost_model_error=round(error, 4) if error is not None else None,
+        classes=classes, tenants=tenants,
+    )
