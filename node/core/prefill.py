@@ -18,7 +18,9 @@ Order of work in a step, after the decodes:
    holds), plus a watermark, beyond the blocks already reserved for admitted prompts — otherwise it
    waits (new prefill is delayed before anything is preempted). A partial prefill that cannot grow
    may preempt a lower-priority request; else it waits.
-5. **Displacement.** A waiting request that lacks a running slot or KV headroom takes them from
+5. **Remote KV.** A request whose prompt was prefilled on another replica is admitted the same
+   way but loads that KV instead of a first chunk (:mod:`cadenza.node.core.remote_kv`).
+6. **Displacement.** A waiting request that lacks a running slot or KV headroom takes them from
    running requests of a *strictly lower* class: the lowest class first, the newest within it,
    preempted by recompute — only when those victims free enough for it to start in this very step,
    never a protected request (preempted more than ``max_preemptions`` times, so a lower class
@@ -40,6 +42,7 @@ from cadenza.node.core.cost_model import StepCostModel
 from cadenza.node.core.policy import CLASS_RANK, CLASSES
 from cadenza.node.core.preemption import Preemption
 from cadenza.node.core.queues import ClassQueue
+from cadenza.node.core.remote_kv import RemoteLoads
 from cadenza.node.core.request import Request, RequestStatus
 from cadenza.node.core.stats import SchedulerStats
 from cadenza.node.core.step import Step
@@ -67,6 +70,7 @@ class PrefillContext(NamedTuple):
         watermark_blocks: KV blocks kept free when admitting, while anything runs.
         cache_salt: a request's prefix-cache salt.
         start_running: moves a queued request into ``running`` (records its admission).
+        remote: the requests loading remote KV (each holds a running slot).
     """
 
     config: SchedulerConfig
@@ -82,7 +86,8 @@ class PrefillContext(NamedTuple):
     step_seconds: float
     watermark_blocks: int
     cache_salt: Callable[[Request], bytes]
-    start_running: Callable[[Request, Step], None]
+    start_running: Callable[..., None]
+    remote: RemoteLoads
 
 
 class PrefillAdder:
@@ -220,7 +225,7 @@ class PrefillAdder:
         cached = kv.match_prefix(req.request_id, req.token_ids, self.ctx.cache_salt(req))
         need = kv.blocks_for(len(req.token_ids)) - len(cached)
         start = len(cached) * kv.block_size
-        slots_short = len(self.ctx.running) + 1 - self.max_running
+        slots_short = len(self.ctx.running) + len(self.ctx.remote) + 1 - self.max_running
         kv_short = need - self._headroom(cached)
         if slots_short > 0 or kv_short > 0:
             victims = self._victims_for(self._displaceable(req), cached, slots_short, kv_short)
@@ -233,16 +238,19 @@ class PrefillAdder:
             for victim in victims:
                 self._preempt(victim, close_admissions=False)
             self.stats.num_admission_preemptions += len(victims)
-        n = self._chunk(req, start, room)
-        if n <= 0:
+        n, remote = self._chunk(req, start, room), self.ctx.remote.blocks_to_load(req, len(cached))
+        if n <= 0 and not remote:
             return False
-        self.ctx.start_running(req, self.step)
+        self.ctx.start_running(req, self.step, loading=bool(remote))
         kv.admit(req.request_id, cached, len(req.token_ids))  # the prefix hit, and a claim on the rest
         req.num_computed_tokens = req.num_cached_tokens = start
         stats = self.stats
         stats.prefix_cache_queried_tokens += len(req.token_ids)
         stats.prefix_cache_hit_tokens += start
-        self._grant(req, n)
+        if remote:  # its KV arrives instead of a first chunk: no budget spent
+            self.ctx.remote.start(req, len(cached), remote)
+        else:
+            self._grant(req, n)
         return True
 
     def _grant(self, req: Request, n: int) -> None:

@@ -18,10 +18,11 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = 0
     PREEMPTED = 1  # waiting again: its KV was dropped and will be recomputed
-    RUNNING = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    WAITING_FOR_REMOTE_KV = 2  # admitted; its prompt's KV is arriving from another replica
+    RUNNING = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -91,6 +92,24 @@ class SamplingParams:
         return self.temperature < _GREEDY_BELOW or self.top_k == 1
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteKV:
+    """Where a request's prompt was prefilled, so its KV can be pulled instead of computed.
+
+    Attributes:
+        host, port: the prefill replica's KV transfer endpoint.
+        request_id: the request's id on that replica.
+        boot_id: that replica's process boot id when it prefilled (a restart loses its KV).
+        num_tokens: prompt tokens, from the first, whose KV it holds.
+    """
+
+    host: str
+    port: int
+    request_id: str
+    boot_id: str
+    num_tokens: int
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One generation request as the scheduler and model runner see it.
@@ -109,6 +128,7 @@ class Request:
         preempted_time: when it was last preempted (None once it runs again).
         cache_salt: the client's prefix-cache salt: only requests with the same salt (and, when
             the policy isolates tenants, the same tenant) share cached KV blocks.
+        remote_kv: where its prompt's KV may be pulled from (disaggregated pools); None: computed here.
     """
 
     request_id: str
@@ -126,6 +146,7 @@ class Request:
     admitted_time: float | None = None
     preempted_time: float | None = None
     cache_salt: str | None = None
+    remote_kv: RemoteKV | None = None
     stop_ids: frozenset[int] = field(init=False, repr=False)  # token ids that end it (EOS unless ignored)
     max_num_tokens: int = field(init=False, repr=False)  # prompt + max_tokens: it ends with length there
 

@@ -38,6 +38,7 @@ from cadenza.node.core.policy import CLASSES, QUEUE_DEPTH_PER_SLOT
 from cadenza.node.core.preemption import Preemption, victim_key
 from cadenza.node.core.prefill import PrefillAdder, PrefillContext
 from cadenza.node.core.queues import ClassQueue
+from cadenza.node.core.remote_kv import KVConnector, RemoteLoads
 from cadenza.node.core.request import Request, RequestStatus
 from cadenza.node.core.scheduler_interface import SchedulerInterface
 from cadenza.node.core.stats import EngineStats, SchedulerStats, snapshot_of
@@ -56,10 +57,12 @@ class Scheduler(SchedulerInterface):
         config: budget, chunk size, request limits and the class/tenant policy.
         block_manager: the KV block pool this scheduler allocates from.
         clock: seconds, monotonic (tests pass a fake one).
+        connector: loads prompt KV prefilled on another replica (None: every prompt is
+            computed here; see :mod:`cadenza.node.core.remote_kv`).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, connector: KVConnector | None = None) -> None:
         if config.max_model_len is None:
             raise ValueError("max_model_len: the scheduler needs a resolved value (see resolve_max_model_len)")
         self.block_manager = block_manager
@@ -73,6 +76,7 @@ class Scheduler(SchedulerInterface):
         self.step_seconds = 0.0  # moving average of measured step time (aging look-ahead)
         self.stats = SchedulerStats()
         self.preemption = Preemption(self.running, block_manager, self.queues, self.stats, clock)
+        self.remote = RemoteLoads(connector, block_manager, self.stats)
         self.reconfigure(config)
 
     def reconfigure(self, config: SchedulerConfig) -> None:
@@ -185,17 +189,19 @@ class Scheduler(SchedulerInterface):
     def _prefill_context(self, prefilling: list[Request], interactive_decoding: bool) -> PrefillContext:
         return PrefillContext(self.config, self.running, prefilling, interactive_decoding, self.queues, self.block_manager, self.preemption,
                               self.cost_model, self.stats, self.clock(), self.step_seconds, self.watermark_blocks,
-                              self.cache_salt, self.start_running)
+                              self.cache_salt, self.start_running, self.remote)
 
     def cache_salt(self, req: Request) -> bytes:
         """``req``'s prefix-cache salt (:meth:`Policy.cache_salt`)."""
         return self.policy.cache_salt(req.tenant, req.cache_salt)
 
-    def start_running(self, req: Request, step: Step) -> None:
-        """Move a queued request into the running set (the prefill adder admitted it)."""
+    def start_running(self, req: Request, step: Step, loading: bool = False) -> None:
+        """Move a queued request into the running set (the prefill adder admitted it), or, when
+        it is ``loading`` remote KV, out of its queue only (it runs once the KV is in)."""
         self.queues[req.traffic_class].pop(req)
-        req.status = RequestStatus.RUNNING
-        bisect.insort(self.running, req, key=_arrival)
+        if not loading:
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=_arrival)
         now = self.clock()
         if req.admitted_time is None:
             req.admitted_time = now
@@ -262,10 +268,26 @@ class Scheduler(SchedulerInterface):
                 append(req)
         return sampled
 
+    def remote_kv_loaded(self, request_id: str, good_blocks: int) -> bool:
+        """A remote KV load ended with its first ``good_blocks`` blocks verified and written: the
+        request runs from the next step, prefilling the rest here. False if it was not loading.
+
+        Raises:
+            ValueError: more good blocks than the load asked for.
+        """
+        req = self.remote.finished(request_id, good_blocks)
+        if req is None:
+            return False
+        bisect.insort(self.running, req, key=_arrival)
+        self.block_manager.commit(request_id, req.token_ids, req.num_computed_tokens, self.cache_salt(req))
+        return True
+
     def _end(self, req: Request, status: RequestStatus) -> None:
-        """Take a live request out of the running set or its queue, and finish it."""
+        """Take a live request out of the running set, its load or its queue, and finish it."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.remote.cancel(req)
         else:
             self.queues[req.traffic_class].pop(req)
         self._finish(req, status)

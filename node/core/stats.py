@@ -35,6 +35,10 @@ class SchedulerStats:
     kv_admission_delays: int = 0  # admissions held back for lack of KV headroom
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    remote_kv_loads: int = 0  # admissions that pulled their prompt's KV from a prefill replica
+    remote_kv_tokens: int = 0  # prompt tokens whose KV arrived verified
+    remote_kv_failed_loads: int = 0  # loads that failed from some block on (recomputed here)
+    remote_kv_recomputed_tokens: int = 0  # tokens of those blocks, computed here instead
     rejected: Counter = field(default_factory=Counter)  # by reason
     prefill_tokens_by_class: Counter = field(default_factory=Counter)
     preemptions_by_class: Counter = field(default_factory=Counter)  # by the victim's class

@@ -30,15 +30,17 @@ class FakeClock:
 
 def make_scheduler(
     token_budget=64, chunk_size=16, max_num_seqs=8, max_model_len=512, num_blocks=256, block_size=4,
-    prefix_caching=True, clock=None, queue_depth=None, **policy,
+    prefix_caching=True, clock=None, queue_depth=None, connector=None, **policy,
 ) -> Scheduler:
     """A scheduler over a fake KV pool. ``queue_depth`` bounds every class's queue (tests that flood
-    queues on purpose; by default the bound derived from ``max_num_seqs`` applies)."""
+    queues on purpose; by default the bound derived from ``max_num_seqs`` applies); ``connector``
+    loads remote KV."""
     if queue_depth is not None:
         classes = policy.get("classes") or default_class_policies()
         policy["classes"] = {name: dataclasses.replace(c, max_queue_depth=queue_depth) for name, c in classes.items()}
     config = SchedulerConfig(token_budget, chunk_size, max_num_seqs, max_model_len, prefix_caching, Policy(**policy))
-    return Scheduler(config, KVBlockManager(num_blocks, block_size, prefix_caching), clock=clock or FakeClock())
+    return Scheduler(config, KVBlockManager(num_blocks, block_size, prefix_caching), clock=clock or FakeClock(),
+                     connector=connector)
 
 
 def make_request(prompt_len: int, max_tokens: int = 4, arrival: float | None = None, tokens: list[int] | None = None,

@@ -1,0 +1,117 @@
+"""Requests whose prompt KV comes from another replica: the scheduler's side of a KV transfer.
+
+A request that names a remote source (:class:`~cadenza.node.core.request.RemoteKV`: the prefill
+replica that computed its prompt) is admitted like any other, with a running slot and KV blocks
+for its whole prompt, after its local prefix-cache hit. What differs is what comes next. The
+source's whole blocks past that hit are handed to the :class:`KVConnector` to load, and the
+request waits in ``WAITING_FOR_REMOTE_KV`` without spending any token budget.
+
+When the connector reports the load (:meth:`RemoteLoads.finished`), the verified blocks count
+as computed and enter the prefix cache. The request then runs as a partial prefill of what is
+left: the blocks from the first one that failed, and the prompt's tail.
+
+Invariants:
+- **Verified KV only.** A token is never produced from unverified KV. Only blocks the
+  connector verified count as computed, and a failed block and every block after it are
+  computed here.
+- **Whole blocks, and never the last prompt token.** At least one prompt token is prefilled
+  locally, and that row samples the first token.
+- **A loading request holds its slot and its blocks.** It is in neither the running list nor
+  a queue, so it is neither scheduled nor preempted.
+- **Remote KV only at first admission.** A request preempted after its load recomputes
+  locally; its source's lease may be gone by then.
+- **Cancelling stops writes.** Aborting a loading request cancels its load before its blocks
+  are freed. The engine writes received blocks on the scheduler's thread, between steps, and
+  only into requests still loading.
+
+No torch here. Reference: vLLM's KV-connector scheduler half (``get_num_new_matched_tokens``, the
+``WAITING_FOR_REMOTE_KVS`` status, blocks that failed to load recomputed).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from cadenza.node.core.block_manager import KVBlockManager
+from cadenza.node.core.request import Request, RequestStatus
+from cadenza.node.core.stats import SchedulerStats
+
+
+class KVConnector(Protocol):
+    """Moves a request's prompt KV from its source into local blocks (the engine's side)."""
+
+    def start_load(self, request: Request, first_block: int, block_ids: list[int]) -> None:
+        """Begin pulling the request's blocks ``first_block ..`` from ``request.remote_kv`` into
+        the local KV blocks ``block_ids`` (one per remote block, in order); report the outcome
+        through the scheduler's ``remote_kv_loaded``."""
+
+    def cancel(self, request_id: str) -> None:
+        """Stop the request's load: nothing more is written into its blocks after this returns."""
+
+
+class RemoteLoads:
+    """The requests loading their prompt KV, and the rules for who may (see the module docstring).
+
+    Args:
+        connector: the engine's connector; None: nothing is ever loaded (every prompt computed here).
+        kv: the block manager the loads' blocks come from.
+        stats: counters (``remote_kv_*``).
+    """
+
+    def __init__(self, connector: KVConnector | None, kv: KVBlockManager, stats: SchedulerStats) -> None:
+        self.connector = connector
+        self.kv = kv
+        self.stats = stats
+        self.loading: dict[str, tuple[Request, int, int]] = {}  # id -> (request, first block, blocks)
+
+    def __len__(self) -> int:
+        return len(self.loading)
+
+    def blocks_to_load(self, req: Request, cached_blocks: int) -> int:
+        """Whole blocks of ``req``'s prompt to pull from its source, after ``cached_blocks`` hit
+        the local prefix cache (0: prefill it here)."""
+        source = req.remote_kv
+        if source is None or self.connector is None or req.num_preemptions:
+            return 0
+        usable = min(source.num_tokens, req.num_prompt_tokens - 1) // self.kv.block_size
+        return max(0, usable - cached_blocks)
+
+    def start(self, req: Request, first_block: int, num_blocks: int) -> None:
+        """Allocate the blocks ``first_block .. + num_blocks`` of an admitted ``req`` (its prefix
+        hit adopted already) and hand them to the connector."""
+        bs = self.kv.block_size
+        if not self.kv.allocate_slots(req.request_id, (first_block + num_blocks) * bs):
+            raise MemoryError(f"request {req.request_id}: no KV blocks to load {num_blocks} remote blocks into")
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.loading[req.request_id] = (req, first_block, num_blocks)
+        self.stats.remote_kv_loads += 1
+        table = self.kv.block_table(req.request_id)
+        self.connector.start_load(req, first_block, list(table[first_block:first_block + num_blocks]))
+
+    def finished(self, request_id: str, good_blocks: int) -> Request | None:
+        """The load of ``request_id`` ended with its first ``good_blocks`` blocks verified: the
+        request, ready to run as a partial prefill; None when it is not loading (aborted).
+
+        Raises:
+            ValueError: ``good_blocks`` outside ``0 .. blocks asked``.
+        """
+        entry = self.loading.get(request_id)
+        if entry is None:
+            return None
+        req, first, asked = entry
+        if not 0 <= good_blocks <= asked:
+            raise ValueError(f"{request_id}: {good_blocks} good blocks of {asked} asked")
+        del self.loading[request_id]
+        bs = self.kv.block_size
+        req.num_computed_tokens = (first + good_blocks) * bs
+        self.stats.remote_kv_tokens += good_blocks * bs
+        if good_blocks < asked:
+            self.stats.remote_kv_failed_loads += 1
+            self.stats.remote_kv_recomputed_tokens += (asked - good_blocks) * bs
+        req.status = RequestStatus.RUNNING
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Forget a loading request that is ending (aborted); its blocks are freed by the caller."""
+        if self.loading.pop(req.request_id, None) is not None and self.connector is not None:
+            self.connector.cancel(req.request_id)

@@ -1,0 +1,149 @@
+"""The scheduler's side of a KV transfer: requests whose prompt KV is pulled from a prefill replica.
+
+Driven without a model or a socket: a fake connector records the loads it is asked for, and the
+test reports their outcome as the engine would (``remote_kv_loaded``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cadenza.node.core.request import RemoteKV, RequestStatus
+from fake_engine import make_request, make_scheduler
+
+BS = 4  # make_scheduler's block size
+
+
+class FakeConnector:
+    def __init__(self) -> None:
+        self.loads: dict[str, tuple[int, list[int]]] = {}  # request id -> (first block, local block ids)
+        self.cancelled: list[str] = []
+
+    def start_load(self, request, first_block, block_ids):
+        self.loads[request.request_id] = (first_block, block_ids)
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+
+def remote(num_tokens: int) -> RemoteKV:
+    return RemoteKV("10.0.0.7", 7001, "p-1", "boot-a", num_tokens)
+
+
+def step(sched, token=5):
+    out = sched.schedule()
+    sched.update_from_output(out, [token] * out.num_sampled)
+    return out
+
+
+def test_the_prompts_whole_blocks_load_without_spending_budget_and_only_the_tail_is_prefilled():
+    conn = FakeConnector()
+    sched = make_scheduler(token_budget=64, chunk_size=16, connector=conn)
+    req = make_request(30, remote_kv=remote(30))  # 7 whole blocks + 2 tokens
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.is_empty and req.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    first, blocks = conn.loads[req.request_id]
+    assert first == 0 and len(blocks) == 7 and blocks == sched.block_manager.block_table(req.request_id)[:7]
+    assert sched.num_running == 0 and sched.num_waiting == 0 and sched.has_unfinished_requests()
+    assert sched.remote_kv_loaded(req.request_id, 7)
+    out = step(sched)
+    assert [(r.start, r.num_tokens, r.sample) for r in out.prefill_rows] == [(28, 2, True)]
+    assert req.num_output_tokens == 1 and sched.stats.remote_kv_tokens == 28
+    assert sched.block_manager.consistent()
+
+
+def test_the_last_prompt_token_is_always_computed_here_to_sample_the_first_token():
+    conn = FakeConnector()
+    sched = make_scheduler(connector=conn)
+    req = make_request(8, remote_kv=remote(8))  # exactly 2 blocks: only the first may load
+    sched.add_request(req)
+    sched.schedule()
+    assert len(conn.loads[req.request_id][1]) == 1
+    sched.remote_kv_loaded(req.request_id, 1)
+    out = step(sched)
+    assert [(r.start, r.num_tokens) for r in out.prefill_rows] == [(4, 4)]
+
+
+def test_a_prompt_of_one_block_or_a_source_holding_less_than_a_block_is_prefilled_here():
+    conn = FakeConnector()
+    sched = make_scheduler(connector=conn)
+    short, thin = make_request(4, remote_kv=remote(4)), make_request(40, remote_kv=remote(3))
+    sched.add_request(short)
+    sched.add_request(thin)
+    out = step(sched)
+    assert conn.loads == {} and {r.request.request_id for r in out.prefill_rows} == {short.request_id, thin.request_id}
+
+
+def test_a_load_that_failed_from_some_block_on_recomputes_from_that_block():
+    conn = FakeConnector()
+    sched = make_scheduler(token_budget=64, chunk_size=64, connector=conn)
+    req = make_request(30, remote_kv=remote(30))
+    sched.add_request(req)
+    sched.schedule()
+    sched.remote_kv_loaded(req.request_id, 3)  # blocks 0-2 verified, block 3 failed
+    out = step(sched)
+    assert [(r.start, r.num_tokens) for r in out.prefill_rows] == [(12, 18)]
+    s = sched.stats
+    assert (s.remote_kv_failed_loads, s.remote_kv_recomputed_tokens, s.remote_kv_tokens) == (1, 16, 12)
+    with pytest.raises(ValueError):
+        other = make_request(30, remote_kv=remote(30))
+        sched.add_request(other)
+        sched.schedule()
+        sched.remote_kv_loaded(other.request_id, 8)
+
+
+def test_only_verified_blocks_enter_the_prefix_cache_and_a_local_hit_is_not_loaded_again():
+    conn = FakeConnector()
+    sched = make_scheduler(token_budget=64, chunk_size=64, connector=conn)
+    req = make_request(30, remote_kv=remote(30), max_tokens=1)
+    sched.add_request(req)
+    sched.schedule()
+    sched.remote_kv_loaded(req.request_id, 5)  # of 7
+    twin = make_request(30, tokens=list(req.token_ids[:30]), remote_kv=remote(30))
+    sched.add_request(twin)
+    step(sched)
+    assert conn.loads[twin.request_id][0] == 5  # blocks 0-4 hit the cache; 5 and 6 load
+    assert len(conn.loads[twin.request_id][1]) == 2
+
+
+def test_a_loading_request_holds_a_running_slot():
+    conn = FakeConnector()
+    sched = make_scheduler(max_num_seqs=2, connector=conn)
+    loading = [make_request(20, remote_kv=remote(20)) for _ in range(2)]
+    local = make_request(6)
+    for r in (*loading, local):
+        sched.add_request(r)
+    out = sched.schedule()
+    assert out.is_empty and local.status is RequestStatus.WAITING
+    sched.remote_kv_loaded(loading[0].request_id, 4)
+    step(sched)
+    step(sched)  # loading[0] decodes; the second slot is still the other load's
+    assert local.status is RequestStatus.WAITING
+
+
+def test_aborting_a_loading_request_cancels_its_load_and_frees_its_blocks():
+    conn = FakeConnector()
+    sched = make_scheduler(connector=conn)
+    req = make_request(30, remote_kv=remote(30))
+    sched.add_request(req)
+    sched.schedule()
+    used = sched.block_manager.num_used_blocks
+    assert used > 0
+    sched.abort_request(req.request_id)
+    assert conn.cancelled == [req.request_id] and sched.block_manager.num_used_blocks == 0
+    assert not sched.remote_kv_loaded(req.request_id, 7) and not sched.has_unfinished_requests()
+    assert sched.block_manager.consistent()
+
+
+def test_without_a_connector_or_after_a_preemption_the_prompt_is_computed_here():
+    sched = make_scheduler()
+    req = make_request(30, remote_kv=remote(30))
+    sched.add_request(req)
+    assert step(sched).prefill_rows[0].num_tokens == 16
+    conn = FakeConnector()
+    sched = make_scheduler(connector=conn)
+    req = make_request(30, remote_kv=remote(30))
+    req.num_preemptions = 1  # as if preempted after an earlier load: its source may be gone
+    sched.add_request(req)
+    assert step(sched).prefill_rows[0].num_tokens == 16 and conn.loads == {}
