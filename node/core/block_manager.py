@@ -192,6 +192,17 @@ class KVBlockManager:
             self._reserved[request_id] = reserve
             self.num_reserved_blocks += reserve
 
+    def share(self, holder_id: str, blocks: Sequence[int]) -> None:
+        """Append ``blocks``, each in use, to ``holder_id``'s table with one more reference each,
+        so they outlive the request that computed them until :meth:`free` of the holder (a prefill
+        replica's lease on KV a decode replica pulls). ValueError for a block not in use."""
+        refs = self._refs
+        if any(refs[block] == 0 for block in blocks):
+            raise ValueError(f"{holder_id}: can only share blocks in use")
+        for block in blocks:
+            refs[block] += 1
+        self._tables.setdefault(holder_id, []).extend(blocks)
+
     def free(self, request_id: str, keep_hashes: bool = False) -> int:
         """Release the request's blocks and reservation; the number of blocks it held (0 if none).
 

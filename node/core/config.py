@@ -131,6 +131,11 @@ class EngineConfig:
             (``CADENZA_ATTENTION_BACKEND``, else triton on a CUDA device, cpu for float32 on the CPU
             where the kernels build, torch otherwise; see :mod:`cadenza.node.runner.backend`).
         seed: seeds every request that does not bring its own ``seed``.
+        kv_transfer_port: TCP port of the replica's KV transfer endpoint (disaggregated pools:
+            prefill replicas serve their KV there, decode replicas pull from their peers'); 0 picks
+            a free one; None: no endpoint, every prompt is prefilled here.
+        kv_transfer_host: the address it binds (and that peers reach it at).
+        kv_lease_s: seconds published KV is held for a decode replica without its progress.
     """
 
     model: str
@@ -141,6 +146,9 @@ class EngineConfig:
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    kv_transfer_port: int | None = None
+    kv_transfer_host: str = "127.0.0.1"
+    kv_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", "must be a model folder path")
@@ -157,6 +165,11 @@ class EngineConfig:
         )
         _check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", f"must be an integer, got {self.seed!r}")
         _check(-(2**63) <= self.seed < 2**63, "seed", f"must be a 64-bit signed integer, got {self.seed}")
+        port = self.kv_transfer_port
+        _check(port is None or (isinstance(port, int) and not isinstance(port, bool) and 0 <= port <= 65535),
+               "kv_transfer_port", f"must be a port number from 0 to 65535, got {port!r}")
+        _check(isinstance(self.kv_lease_s, (int, float)) and not isinstance(self.kv_lease_s, bool)
+               and 0 < self.kv_lease_s <= 3600, "kv_lease_s", f"must be seconds in (0, 3600], got {self.kv_lease_s!r}")
 
     @property
     def model_name(self) -> str:

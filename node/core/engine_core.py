@@ -20,10 +20,12 @@ from pathlib import Path
 from cadenza.node.core.block_manager import KVBlockManager
 from cadenza.node.core.config import EngineConfig, SchedulerConfig, resolve_max_model_len
 from cadenza.node.core.knobs import config_view, reconfigured
+from cadenza.node.core.kv_link import KVLink
 from cadenza.node.core.messages import AddRequest, EngineReady, RequestDelta, StepRecord
 from cadenza.node.core.request import Request, RequestStatus
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.core.stats import EngineStats
+from cadenza.node.kv_transfer.protocol import Fingerprint
 from cadenza.node.runner.model_runner import ModelRunner
 from cadenza.node.runner.models.config import ModelConfig
 
@@ -55,10 +57,23 @@ class EngineCore:
         self.block_manager = KVBlockManager(
             self.runner.num_kv_blocks, config.cache.block_size, prefix_caching=config.scheduler.prefix_caching
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self.kv_link = None if config.kv_transfer_port is None else KVLink(
+            self._fingerprint(), self.runner, self.block_manager, config.kv_transfer_host, config.kv_transfer_port,
+            config.kv_lease_s)
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager, connector=self.kv_link)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(extra_eos_token_ids)
         self.last_step_tokens = 0  # tokens the last step computed (0: nothing was schedulable)
         self.step_time_s: deque[float] = deque(maxlen=1024)  # measured model time of recent steps
+
+    def _fingerprint(self) -> Fingerprint:
+        mc = self.model_config
+        return Fingerprint(self.config.model_name, str(self.runner.dtype).removeprefix("torch."),
+                           self.config.cache.block_size, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+
+    def close(self) -> None:
+        """Stop the KV transfer endpoint, if any (the rest goes with the process)."""
+        if self.kv_link is not None:
+            self.kv_link.close()
 
     @classmethod
     def from_model(cls, model: str | Path, **knobs: object) -> "EngineCore":
@@ -92,11 +107,16 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in add.prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if add.publish_kv and self.kv_link is None:
+            raise ValueError("publish_kv: this engine has no KV transfer endpoint (kv_transfer_port)")
         req = Request(add.request_id, list(add.prompt_token_ids), add.sampling, eos_token_ids=self.eos_token_ids,
-                      traffic_class=add.traffic_class, tenant=add.tenant, cache_salt=add.cache_salt)
+                      traffic_class=add.traffic_class, tenant=add.tenant, cache_salt=add.cache_salt,
+                      remote_kv=add.remote_kv)
         if add.arrival_time:
             req.arrival_time = add.arrival_time
         self.scheduler.add_request(req)
+        if add.publish_kv:
+            self.kv_link.publish(req)
         return req
 
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:
@@ -109,11 +129,21 @@ class EngineCore:
             found = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
         else:
             found = self.scheduler.abort_request(request_id) is not None
+            if self.kv_link is not None:
+                self.kv_link.unpublish(request_id)
         self.runner.release(request_id)
         return found
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def poll(self) -> bool:
+        """Apply what the KV transfer produced (received blocks, finished loads, ended leases);
+        True while it still has work in flight. ``step`` does this first; an idle loop calls it."""
+        if self.kv_link is None:
+            return False
+        self.kv_link.drain(self.scheduler)
+        return self.kv_link.busy
 
     def live_request_ids(self) -> list[str]:
         return list(self.scheduler.requests)
@@ -128,6 +158,7 @@ class EngineCore:
             for the record when nothing was schedulable.
         """
         began = time.perf_counter()
+        self.poll()
         out = self.scheduler.schedule()
         self.last_step_tokens = out.num_tokens
         if out.is_empty:
@@ -135,6 +166,8 @@ class EngineCore:
         started = time.perf_counter()
         tokens = self.runner.execute(out)
         elapsed = time.perf_counter() - started
+        if self.kv_link is not None:
+            self.kv_link.after_forward(out)  # before the step is applied: a finished request frees its blocks
         self.scheduler.observe_step_time(out, elapsed)
         self.step_time_s.append(elapsed)
         deltas = []

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 
-from cadenza.node.core.request import SamplingParams
+from cadenza.node.core.request import RemoteKV, SamplingParams
 from cadenza.node.core.stats import ClassStats, EngineStats, TenantLoad
 
 ABORT_REASONS = ("abort", "stop")  # a client gone or a caller's abort; a stop string matched
@@ -45,6 +45,8 @@ class AddRequest:
 
     ``arrival_time`` is ``time.monotonic()`` seconds in the front end (the same clock in every
     process of a machine); ``traceparent`` is the W3C trace context of the request's span.
+    ``remote_kv``: pull the prompt's KV from this prefill replica; ``publish_kv``: hold the
+    prompt's KV for a decode replica to pull (:mod:`cadenza.node.core.kv_link`).
     """
 
     request_id: str
@@ -55,6 +57,8 @@ class AddRequest:
     arrival_time: float = 0.0
     cache_salt: str | None = None
     traceparent: str | None = None
+    remote_kv: RemoteKV | None = None
+    publish_kv: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +85,8 @@ class Reconfigure:
 
 @dataclass(frozen=True, slots=True)
 class StartCore:
-    """The first frame to a core process: its configuration (:meth:`EngineConfig.to_dict`), the
-    end-of-sequence ids only the tokenizer knows, and its torch threads (None: torch's own)."""
+    """The first frame to a core process: its configuration (:meth:`EngineConfig.to_dict`), the EOS
+    ids only the tokenizer knows, and its torch threads (None: torch's own)."""
 
     config: dict
     eos_token_ids: list[int] = field(default_factory=list)
@@ -236,8 +240,7 @@ def _plain(cls: type) -> Callable[[list], Any]:
     return lambda v: cls(*v)
 
 
-def _with_tuples(cls: type, *indexes: int) -> Callable[[list], Any]:
-    """A decoder that turns the list fields at ``indexes`` back into lists of tuples."""
+def _with_tuples(cls: type, *indexes: int) -> Callable[[list], Any]:  # list fields at indexes: lists of tuples
     def build(v: list) -> Any:
         for i in indexes:
             v[i] = [tuple(x) for x in v[i]]
@@ -252,6 +255,7 @@ _TYPES: dict[int, tuple[type, Callable[[Any], list], Callable[[list], Any]]] = {
     3: (Reconfigure, _fields_to_wire, _plain(Reconfigure)),
     4: (Shutdown, _fields_to_wire, _plain(Shutdown)),
     6: (StartCore, _fields_to_wire, _plain(StartCore)),
+    7: (RemoteKV, _fields_to_wire, _plain(RemoteKV)),
     5: (SamplingParams, _sampling_to_wire, _sampling_from_wire),
     10: (EngineReady, _fields_to_wire, _plain(EngineReady)),
     11: (EngineDead, _fields_to_wire, _plain(EngineDead)),
@@ -288,11 +292,8 @@ def _ext_hook(tag: int, data: bytes) -> Any:
 
 
 def encode(message: Any) -> bytes:
-    """One message as msgpack bytes (without the frame header).
-
-    Raises:
-        TypeError: not one of :data:`MESSAGE_TYPES` (or it holds something that is not).
-    """
+    """One message as msgpack bytes (without the frame header); TypeError if it is not one of
+    :data:`MESSAGE_TYPES` (or holds something that is not)."""
     if type(message) not in _TAG_OF:
         raise TypeError(f"cannot encode {type(message).__name__}: not an engine message type")
     return msgpack.packb(message, default=_default, use_bin_type=True)
@@ -318,8 +319,7 @@ def decode(data: bytes) -> Any:
 
 def frame(message: Any) -> bytes:
     """``message`` encoded, with its length header: what goes on the socket."""
-    body = encode(message)
-    return FRAME_HEADER.pack(len(body)) + body
+    return FRAME_HEADER.pack(len(body := encode(message))) + body
 
 
 def check_frame_length(length: int) -> int:

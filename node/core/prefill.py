@@ -247,9 +247,7 @@ class PrefillAdder:
         stats = self.stats
         stats.prefix_cache_queried_tokens += len(req.token_ids)
         stats.prefix_cache_hit_tokens += start
-        if remote:  # its KV arrives instead of a first chunk: no budget spent
-            self.ctx.remote.start(req, len(cached), remote)
-        else:
+        if not self.ctx.remote.admitted(req, len(cached), remote):  # else its KV arrives instead of a chunk
             self._grant(req, n)
         return True
 

@@ -18,8 +18,8 @@ Invariants:
   locally, and that row samples the first token.
 - **A loading request holds its slot and its blocks.** It is in neither the running list nor
   a queue, so it is neither scheduled nor preempted.
-- **Remote KV only at first admission.** A request preempted after its load recomputes
-  locally; its source's lease may be gone by then.
+- **Remote KV only at first admission.** The source is forgotten once the load ends or is not
+  made (then the source is told to release it); a request preempted later recomputes locally.
 - **Cancelling stops writes.** Aborting a loading request cancels its load before its blocks
   are freed. The engine writes received blocks on the scheduler's thread, between steps, and
   only into requests still loading.
@@ -47,6 +47,10 @@ class KVConnector(Protocol):
 
     def cancel(self, request_id: str) -> None:
         """Stop the request's load: nothing more is written into its blocks after this returns."""
+
+    def release(self, request: Request) -> None:
+        """The request will not pull from ``request.remote_kv`` (nothing there it lacks): let the
+        source free what it holds now rather than at its lease's end."""
 
 
 class RemoteLoads:
@@ -76,6 +80,18 @@ class RemoteLoads:
         usable = min(source.num_tokens, req.num_prompt_tokens - 1) // self.kv.block_size
         return max(0, usable - cached_blocks)
 
+    def admitted(self, req: Request, first_block: int, num_blocks: int) -> bool:
+        """``req`` was just admitted with ``first_block`` blocks from the prefix cache: start loading
+        ``num_blocks`` (:meth:`blocks_to_load`) and say True, or say False (it is prefilled here)
+        after releasing a source it will not pull from."""
+        if num_blocks:
+            self.start(req, first_block, num_blocks)
+            return True
+        if req.remote_kv is not None and self.connector is not None and not req.num_preemptions:
+            self.connector.release(req)
+        req.remote_kv = None  # decided once: a resume after a preemption computes here too
+        return False
+
     def start(self, req: Request, first_block: int, num_blocks: int) -> None:
         """Allocate the blocks ``first_block .. + num_blocks`` of an admitted ``req`` (its prefix
         hit adopted already) and hand them to the connector."""
@@ -102,6 +118,7 @@ class RemoteLoads:
         if not 0 <= good_blocks <= asked:
             raise ValueError(f"{request_id}: {good_blocks} good blocks of {asked} asked")
         del self.loading[request_id]
+        req.remote_kv = None  # its source is done with: a later preemption recomputes here
         bs = self.kv.block_size
         req.num_computed_tokens = (first + good_blocks) * bs
         self.stats.remote_kv_tokens += good_blocks * bs

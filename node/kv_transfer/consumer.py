@@ -90,7 +90,7 @@ class KVConsumer:
         self._idle.clear()
 
     async def pull(self, host: str, port: int, request_id: str, boot_id: str | None = None,
-                   first_block: int = 0) -> AsyncIterator[ReceivedBlocks]:
+                   first_block: int = 0, num_blocks: int = 0) -> AsyncIterator[ReceivedBlocks]:
         """The request's blocks from ``first_block``, verified, in order.
 
         Args:
@@ -98,6 +98,8 @@ class KVConsumer:
             request_id: the request as the producer published it.
             boot_id: the producer's boot id the request was prefilled under (None: any).
             first_block: blocks before it are not sent (already held locally).
+            num_blocks: blocks wanted from ``first_block`` (0: every block the producer holds);
+                fewer come when the producer holds fewer.
 
         Raises:
             TransferError: the pull failed; ``kind`` says how. Blocks yielded before it are good.
@@ -108,7 +110,8 @@ class KVConsumer:
             if boot_id is not None and conn.boot_id != boot_id:
                 raise TransferError("restarted", f"the producer at {host}:{port} restarted (boot id "
                                     f"{conn.boot_id}, the request was prefilled under {boot_id})")
-            conn.writer.write(protocol.encode("pull", request_id=request_id, first_block=first_block))
+            conn.writer.write(protocol.encode("pull", request_id=request_id, first_block=first_block,
+                                              num_blocks=num_blocks))
             await conn.writer.drain()
             expected = first_block
             while True:
@@ -149,6 +152,22 @@ class KVConsumer:
                 except Exception:
                     pass
                 conn.close()
+
+    async def release(self, host: str, port: int, request_id: str) -> None:
+        """Tell the producer to free ``request_id``'s KV without pulling it (best effort: a
+        producer that cannot be reached frees it when its lease ends).
+
+        Raises:
+            TransferError: the producer could not be reached or refused the handshake.
+        """
+        conn = await self._connection(host, port)
+        try:
+            conn.writer.write(protocol.encode("release", request_id=request_id))
+            await conn.writer.drain()
+        except (ConnectionError, OSError) as e:
+            conn.close()
+            raise TransferError("connection", f"{host}:{port}: {e}") from None
+        self._idle.setdefault((host, port), []).append(conn)
 
     async def _connection(self, host: str, port: int) -> _Connection:
         idle = self._idle.get((host, port))

@@ -168,13 +168,15 @@ class KVProducer:
                 while True:
                     msg = await _read_header(reader)
                     if msg["kind"] == "pull":
-                        await self._stream(msg["request_id"], msg["first_block"], writer)
+                        await self._stream(msg["request_id"], msg["first_block"], msg["num_blocks"], writer)
                     elif msg["kind"] == "release":
                         self._end(msg["request_id"])
                     else:
                         raise TransferError("protocol", f"a {msg['kind']} frame from a consumer")
         except (TransferError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
             log.debug("KV transfer connection closed: %s", e)
+        except asyncio.CancelledError:  # close(): end quietly (asyncio logs a cancelled handler as an error)
+            pass
         finally:
             self._connections.discard(task)
             writer.close()
@@ -204,7 +206,8 @@ class KVProducer:
         await writer.drain()
         return True
 
-    async def _stream(self, request_id: str, first_block: int, writer: asyncio.StreamWriter) -> None:
+    async def _stream(self, request_id: str, first_block: int, num_blocks: int,
+                      writer: asyncio.StreamWriter) -> None:
         entry = self.leases.get(request_id)
         if entry is None:
             self.stats.failed("unknown_request")
@@ -212,7 +215,7 @@ class KVProducer:
                                          message=f"no KV held for {request_id} (never published, released or expired)"))
             await writer.drain()
             return
-        sent = first_block
+        sent, end = first_block, first_block + num_blocks if num_blocks else None
         layers = self.fingerprint.num_layers
         while True:
             if self.leases.get(request_id) is not entry:  # released, aborted or expired meanwhile
@@ -221,8 +224,9 @@ class KVProducer:
                                              message=f"the lease on {request_id}'s KV ended while streaming"))
                 await writer.drain()
                 return
-            if sent < entry.written:
-                count = min(entry.written - sent, MAX_FRAME_BLOCKS)
+            limit = entry.written if end is None else min(entry.written, end)
+            if sent < limit:
+                count = min(limit - sent, MAX_FRAME_BLOCKS)
                 payload = entry.read(sent, count)
                 writer.write(protocol.blocks_header(request_id, sent, count, 0, layers, payload))
                 writer.write(payload)
@@ -232,8 +236,8 @@ class KVProducer:
                 self.stats.blocks_sent += count
                 self.stats.bytes_sent += len(payload)
                 continue
-            if entry.complete:
-                writer.write(protocol.encode("done", request_id=request_id, num_blocks=entry.written))
+            if entry.complete or sent == end:
+                writer.write(protocol.encode("done", request_id=request_id, num_blocks=sent))
                 await writer.drain()
                 self.stats.transfers += 1
                 return

@@ -11,10 +11,12 @@ kind           direction  fields
 ``hello``      C -> P     ``version``, ``fingerprint`` (:class:`Fingerprint` as a map)
 ``welcome``    P -> C     ``version``, ``fingerprint``, ``boot_id`` (the producer process's)
 ``refused``    P -> C     ``reason`` (the connection is closed after it)
-``pull``       C -> P     ``request_id``, ``first_block``: stream the request's blocks from there
+``pull``       C -> P     ``request_id``, ``first_block``, ``num_blocks`` (0: all it will hold):
+                          stream that many of the request's blocks from there
 ``blocks``     P -> C     ``request_id``, ``first_block``, ``num_blocks``, ``first_layer``,
                           ``num_layers``, ``nbytes``, ``crc32c`` (of the payload that follows)
-``done``       P -> C     ``request_id``, ``num_blocks``: every block of the request was sent
+``done``       P -> C     ``request_id``, ``num_blocks``: the pull is over; blocks up to this index
+                          were sent (fewer than asked: the producer holds no more)
 ``error``      P -> C     ``request_id``, ``code`` (a :class:`TransferError` kind), ``message``
 ``release``    C -> P     ``request_id``: the consumer holds what it needs; free the blocks
 =============  =========  =============================================================
@@ -156,7 +158,7 @@ _REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hello": {"version": int, "fingerprint": dict},
     "welcome": {"version": int, "fingerprint": dict, "boot_id": str},
     "refused": {"reason": str},
-    "pull": {"request_id": str, "first_block": int},
+    "pull": {"request_id": str, "first_block": int, "num_blocks": int},
     "blocks": {"request_id": str, "first_block": int, "num_blocks": int, "first_layer": int, "num_layers": int,
                "nbytes": int, "crc32c": int},
     "done": {"request_id": str, "num_blocks": int},

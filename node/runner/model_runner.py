@@ -140,6 +140,28 @@ class ModelRunner:
             self._generators[request_id] = gen
         return gen
 
+    def read_kv_blocks(self, block_ids: list[int]) -> memoryview:
+        """The KV of ``block_ids`` as raw bytes, block after block, each ``[L, 2, BS, Hkv, D]``
+        (every layer's K then V): the KV transfer's payload layout."""
+        ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+        blocks = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, L, 2, BS, Hkv, D]
+        return memoryview(blocks.cpu().view(torch.uint8).reshape(-1).numpy()).cast("B")
+
+    def write_kv_blocks(self, block_ids: list[int], payload: bytes | memoryview) -> None:
+        """Write ``payload`` (the layout :meth:`read_kv_blocks` gives) into ``block_ids``.
+
+        Raises:
+            ValueError: a payload of the wrong size for that many blocks.
+        """
+        _layers, _two, _nb, bs, heads, dim = self.kv_cache.shape
+        per_block = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+        if len(payload) != per_block * len(block_ids):
+            raise ValueError(f"{len(payload)} payload bytes for {len(block_ids)} blocks of {per_block}")
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype)
+        blocks = data.view(len(block_ids), _layers, 2, bs, heads, dim).permute(1, 2, 0, 3, 4, 5)
+        ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(2, ids, blocks.to(self.device))
+
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state."""
         self._generators.pop(request_id, None)

@@ -66,11 +66,11 @@ def test_bytes_per_token_is_two_times_layers_heads_head_dim_and_dtype_size():
 
 
 def test_a_header_round_trips_and_a_bad_one_is_a_protocol_error():
-    frame = protocol.encode("pull", request_id="r1", first_block=3)
+    frame = protocol.encode("pull", request_id="r1", first_block=3, num_blocks=0)
     assert protocol.header_length(frame[:4]) == len(frame) - 4
-    assert protocol.decode(frame[4:]) == {"kind": "pull", "request_id": "r1", "first_block": 3}
+    assert protocol.decode(frame[4:]) == {"kind": "pull", "request_id": "r1", "first_block": 3, "num_blocks": 0}
     for body in (b"\xc1", protocol.encode("pull", request_id="r1")[4:], protocol.encode("nope")[4:],
-                 protocol.encode("pull", request_id="r1", first_block=-1)[4:]):
+                 protocol.encode("pull", request_id="r1", first_block=-1, num_blocks=0)[4:]):
         with pytest.raises(TransferError) as e:
             protocol.decode(body)
         assert e.value.kind == "protocol"
@@ -150,13 +150,26 @@ async def test_a_pull_streams_blocks_as_the_prefill_writes_them_and_release_free
     await consumer.close()
 
 
-async def test_many_blocks_come_in_frames_and_a_pull_may_start_past_the_blocks_held(producer):
+async def test_many_blocks_come_in_frames_and_a_pull_may_ask_for_a_range(producer):
     p, port = producer
-    blocks = Published(2, MAX_FRAME_BLOCKS * 2 + 5)
-    p.publish("r2", blocks.read, blocks.free)
-    p.progress("r2", len(blocks.data), complete=True)
     consumer = KVConsumer(FP)
-    assert await collect(consumer, port, "r2", first_block=4) == blocks.data[4:]
+    blocks = Published(2, MAX_FRAME_BLOCKS * 2 + 5)
+    for rid, first, n, want in (("a", 4, 0, slice(4, None)), ("b", 2, 70, slice(2, 72)),
+                                ("c", 130, 50, slice(130, None))):  # c: it holds fewer than asked
+        p.publish(rid, blocks.read, blocks.free)
+        p.progress(rid, len(blocks.data), complete=True)
+        assert await collect(consumer, port, rid, first_block=first, num_blocks=n) == blocks.data[want]
+    await wait_freed(p, blocks, within_s=1, times=3)  # each released after its one pull
+    await consumer.close()
+
+
+async def test_a_range_pull_ends_once_its_blocks_are_written_before_the_prefill_ends(producer):
+    p, port = producer
+    blocks = Published(12, 9)
+    p.publish("r12", blocks.read, blocks.free)
+    p.progress("r12", 3)
+    consumer = KVConsumer(FP)
+    assert await asyncio.wait_for(collect(consumer, port, "r12", num_blocks=3), 5) == blocks.data[:3]
     await consumer.close()
 
 
@@ -268,12 +281,12 @@ async def test_one_flipped_byte_in_transit_is_caught_and_nothing_after_it_is_use
     await proxy.close(); await consumer.close(); await p.close()
 
 
-async def wait_freed(p: KVProducer, blocks: Published, within_s: float) -> None:
-    """The producer holds nothing and freed ``blocks`` once, within ``within_s`` seconds."""
+async def wait_freed(p: KVProducer, blocks: Published, within_s: float, times: int = 1) -> None:
+    """The producer holds nothing and freed ``blocks`` ``times`` times, within ``within_s`` seconds."""
     deadline = time.monotonic() + within_s
     while p.held() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    assert p.held() == [] and blocks.freed == 1
+    assert p.held() == [] and blocks.freed == times
 
 
 async def test_a_socket_cut_mid_frame_fails_the_pull_as_truncated_and_the_lease_still_ends():

@@ -25,6 +25,9 @@ class FakeConnector:
     def cancel(self, request_id):
         self.cancelled.append(request_id)
 
+    def release(self, request):
+        pass
+
 
 def remote(num_tokens: int) -> RemoteKV:
     return RemoteKV("10.0.0.7", 7001, "p-1", "boot-a", num_tokens)
@@ -147,3 +150,14 @@ def test_without_a_connector_or_after_a_preemption_the_prompt_is_computed_here()
     req.num_preemptions = 1  # as if preempted after an earlier load: its source may be gone
     sched.add_request(req)
     assert step(sched).prefill_rows[0].num_tokens == 16 and conn.loads == {}
+
+
+def test_a_request_that_needs_nothing_from_its_source_releases_it_once():
+    conn = FakeConnector()
+    conn.released = []
+    conn.release = lambda req: conn.released.append(req.request_id)  # type: ignore[method-assign]
+    sched = make_scheduler(connector=conn)
+    req = make_request(4, remote_kv=remote(4))  # one block: the last token's, computed here
+    sched.add_request(req)
+    step(sched)
+    assert conn.released == [req.request_id] and req.remote_kv is None and conn.loads == {}

@@ -1,0 +1,216 @@
+"""A replica's KV transfer joined to its engine: endpoint and pulls on their own thread, the KV
+cache written only between steps.
+
+Every replica of a disaggregated pool may play either side, so one object does both:
+
+- **Publish (prefill side).** A request added with ``publish_kv`` has each full prompt block
+  shared into a holder table of the block manager (``kv-lease:<id>``) as soon as the step that
+  computed it has run. The block is then offered to the endpoint
+  (:class:`~cadenza.node.kv_transfer.producer.KVProducer`), which streams it to the decode
+  replica that pulls it, so the transfer overlaps the rest of the prefill. The holder keeps the
+  blocks after the request itself has finished (it stops after its first token) until the lease
+  ends: the decode side's release, an abort, or expiry. They are freed on the engine's thread.
+- **Load (decode side).** This is the scheduler's
+  :class:`~cadenza.node.core.remote_kv.KVConnector`. A load starts a pull on the transfer thread,
+  whose verified frames are queued. Between steps (:meth:`KVLink.drain`) the engine writes them
+  into the request's blocks, then reports the end of the load to the scheduler with the blocks
+  good up to the first failure.
+
+Threads: the engine thread calls every method here; the transfer thread runs the asyncio loop
+of the endpoint and the pulls. They meet in a thread-safe queue and ``call_soon_threadsafe``.
+The one read of the KV cache off the engine thread is the endpoint's copy of published blocks.
+Those blocks are full, computed and held by the lease, so nothing writes them meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+from cadenza.node.core.block_manager import KVBlockManager
+from cadenza.node.core.request import Request
+from cadenza.node.core.step import SchedulerOutput
+from cadenza.node.kv_transfer.consumer import KVConsumer
+from cadenza.node.kv_transfer.producer import KVProducer
+from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
+
+log = logging.getLogger(__name__)
+
+HOLDER = "kv-lease:"  # the block-manager table holding a published request's blocks
+
+
+@dataclass
+class _Load:
+    first_block: int
+    block_ids: list[int]
+    good: int = 0  # blocks written, verified, from the first
+    future: object = None
+
+
+@dataclass
+class LinkStats:
+    """Counters of one replica's KV transfer (monotonic)."""
+
+    published: int = 0
+    loads: int = 0
+    loads_done: int = 0
+    blocks_received: int = 0
+    bytes_received: int = 0
+    failures: Counter = field(default_factory=Counter)  # by TransferError kind
+
+
+class KVLink:
+    """The engine's KV transfer (see the module docstring).
+
+    Args:
+        fingerprint: this engine's KV layout.
+        runner: the model runner (``read_kv_blocks`` / ``write_kv_blocks``).
+        kv: the engine's block manager.
+        host, port: where the endpoint listens (port 0: a free one; :attr:`port` says which).
+        lease_s: how long published KV waits for a decode replica's progress (seconds); a pull
+            waits as long for the producer's next frame.
+    """
+
+    def __init__(self, fingerprint: Fingerprint, runner, kv: KVBlockManager, host: str = "127.0.0.1",
+                 port: int = 0, lease_s: float = 30.0) -> None:
+        self.fingerprint, self.runner, self.kv, self.host = fingerprint, runner, kv, host
+        self.stats = LinkStats()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # (kind, request id, detail) from the loop
+        self._published: dict[str, int] = {}  # request id -> blocks shared into its holder so far
+        self._loads: dict[str, _Load] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-transfer", daemon=True)
+        self._thread.start()
+        self.producer = KVProducer(fingerprint, lease_s)
+        self.consumer = KVConsumer(fingerprint, read_timeout_s=lease_s)
+        self.boot_id = self.producer.boot_id
+        self.port = asyncio.run_coroutine_threadsafe(self.producer.start(host, port), self._loop).result(30)
+
+    def close(self) -> None:
+        """Stop the endpoint and every pull; the transfer thread ends."""
+        async def stop() -> None:
+            await self.producer.close()
+            await self.consumer.close()
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    @property
+    def busy(self) -> bool:
+        """Something here waits on the engine thread: a load in flight or KV held for a pull."""
+        return bool(self._loads or self._published)
+
+    # -- publish (prefill side) -----------------------------------------------------------------
+
+    def publish(self, req: Request) -> None:
+        """Hold ``req``'s prompt KV for a decode replica, block by block as steps compute it."""
+        rid, holder = req.request_id, HOLDER + req.request_id
+        self.kv.share(holder, [])
+        table = self.kv.block_table(holder)  # the live list: the endpoint reads what is shared
+
+        def read(first: int, count: int) -> memoryview:  # on the transfer thread
+            return self.runner.read_kv_blocks(table[first:first + count])
+
+        def free() -> None:  # on the transfer thread, when the lease ends: freed between steps
+            self._events.put(("free", rid, None))
+
+        self._published[rid] = 0
+        self.stats.published += 1
+        self._loop.call_soon_threadsafe(self.producer.publish, rid, read, free)
+
+    def after_forward(self, out: SchedulerOutput) -> None:
+        """The step's KV is written: share and offer the full prompt blocks of published requests
+        (before the scheduler applies the step, which may finish and free them)."""
+        bs = self.kv.block_size
+        for row in out.prefill_rows:
+            req = row.request
+            shared = self._published.get(req.request_id)
+            if shared is None:
+                continue
+            computed = min(row.start + row.num_tokens, req.num_prompt_tokens)
+            full = computed // bs
+            if full > shared:
+                self.kv.share(HOLDER + req.request_id, self.kv.block_table(req.request_id)[shared:full])
+                self._published[req.request_id] = full
+            complete = computed == req.num_prompt_tokens
+            self._loop.call_soon_threadsafe(self.producer.progress, req.request_id, full, complete)
+
+    def unpublish(self, request_id: str) -> None:
+        """The request was aborted: end its lease (its blocks are freed at the next drain)."""
+        if request_id in self._published:
+            self._loop.call_soon_threadsafe(self.producer.abort, request_id)
+
+    # -- load (decode side): the scheduler's KVConnector ------------------------------------------
+
+    def start_load(self, request: Request, first_block: int, block_ids: list[int]) -> None:
+        load = self._loads[request.request_id] = _Load(first_block, list(block_ids))
+        self.stats.loads += 1
+        load.future = asyncio.run_coroutine_threadsafe(
+            self._pull(request.request_id, request.remote_kv, first_block, len(block_ids)), self._loop)
+
+    def cancel(self, request_id: str) -> None:
+        load = self._loads.pop(request_id, None)
+        if load is not None:
+            load.future.cancel()  # frames still queued are dropped: the load is gone
+
+    def release(self, request: Request) -> None:
+        source = request.remote_kv
+
+        async def release() -> None:
+            try:
+                await self.consumer.release(source.host, source.port, source.request_id)
+            except TransferError as e:  # its lease ends it anyway
+                log.debug("releasing %s at %s:%s: %s", source.request_id, source.host, source.port, e)
+
+        asyncio.run_coroutine_threadsafe(release(), self._loop)
+
+    async def _pull(self, rid: str, source, first_block: int, num_blocks: int) -> None:
+        try:
+            async for frame in self.consumer.pull(source.host, source.port, source.request_id, source.boot_id,
+                                                  first_block, num_blocks):
+                self._events.put(("blocks", rid, frame))
+            self._events.put(("done", rid, None))
+        except TransferError as e:
+            self._events.put(("failed", rid, e.kind))
+        except Exception:  # a bug: fail the load (recomputed), never the engine
+            log.exception("pulling the KV of %s failed", rid)
+            self._events.put(("failed", rid, "protocol"))
+
+    # -- between steps --------------------------------------------------------------------------
+
+    def drain(self, scheduler) -> None:
+        """Apply what the transfer thread produced: free ended leases, write received blocks,
+        end finished loads (``scheduler.remote_kv_loaded``). On the engine thread, between steps."""
+        while True:
+            try:
+                kind, rid, detail = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "free":
+                self.kv.free(HOLDER + rid)
+                self._published.pop(rid, None)
+                continue
+            load = self._loads.get(rid)
+            if load is None or scheduler.requests.get(rid) is None:
+                continue  # cancelled: nothing of it is written
+            if kind == "blocks":
+                offset = detail.first_block - load.first_block
+                if detail.num_layers != self.fingerprint.num_layers or offset + detail.num_blocks > len(load.block_ids):
+                    kind, detail = "failed", "protocol"
+                else:
+                    self.runner.write_kv_blocks(load.block_ids[offset:offset + detail.num_blocks], detail.payload)
+                    load.good = offset + detail.num_blocks
+                    self.stats.blocks_received += detail.num_blocks
+                    self.stats.bytes_received += len(detail.payload)
+                    continue
+            del self._loads[rid]
+            if kind == "failed":
+                self.stats.failures[detail] += 1
+                load.future.cancel()
+            else:
+                self.stats.loads_done += 1
+            scheduler.remote_kv_loaded(rid, load.good)
