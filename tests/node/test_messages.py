@@ -24,7 +24,7 @@ from cadenza.node.core.messages import (
     encode,
     frame,
 )
-from cadenza.node.core.request import SamplingParams
+from cadenza.node.core.request import RemoteKV, SamplingParams
 from cadenza.node.core.stats import ClassStats, EngineStats, TenantLoad
 
 SAMPLING = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=-5, stop=("\n\n", "END"),
@@ -34,6 +34,9 @@ STATS = EngineStats(num_running=2, kv_blocks_total=64, rejected={"queue_full": 3
                     tenants={"acme": TenantLoad(2, 300)}, step_time_ms_p99=41.5)
 EXAMPLES = [
     AddRequest("cmpl-1", [1, 2, 3], SAMPLING, "batch", "acme", 12.5, "salt", "00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
+    AddRequest("cmpl-4", [1] * 40, SAMPLING, remote_kv=RemoteKV("10.1.2.3", 7100, "cmpl-9", "f" * 32, 32)),
+    AddRequest("cmpl-9", [1] * 40, SAMPLING, publish_kv=True),
+    RemoteKV("10.1.2.3", 7100, "cmpl-9", "f" * 32, 32),
     AbortRequests(["a", "b"], "stop"),
     Reconfigure(4, {"token_budget": 64, "classes": {"batch": {"min_share": 0.2}}, "chunk_size": None}),
     StartCore({"model": "/m", "scheduler": {"token_budget": 8}}, [2, 7], 2, "--threads"),
