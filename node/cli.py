@@ -105,6 +105,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads (default: OMP_NUM_THREADS, else the CPUs this process may use: "
                         "its affinity mask capped by its cgroup CPU quota)")
+    g.add_argument("--kv-transfer-port", type=int, default=None, metavar="PORT",
+                   help="serve prompt KV to, and pull it from, peer replicas over TCP on this port (disaggregated "
+                        "pools; 0: a free port; off by default)")
+    g.add_argument("--kv-transfer-host", default="127.0.0.1", metavar="HOST",
+                   help="address the KV transfer endpoint binds and peers reach it at (the pod IP in a cluster)")
     g.add_argument("--engine-process", choices=("on", "off"), default="on",
                    help="run the engine core in its own process (on), or in a thread of the server (off)")
     p.add_argument("--policy", type=Path, default=None, metavar="FILE",
@@ -146,6 +151,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=model,
         served_model_name=args.served_model_name,
         device=device,
+        kv_transfer_port=args.kv_transfer_port,
+        kv_transfer_host=args.kv_transfer_host,
         **sections["engine"],
         scheduler=SchedulerConfig(**sections["scheduler"], policy=policy),
         cache=CacheConfig(**sections["cache"], kv_cache_bytes=kv_bytes),

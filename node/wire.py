@@ -15,3 +15,8 @@ REQUEST_ID_HEADER = "x-request-id"  # the completion's id, on every response
 
 # OpenAI request bodies are small; 32 MiB leaves room for long prompts sent as token ids.
 MAX_BODY_BYTES = 32 * 2**20
+
+# Disaggregated serving (:mod:`cadenza.node.server.kv_headers`): a prefill call asks the replica to
+# hold the prompt's KV and answers where it is; a decode call names where to pull it from.
+KV_PUBLISH_HEADER = "x-cadenza-kv-publish"
+KV_SOURCE_HEADER = "x-cadenza-kv-source"

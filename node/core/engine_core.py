@@ -86,9 +86,11 @@ class EngineCore:
 
     def ready(self) -> EngineReady:
         """What the front end needs to know of this engine."""
+        link = self.kv_link
+        kv = None if link is None else {"host": link.host, "port": link.port, "boot_id": link.boot_id}
         return EngineReady(self.max_model_len, self.model_config.vocab_size, sorted(self.eos_token_ids),
                            self.block_manager.num_blocks, self.block_manager.block_size,
-                           config_view(self.scheduler.config))
+                           config_view(self.scheduler.config), kv)
 
     # -- requests -------------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 STATS_PERIOD_S = 0.2  # stats ride with a step's outputs at most this often (and on finish / idle)
 IDLE_WAIT_S = 1.0  # with nothing to run, wait this long for a message, then publish stats again
 STALLED_WAIT_S = 0.01  # the last step could schedule nothing (KV full): do not spin
+TRANSFER_WAIT_S = 0.1  # idle, but a KV transfer holds blocks: free them soon after their lease ends
 
 
 def announce(core, emit: Callable[[object], None]) -> None:
@@ -60,14 +61,21 @@ class CoreLoop:
         self._stats_time = 0.0
 
     def run(self) -> None:
-        """Loop until shut down. An exception here is a bug the loop cannot go on from; it
-        propagates (the caller reports the engine dead)."""
+        """Loop until shut down (then the core is closed). An exception here is a bug the loop
+        cannot go on from; it propagates (the caller reports the engine dead)."""
+        try:
+            self._run()
+        finally:
+            self.core.close()
+
+    def _run(self) -> None:
         core = self.core
-        stalled = False
+        stalled = transferring = False
         self.emit(StepOutputs(time.monotonic(), stats=self._stats(force=True)))  # readers start with real figures
         while True:
             busy = core.has_unfinished_requests()
-            timeout = 0.0 if busy and not stalled else STALLED_WAIT_S if busy else IDLE_WAIT_S
+            timeout = (0.0 if busy and not stalled else STALLED_WAIT_S if busy
+                       else TRANSFER_WAIT_S if transferring else IDLE_WAIT_S)
             messages = self._receive(timeout)
             failures: list[RequestFailure] = []
             for message in messages:
@@ -75,7 +83,10 @@ class CoreLoop:
                     return
                 self._apply(message, failures)
             if not core.has_unfinished_requests():
-                self.emit(StepOutputs(time.monotonic(), failures=failures, stats=self._stats(force=True)))
+                transferring = core.poll()  # ended leases free their blocks even when idle
+                stats = self._stats(force=not transferring)
+                if failures or stats is not None:
+                    self.emit(StepOutputs(time.monotonic(), failures=failures, stats=stats))
                 continue
             try:
                 deltas, record = core.step()

@@ -95,8 +95,8 @@ class StartCore:
 
 
 @dataclass(frozen=True, slots=True)
-class Shutdown:
-    """Stop after the current step; requests still live end as aborted."""
+class Shutdown:  # stop after the current step; requests still live end as aborted
+    pass
 
 
 # -- out: core -> front end ------------------------------------------------------------------------
@@ -105,9 +105,8 @@ class Shutdown:
 @dataclass(frozen=True, slots=True)
 class EngineReady:
     """The core has loaded its model; what the front end needs to check and serve requests.
-
-    ``config`` is the live configuration as ``GET /admin/config`` shows it.
-    """
+    ``config``: the live configuration as ``GET /admin/config`` shows it; ``kv_transfer``: the KV
+    transfer endpoint (``host``, ``port``, ``boot_id``), None without one."""
 
     max_model_len: int
     vocab_size: int
@@ -115,6 +114,7 @@ class EngineReady:
     num_kv_blocks: int
     block_size: int
     config: dict
+    kv_transfer: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)

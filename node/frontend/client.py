@@ -37,7 +37,7 @@ from cadenza.node.core.messages import (
     ReconfigureResult,
     StepOutputs,
 )
-from cadenza.node.core.request import Request, SamplingParams
+from cadenza.node.core.request import RemoteKV, Request, SamplingParams
 from cadenza.node.core.stats import EngineStats
 from cadenza.node.frontend.errors import (
     CONFIG_ERRORS,
@@ -282,8 +282,11 @@ class EngineClient:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         traceparent: str | None = None,
+        remote_kv: RemoteKV | None = None,
+        publish_kv: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs until one is finished.
+        """Submit a request and yield its outputs until one is finished (``remote_kv`` /
+        ``publish_kv``: pull its prompt's KV from a prefill replica / hold it for a decode one).
 
         Admission control runs here first against the last published stats (a full queue or a
         tenant at its quota is refused at once, not after the core's current step); the core
@@ -306,7 +309,7 @@ class EngineClient:
         stream: asyncio.Queue = asyncio.Queue()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         add = AddRequest(request_id, list(prompt_token_ids), sampling, probe.traffic_class, tenant, arrival,
-                         cache_salt, traceparent)
+                         cache_salt, traceparent, remote_kv, publish_kv)
         finished = False
         self._streams[request_id] = stream
         self.outputs.add_request(request_id, sampling)

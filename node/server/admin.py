@@ -16,46 +16,18 @@ missing or wrong token is a 401; an invalid change is a 400 and nothing changes.
 
 from __future__ import annotations
 
-import hmac
 import json
-import os
-from pathlib import Path
 
 from aiohttp import web
 
 from cadenza.node.frontend.client import EngineCommandError, EngineDeadError
+from cadenza.node.server.auth import authorize
 from cadenza.node.server.errors import APIError
 from cadenza.node.server.http import body_timeout
 from cadenza.node.server.openai_api import ENGINE
 
-TOKEN_ENV = "CADENZA_ADMIN_TOKEN"
-TOKEN_FILE_ENV = "CADENZA_ADMIN_TOKEN_FILE"
-
-
-def admin_token() -> str | None:
-    """The configured bearer token, or None when the admin API is disabled."""
-    if token := os.environ.get(TOKEN_ENV, "").strip():
-        return token
-    if path := os.environ.get(TOKEN_FILE_ENV):
-        try:
-            return Path(path).read_text().strip() or None
-        except OSError:
-            return None
-    return None
-
-
-def _authorize(request: web.Request) -> None:
-    expected = admin_token()
-    challenge = {"WWW-Authenticate": 'Bearer realm="cadenza-admin"'}
-    if expected is None:
-        raise APIError(401, f"the admin API is disabled: set {TOKEN_ENV} or {TOKEN_FILE_ENV}", headers=challenge)
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
-        raise APIError(401, "missing or wrong bearer token", headers=challenge)
-
-
 async def get_config(request: web.Request) -> web.Response:
-    _authorize(request)
+    authorize(request)
     engine = request.app[ENGINE]
     if engine.info is None:
         raise APIError(503, "the model is still loading", headers={"Retry-After": "5"})
@@ -63,7 +35,7 @@ async def get_config(request: web.Request) -> web.Response:
 
 
 async def put_config(request: web.Request) -> web.Response:
-    _authorize(request)
+    authorize(request)
     try:
         async with body_timeout(request):
             changes = await request.json(loads=json.loads)

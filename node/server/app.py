@@ -22,7 +22,7 @@ from cadenza.node.core.config import EngineConfig
 from cadenza.node.core.policy import check_class
 from cadenza.node.frontend.client import EngineClient
 from cadenza.node.frontend.step_log import StepLog
-from cadenza.node.server import admin, openai_api
+from cadenza.node.server import admin, auth, openai_api
 from cadenza.node.server.access_log import access_log_middleware
 from cadenza.node.server.errors import error_middleware, error_response
 from cadenza.node.server.http import HttpTimeouts
@@ -112,9 +112,9 @@ def serve(config: EngineConfig, host: str, port: int, default_class: str = "inte
     to load — a configuration that cannot work with this model, say — the server stops and the
     exit code is 1, so a supervisor sees the failure instead of a replica that never gets ready.
     """
-    if admin.admin_token() is None:
-        logger.info("admin API off: set %s (or %s) to enable GET/PUT /admin/config", admin.TOKEN_ENV,
-                    admin.TOKEN_FILE_ENV)
+    if auth.admin_token() is None:
+        logger.info("admin API off: set %s (or %s) to enable GET/PUT /admin/config", auth.TOKEN_ENV,
+                    auth.TOKEN_FILE_ENV)
     else:
         logger.info("admin API on: GET/PUT /admin/config with the bearer token")
     app = create_app(config, default_class=default_class, engine_process=engine_process, threads=threads,

@@ -20,15 +20,16 @@ from aiohttp import web
 
 from cadenza.node.core.admission import AdmissionError
 from cadenza.node.core.policy import DEFAULT_TENANT, PolicyError, check_class, check_tenant
-from cadenza.node.core.request import SamplingParams
+from cadenza.node.core.request import RemoteKV, SamplingParams
 from cadenza.node.frontend.client import EngineClient, EngineDeadError
 from cadenza.node.frontend.input_processor import InputError, InputProcessor
 from cadenza.node.frontend.telemetry import Telemetry
 from cadenza.node.server.access_log import ACCESS
 from cadenza.node.server.errors import APIError, error_body
 from cadenza.node.server.http import body_timeout, send
+from cadenza.node.server.kv_headers import format_source, kv_options
 from cadenza.node.server.protocol import ChatCompletionRequest, CompletionRequest, check_sizes, parse
-from cadenza.node.wire import CLASS_HEADER, REQUEST_ID_HEADER, TENANT_HEADER, TRACEPARENT_HEADER
+from cadenza.node.wire import CLASS_HEADER, KV_SOURCE_HEADER, REQUEST_ID_HEADER, TENANT_HEADER, TRACEPARENT_HEADER
 
 ENGINE = web.AppKey("engine", EngineClient)
 TELEMETRY = web.AppKey("telemetry", Telemetry)
@@ -191,9 +192,16 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
     client = request.app[ENGINE]
     model = request.app[MODEL_NAME]
     created = int(time.time())
+    endpoint = client.info.kv_transfer if client.info is not None else None
+    remote_kv, publish_kv = kv_options(request, endpoint)
+    headers = {REQUEST_ID_HEADER: call.request_id}
+    if publish_kv:  # where the decode replica pulls this prompt's KV from
+        headers[KV_SOURCE_HEADER] = format_source(RemoteKV(endpoint["host"], endpoint["port"], call.request_id,
+                                                           endpoint["boot_id"], len(call.prompt_ids)))
     stream = client.generate(call.request_id, call.prompt_ids, call.sampling, call.traffic_class, call.tenant,
                              arrival_time=call.arrival, cache_salt=call.cache_salt,
-                             traceparent=request.headers.get(TRACEPARENT_HEADER))
+                             traceparent=request.headers.get(TRACEPARENT_HEADER), remote_kv=remote_kv,
+                             publish_kv=publish_kv)
     chat = call.kind == "chat.completion"
     access = request.get(ACCESS, {})
     access["id"] = call.request_id
@@ -213,12 +221,10 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
         return web.json_response(
             {"id": call.request_id, "object": call.kind, "created": created, "model": model,
              "choices": [choice], "usage": _usage(last)},
-            headers={REQUEST_ID_HEADER: call.request_id},
+            headers=headers,
         )
 
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", REQUEST_ID_HEADER: call.request_id}
-    )
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta: str | dict | None, finish_reason: str | None) -> dict:

@@ -24,7 +24,7 @@ from aiohttp.web_protocol import RequestHandler
 from cadenza.node.core.config import ConfigError
 from cadenza.node.gateway.app import create_gateway_app
 from cadenza.node.gateway.upstreams import Upstreams
-from cadenza.node.server import admin, http
+from cadenza.node.server import admin, auth, http
 from cadenza.node.server.errors import error_middleware
 from cadenza.node.server.runner import run_app
 from waiting import until
@@ -294,7 +294,7 @@ async def test_the_gateway_refuses_long_headers_and_slow_bodies_in_json(serve):
 
 
 async def test_the_admin_api_cuts_a_slow_put_body_with_a_json_408(serve, monkeypatch):
-    monkeypatch.setenv(admin.TOKEN_ENV, SECRET)
+    monkeypatch.setenv(auth.TOKEN_ENV, SECRET)
     app = web.Application(middlewares=[error_middleware])
     admin.add_routes(app)  # the body is read before the engine is asked: no model needed
     port = await serve(app, **FAST)

@@ -1,0 +1,84 @@
+"""Disaggregated serving over HTTP: a prefill replica answers where its KV is, a decode replica
+pulls it and answers exactly what a colocated call would; the headers need the pool's token."""
+
+from __future__ import annotations
+
+import pytest
+
+from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from cadenza.node.core.request import RemoteKV
+from cadenza.node.server.app import create_app
+from cadenza.node.server.auth import TOKEN_ENV
+from cadenza.node.server.kv_headers import format_source, parse_source
+from cadenza.node.server.openai_api import ENGINE
+from cadenza.node.wire import KV_PUBLISH_HEADER, KV_SOURCE_HEADER
+
+MODEL = "tiny"
+TOKEN = "pool-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+PROMPT = list(range(5, 105))  # 100 token ids: 6 whole blocks of 16 come over
+
+
+def config(tiny_llama_dir, kv: bool) -> EngineConfig:
+    return EngineConfig(model=str(tiny_llama_dir), served_model_name=MODEL, attention_backend="torch",
+                        scheduler=SchedulerConfig(token_budget=64, chunk_size=32, max_model_len=512),
+                        cache=CacheConfig(block_size=16, num_kv_blocks=96), kv_transfer_port=0 if kv else None)
+
+
+@pytest.fixture
+async def pair(aiohttp_client, tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    clients = []
+    for kv in (True, True, False):
+        app = create_app(config(tiny_llama_dir, kv), MODEL)
+        clients.append(await aiohttp_client(app))
+        await app[ENGINE].wait_ready()
+    return clients
+
+
+def body(max_tokens: int) -> dict:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+async def test_a_decode_replica_pulls_the_prefill_replicas_kv_and_answers_as_colocated(pair):
+    prefill, decode, _plain = pair
+    resp = await prefill.post("/v1/completions", json=body(1), headers={**AUTH, KV_PUBLISH_HEADER: "1"})
+    assert resp.status == 200, await resp.text()
+    source = resp.headers[KV_SOURCE_HEADER]
+    where = parse_source(source)
+    assert where.num_tokens == len(PROMPT) and where.request_id == resp.headers["x-request-id"]
+    got = await decode.post("/v1/completions", json=body(8), headers={**AUTH, KV_SOURCE_HEADER: source})
+    assert got.status == 200, await got.text()
+    want = await decode.post("/v1/completions", json=body(8))
+    assert (await got.json())["choices"][0]["text"] == (await want.json())["choices"][0]["text"]
+    assert decode.app[ENGINE].core.scheduler.stats.remote_kv_tokens == 96
+
+
+async def test_the_headers_need_the_pools_token_and_an_endpoint_and_a_well_formed_source(pair):
+    prefill, decode, plain = pair
+    assert (await prefill.post("/v1/completions", json=body(1), headers={KV_PUBLISH_HEADER: "1"})).status == 401
+    wrong = {"Authorization": "Bearer nope", KV_SOURCE_HEADER: "kv://127.0.0.1:1/x?boot=b&tokens=5"}
+    assert (await decode.post("/v1/completions", json=body(1), headers=wrong)).status == 401
+    resp = await plain.post("/v1/completions", json=body(1), headers={**AUTH, KV_PUBLISH_HEADER: "1"})
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "kv_transfer_off"
+    for bad in ("http://h:1/x?boot=b&tokens=5", "kv://h/x?boot=b&tokens=5", "kv://h:1/?boot=b&tokens=5",
+                "kv://h:1/x?tokens=5", "kv://h:1/x?boot=b&tokens=-1", "kv://h:99999/x?boot=b&tokens=5", "x" * 600):
+        resp = await decode.post("/v1/completions", json=body(1), headers={**AUTH, KV_SOURCE_HEADER: bad})
+        assert resp.status == 400, bad
+        assert (await resp.json())["error"]["code"] == "invalid_kv_source"
+    resp = await prefill.post("/v1/completions", json=body(1), headers={**AUTH, KV_PUBLISH_HEADER: "yes"})
+    assert resp.status == 400
+
+
+async def test_a_source_that_holds_nothing_is_recomputed_with_the_same_answer(pair):
+    _prefill, decode, _plain = pair
+    gone = format_source(RemoteKV("127.0.0.1", 9, "cmpl-gone", "boot", len(PROMPT)))  # nothing listens there
+    got = await decode.post("/v1/completions", json=body(6), headers={**AUTH, KV_SOURCE_HEADER: gone})
+    want = await decode.post("/v1/completions", json=body(6))
+    assert got.status == 200 and (await got.json())["choices"][0]["text"] == (await want.json())["choices"][0]["text"]
+    assert dict(decode.app[ENGINE].core.kv_link.stats.failures) == {"connection": 1}
+
+
+def test_a_source_round_trips_through_its_header_form_ipv6_and_odd_ids_included():
+    for src in (RemoteKV("10.0.0.5", 7100, "cmpl-1", "abc", 17), RemoteKV("::1", 1, "a/b?c&d=e", "x y", 1)):
+        assert parse_source(format_source(src)) == src
