@@ -8,11 +8,13 @@ yielded, and releases the producer's lease once the last one is in (or on any fa
 connection still works). Every failure is one :class:`~.protocol.TransferError` with its kind; the
 caller drops what it got from the first bad block on and recomputes it.
 
-Idle connections are kept per producer address; one that saw a new boot id replaces them all
-(a connection to a restarted producer is never reused: llm-d's stale-connection crash). A
-connection that failed in any way is closed, never returned. A producer that stops sending for
-``read_timeout_s`` fails the pull (``connection``): a decode replica never waits forever on
-remote KV.
+Idle connections are kept per producer address (at most :data:`MAX_IDLE_PER_PRODUCER`); one
+that saw a new boot id replaces them all (a connection to a restarted producer is never reused:
+llm-d's stale-connection crash). A connection that failed in any way is closed, never returned.
+A producer that stops sending for ``read_timeout_s`` fails the pull (``connection``): a decode
+replica never waits forever on remote KV. Everything the producer says is checked before it is
+believed: its welcome's version and fingerprint, each frame's request, range and size (before
+its payload is read), and each payload's CRC32C.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 
 from cadenza.node.kv_transfer import protocol
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
+
+MAX_IDLE_PER_PRODUCER = 8  # pooled connections kept per producer; more are closed when returned
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,24 +108,33 @@ class KVConsumer:
         Raises:
             TransferError: the pull failed; ``kind`` says how. Blocks yielded before it are good.
         """
+        for name, value in (("first_block", first_block), ("num_blocks", num_blocks)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+                raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
         conn = await self._connection(host, port)
-        ok = False
+        ok = released = False
         try:
             if boot_id is not None and conn.boot_id != boot_id:
+                released = True  # never release this id there: that process may hold another request's KV under it
+                ok = True  # the connection itself is good
                 raise TransferError("restarted", f"the producer at {host}:{port} restarted (boot id "
                                     f"{conn.boot_id}, the request was prefilled under {boot_id})")
             conn.writer.write(protocol.encode("pull", request_id=request_id, first_block=first_block,
                                               num_blocks=num_blocks))
             await conn.writer.drain()
-            expected = first_block
+            expected, end = first_block, first_block + num_blocks if num_blocks else None
             while True:
                 msg = await conn.read(self.read_timeout_s)
+                if msg.get("request_id") != request_id:
+                    raise TransferError("protocol", f"a {msg['kind']} frame of {msg.get('request_id')!r} while pulling "
+                                        f"{request_id!r}")
                 if msg["kind"] == "blocks":
-                    if msg["request_id"] != request_id or msg["first_block"] != expected:
-                        raise TransferError("protocol", f"blocks {msg['first_block']}.. of {msg['request_id']} "
-                                            f"while pulling block {expected} of {request_id}")
+                    if msg["first_block"] != expected or (end is not None and expected + msg["num_blocks"] > end):
+                        raise TransferError("protocol", f"blocks {msg['first_block']}+{msg['num_blocks']} while "
+                                            f"pulling block {expected} (to {end})")
+                    protocol.check_blocks_header(msg, self.fingerprint)
                     payload = await conn.payload(msg["nbytes"], self.read_timeout_s)
-                    protocol.check_payload(msg, payload, self.fingerprint)
+                    protocol.check_payload(msg, payload)
                     expected += msg["num_blocks"]
                     yield ReceivedBlocks(msg["first_block"], msg["num_blocks"], msg["first_layer"], msg["num_layers"],
                                          payload)
@@ -131,10 +144,10 @@ class KVConsumer:
                                             f"{msg['num_blocks']}")
                     conn.writer.write(protocol.encode("release", request_id=request_id))
                     await conn.writer.drain()
-                    ok = True
+                    ok = released = True
                     return
                 elif msg["kind"] == "error":
-                    ok = True  # the producer said so cleanly: the connection is still good
+                    ok = released = True  # the producer said so cleanly: it holds nothing; the connection is good
                     raise TransferError(msg["code"], msg["message"])
                 else:
                     raise TransferError("protocol", f"a {msg['kind']} frame in a pull")
@@ -143,14 +156,14 @@ class KVConsumer:
         except TimeoutError:
             raise TransferError("connection", f"{host}:{port} sent nothing for {self.read_timeout_s:.0f} s") from None
         finally:
-            if ok:
-                self._idle.setdefault((host, port), []).append(conn)
-            else:
-                # a failed or abandoned pull: ask for the lease back if the socket still works, then drop it
+            if not released:  # a failed or abandoned pull: hand the lease back if the socket still works
                 try:
                     conn.writer.write(protocol.encode("release", request_id=request_id))
                 except Exception:
                     pass
+            if ok:
+                self._return(host, port, conn)
+            else:
                 conn.close()
 
     async def release(self, host: str, port: int, request_id: str) -> None:
@@ -167,7 +180,14 @@ class KVConsumer:
         except (ConnectionError, OSError) as e:
             conn.close()
             raise TransferError("connection", f"{host}:{port}: {e}") from None
-        self._idle.setdefault((host, port), []).append(conn)
+        self._return(host, port, conn)
+
+    def _return(self, host: str, port: int, conn: _Connection) -> None:
+        idle = self._idle.setdefault((host, port), [])
+        if len(idle) < MAX_IDLE_PER_PRODUCER and conn.boot_id == self._boot.get((host, port)):
+            idle.append(conn)
+        else:
+            conn.close()
 
     async def _connection(self, host: str, port: int) -> _Connection:
         idle = self._idle.get((host, port))
@@ -197,6 +217,15 @@ class KVConsumer:
         if msg["kind"] != "welcome":
             writer.close()
             raise TransferError("protocol", f"{host}:{port} answered hello with {msg['kind']}")
+        try:
+            theirs = Fingerprint.from_wire(msg["fingerprint"])
+        except TransferError:
+            writer.close()
+            raise
+        if msg["version"] != protocol.PROTOCOL_VERSION or (diff := self.fingerprint.mismatch(theirs)):
+            writer.close()
+            why = f"version {msg['version']}" if msg["version"] != protocol.PROTOCOL_VERSION else "; ".join(diff)
+            raise TransferError("incompatible", f"{host}:{port} welcomed with an incompatible layout: {why}")
         conn.boot_id = msg["boot_id"]
         if self._boot.get((host, port), conn.boot_id) != conn.boot_id:
             for old in self._idle.pop((host, port), []):  # connections to the old process are stale

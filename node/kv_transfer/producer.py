@@ -8,10 +8,13 @@ requests one at a time per connection; a pull streams the blocks already written
 rest as steps write them, so the transfer overlaps the remaining prefill, and ends with ``done``.
 
 Every published request is held under a lease (:mod:`.leases`): renewed by each frame the decode
-side consumes (TCP's flow control makes a frame's ``drain`` wait on it), ended by its ``release``,
-by :meth:`KVProducer.abort` or by expiry, which a timer checks every second; the blocks are freed
-on the end, whichever it is. A pull of a request that holds no lease gets ``error
-unknown_request``; a lease that ends mid-stream, ``error expired``.
+side's socket takes (TCP flow control makes a frame's ``drain`` wait on it), ended by its
+``release`` (read at any time, mid-stream too), by the consumer going away mid-stream, by
+:meth:`KVProducer.abort`, or by expiry, which a timer checks every :data:`EXPIRY_CHECK_S`; the
+blocks are freed on the end, whichever it is. A pull of a request that holds no lease gets
+``error unknown_request``; a lease that expires mid-stream, ``error expired``. A connection that
+idles past :data:`IDLE_TIMEOUT_S`, leaves a header half sent, or does not drain a frame within a
+lease is closed; more than :data:`MAX_CONNECTIONS` at once are refused.
 
 Runs on one asyncio event loop (the engine's front end loop) and takes no locks. The wire is
 :mod:`.protocol`.
@@ -34,6 +37,10 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME_BLOCKS = 64  # blocks per data frame: a chunk's worth at most, so frames interleave with steps
 HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello in this long is closed
+HEADER_TIMEOUT_S = 10.0  # once a header's length arrived, its bytes must follow within this
+IDLE_TIMEOUT_S = 300.0  # a connection with no pull for this long is closed (consumers reconnect)
+MAX_CONNECTIONS = 256  # more are refused: each holds a task and buffers
+EXPIRY_CHECK_S = 0.25  # how often leases past their deadline are ended (blocks freed within this)
 
 # Reads ``count`` blocks from ``first`` (all layers, layer-major within each block) as bytes.
 BlockReader = Callable[[int, int], bytes | bytearray | memoryview]
@@ -46,6 +53,14 @@ class _Published:
     written: int = 0  # blocks whose KV the engine has written
     complete: bool = False  # the prefill is over: ``written`` is every block
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: str = ""  # why the lease ended: released | aborted | expired | failed
+
+
+@dataclass
+class _Connection:
+    writer: asyncio.StreamWriter
+    pulls: asyncio.Queue = field(default_factory=asyncio.Queue)  # pull frames; None: the consumer is gone
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -83,12 +98,16 @@ class KVProducer:
         self._server: asyncio.Server | None = None
         self._timer: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
+        self._closed = False
 
     # -- the engine's side --------------------------------------------------------------------
 
     def publish(self, request_id: str, read: BlockReader, free: Callable[[], None]) -> None:
         """Hold ``request_id``'s blocks under a lease for a decode replica to pull; ``free``
-        is called exactly once, when the lease ends. ValueError if it is already published."""
+        is called exactly once, when the lease ends. ValueError if it is already published;
+        RuntimeError once the producer is closed (nothing would ever end the lease)."""
+        if self._closed:
+            raise RuntimeError("the KV transfer endpoint is closed")
         self.leases.hold(request_id, _Published(read, free), self.clock())
 
     def progress(self, request_id: str, written: int, complete: bool = False) -> None:
@@ -104,16 +123,17 @@ class KVProducer:
 
     def abort(self, request_id: str) -> None:
         """End the request's lease now (the client went away): its blocks are freed."""
-        self._end(request_id)
+        self._end(request_id, "aborted")
 
     def held(self) -> list[str]:
         """Request ids whose blocks are held now."""
         return list(self.leases._leases)
 
-    def _end(self, request_id: str) -> bool:
+    def _end(self, request_id: str, why: str) -> bool:
         entry = self.leases.release(request_id)
         if entry is None:
             return False
+        entry.ended = why
         entry.changed.set()  # a stream waiting on it sees the lease gone
         try:
             entry.free()
@@ -126,6 +146,7 @@ class KVProducer:
         gone = []
         for rid, entry in self.leases.expire(self.clock()):
             self.stats.expired += 1
+            entry.ended = "expired"
             entry.changed.set()
             try:
                 entry.free()
@@ -150,36 +171,64 @@ class KVProducer:
             task.cancel()
         await asyncio.gather(*self._connections, *([self._timer] if self._timer else []), return_exceptions=True)
         for rid in self.held():
-            self._end(rid)
+            self._end(rid, "aborted")
+        self._closed = True
         if self._server is not None:
             await self._server.wait_closed()
 
     async def _expire_every_second(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(EXPIRY_CHECK_S)
             self.expire()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         self._connections.add(task)
         self.stats.connections += 1
+        conn = _Connection(writer)
+        control = None
         try:
+            if len(self._connections) > MAX_CONNECTIONS:
+                self.stats.refused += 1
+                writer.write(protocol.encode("refused", reason=f"more than {MAX_CONNECTIONS} connections"))
+                await writer.drain()
+                return
             if await self._handshake(reader, writer):
+                control = asyncio.create_task(self._read_control(reader, conn))
                 while True:
-                    msg = await _read_header(reader)
-                    if msg["kind"] == "pull":
-                        await self._stream(msg["request_id"], msg["first_block"], msg["num_blocks"], writer)
-                    elif msg["kind"] == "release":
-                        self._end(msg["request_id"])
-                    else:
-                        raise TransferError("protocol", f"a {msg['kind']} frame from a consumer")
+                    msg = await asyncio.wait_for(conn.pulls.get(), IDLE_TIMEOUT_S)
+                    if msg is None:
+                        return  # the consumer closed the connection (or broke the protocol)
+                    await self._stream(msg["request_id"], msg["first_block"], msg["num_blocks"], conn)
         except (TransferError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
             log.debug("KV transfer connection closed: %s", e)
         except asyncio.CancelledError:  # close(): end quietly (asyncio logs a cancelled handler as an error)
             pass
         finally:
+            if control is not None:
+                control.cancel()
             self._connections.discard(task)
             writer.close()
+
+    async def _read_control(self, reader: asyncio.StreamReader, conn: _Connection) -> None:
+        """The consumer's frames, read all the time (a release must land mid-stream too): pulls
+        queue for the connection's loop, releases act at once; the end of the connection or a
+        broken frame wakes the loop with None."""
+        try:
+            while True:
+                n = protocol.header_length(await reader.readexactly(4))
+                msg = protocol.decode(await asyncio.wait_for(reader.readexactly(n), HEADER_TIMEOUT_S))
+                if msg["kind"] == "pull":
+                    conn.pulls.put_nowait(msg)
+                elif msg["kind"] == "release":
+                    self._end(msg["request_id"], "released")
+                else:
+                    raise TransferError("protocol", f"a {msg['kind']} frame from a consumer")
+        except (TransferError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
+            log.debug("KV transfer consumer gone: %s", e)
+        finally:
+            conn.closed.set()
+            conn.pulls.put_nowait(None)
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         hello = await asyncio.wait_for(_read_header(reader), HELLO_TIMEOUT_S)
@@ -206,43 +255,55 @@ class KVProducer:
         await writer.drain()
         return True
 
-    async def _stream(self, request_id: str, first_block: int, num_blocks: int,
-                      writer: asyncio.StreamWriter) -> None:
+    async def _stream(self, request_id: str, first_block: int, num_blocks: int, conn: _Connection) -> None:
         entry = self.leases.get(request_id)
         if entry is None:
-            self.stats.failed("unknown_request")
-            writer.write(protocol.encode("error", request_id=request_id, code="unknown_request",
-                                         message=f"no KV held for {request_id} (never published, released or expired)"))
-            await writer.drain()
-            return
+            return await self._error(conn, request_id, "unknown_request",
+                                     f"no KV held for {request_id} (never published, released or expired)")
         sent, end = first_block, first_block + num_blocks if num_blocks else None
-        layers = self.fingerprint.num_layers
-        while True:
+        layers, block_bytes = self.fingerprint.num_layers, self.fingerprint.num_layers * self.fingerprint.block_layer_bytes
+        while not conn.closed.is_set():
             if self.leases.get(request_id) is not entry:  # released, aborted or expired meanwhile
-                self.stats.failed("expired")
-                writer.write(protocol.encode("error", request_id=request_id, code="expired",
-                                             message=f"the lease on {request_id}'s KV ended while streaming"))
-                await writer.drain()
-                return
+                code = "expired" if entry.ended == "expired" else "unknown_request"
+                return await self._error(conn, request_id, code, f"the lease on {request_id}'s KV ended "
+                                         f"({entry.ended}) while streaming")
             limit = entry.written if end is None else min(entry.written, end)
             if sent < limit:
                 count = min(limit - sent, MAX_FRAME_BLOCKS)
-                payload = entry.read(sent, count)
-                writer.write(protocol.blocks_header(request_id, sent, count, 0, layers, payload))
-                writer.write(payload)
-                await writer.drain()
+                try:
+                    payload = entry.read(sent, count)
+                    if len(payload) != count * block_bytes:
+                        raise ValueError(f"read {len(payload)} bytes for {count} blocks of {block_bytes}")
+                except Exception as e:  # the owner's bug: this request's KV cannot be served
+                    log.exception("reading the KV blocks of %s failed", request_id)
+                    self._end(request_id, "failed")
+                    return await self._error(conn, request_id, "internal", f"cannot read the KV of {request_id}: {e}")
+                conn.writer.write(protocol.blocks_header(request_id, sent, count, 0, layers, payload))
+                conn.writer.write(payload)
+                # TCP flow control: drain returns once the consumer's socket took the bytes
+                await asyncio.wait_for(conn.writer.drain(), self.leases.ttl_s)
                 self.leases.renew(request_id, self.clock())
                 sent += count
                 self.stats.blocks_sent += count
                 self.stats.bytes_sent += len(payload)
                 continue
             if entry.complete or sent == end:
-                writer.write(protocol.encode("done", request_id=request_id, num_blocks=sent))
-                await writer.drain()
+                conn.writer.write(protocol.encode("done", request_id=request_id, num_blocks=sent))
+                await conn.writer.drain()
                 self.stats.transfers += 1
                 return
             entry.changed.clear()
-            await entry.changed.wait()
+            waits = [asyncio.ensure_future(entry.changed.wait()), asyncio.ensure_future(conn.closed.wait())]
+            _done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()
+        # the consumer went away mid-stream: it will not pull this again
+        self._end(request_id, "released")
+
+    async def _error(self, conn: _Connection, request_id: str, code: str, message: str) -> None:
+        self.stats.failed(code)
+        conn.writer.write(protocol.encode("error", request_id=request_id, code=code, message=message[:1024]))
+        await conn.writer.drain()
 
 
 async def _read_header(reader: asyncio.StreamReader) -> dict:

@@ -44,6 +44,7 @@ import msgpack
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 * 2**10  # a header is a small map; more is a broken or hostile peer
 MAX_PAYLOAD_BYTES = 1 << 30  # one frame's block bytes (a chunk's worth of blocks is far less)
+MAX_ID_CHARS = 256  # a request id on the wire (ids are uuids or completion ids)
 _LENGTH = struct.Struct("!I")
 
 # Bytes per element of the KV cache dtypes an engine may run.
@@ -59,6 +60,7 @@ ERROR_KINDS = (
     "connection",  # could not connect, or the connection failed between frames
     "restarted",  # the producer's boot id changed: its leases are gone
     "protocol",  # a frame that breaks this module's rules
+    "internal",  # the producer could not read the blocks it holds (a bug there)
 )
 
 
@@ -173,14 +175,17 @@ def decode(body: bytes) -> dict[str, Any]:
         msg = msgpack.unpackb(body, raw=False)
     except Exception as e:  # msgpack raises several unrelated types for bad bytes
         raise TransferError("protocol", f"a header that is not msgpack ({type(e).__name__})") from None
-    if not isinstance(msg, dict) or msg.get("kind") not in _REQUIRED:
-        raise TransferError("protocol", f"a header of unknown kind {msg.get('kind') if isinstance(msg, dict) else msg!r}")
+    kind = msg.get("kind") if isinstance(msg, dict) else None
+    if not isinstance(kind, str) or kind not in _REQUIRED:
+        raise TransferError("protocol", f"a header of unknown kind {str(kind)[:64]!r}")
     for name, kind in _REQUIRED[msg["kind"]].items():
         value = msg.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise TransferError("protocol", f"{msg['kind']}.{name}: {value!r} is not {getattr(kind, '__name__', kind)}")
         if isinstance(value, int) and value < 0:
             raise TransferError("protocol", f"{msg['kind']}.{name}: {value} is negative")
+    if len(msg.get("request_id", "")) > MAX_ID_CHARS:
+        raise TransferError("protocol", f"{msg['kind']}.request_id: longer than {MAX_ID_CHARS} characters")
     if msg["kind"] == "blocks" and msg["nbytes"] > MAX_PAYLOAD_BYTES:
         raise TransferError("protocol", f"blocks.nbytes: {msg['nbytes']} exceeds {MAX_PAYLOAD_BYTES}")
     if msg["kind"] == "error" and msg["code"] not in ERROR_KINDS:
@@ -195,17 +200,23 @@ def blocks_header(request_id: str, first_block: int, num_blocks: int, first_laye
                   first_layer=first_layer, num_layers=num_layers, nbytes=len(payload), crc32c=crc32c.crc32c(payload))
 
 
-def check_payload(header: Mapping[str, Any], payload: bytes | memoryview, fingerprint: Fingerprint) -> None:
-    """Raise :class:`TransferError` unless ``payload`` is what ``header`` (kind ``blocks``) says:
-    its size (``num_blocks x num_layers x block_layer_bytes``, ``corrupt`` or ``protocol``) and
-    its CRC32C (``corrupt``)."""
-    if header["first_layer"] + header["num_layers"] > fingerprint.num_layers:
-        raise TransferError("protocol", f"layers {header['first_layer']}+{header['num_layers']} of "
-                            f"{fingerprint.num_layers}")
+def check_blocks_header(header: Mapping[str, Any], fingerprint: Fingerprint) -> None:
+    """Raise :class:`TransferError` (``protocol``) unless a ``blocks`` header is whole blocks of
+    every layer (``first_layer`` 0, ``num_layers`` all, at least one block) and announces
+    exactly ``num_blocks x num_layers x block_layer_bytes`` payload bytes. Checked before the
+    payload is read, so a lying header costs no memory."""
+    if header["num_blocks"] < 1 or header["first_layer"] != 0 or header["num_layers"] != fingerprint.num_layers:
+        raise TransferError("protocol", f"{header['num_blocks']} blocks of layers {header['first_layer']}+"
+                            f"{header['num_layers']} (whole blocks of all {fingerprint.num_layers} layers expected)")
     expected = header["num_blocks"] * header["num_layers"] * fingerprint.block_layer_bytes
     if header["nbytes"] != expected:
         raise TransferError("protocol", f"{header['nbytes']} payload bytes for {header['num_blocks']} blocks x "
                             f"{header['num_layers']} layers ({expected} expected)")
+
+
+def check_payload(header: Mapping[str, Any], payload: bytes | memoryview) -> None:
+    """Raise :class:`TransferError` unless ``payload`` has the size (``truncated``) and the CRC32C
+    (``corrupt``) its ``blocks`` header announced."""
     if len(payload) != header["nbytes"]:
         raise TransferError("truncated", f"{len(payload)} of {header['nbytes']} payload bytes")
     if crc32c.crc32c(payload) != header["crc32c"]:

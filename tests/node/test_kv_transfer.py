@@ -81,15 +81,30 @@ def test_a_header_round_trips_and_a_bad_one_is_a_protocol_error():
 def test_a_flipped_payload_byte_fails_the_crc_and_a_short_payload_is_truncated():
     payload = block_bytes(0, 0) + block_bytes(0, 1)
     header = protocol.decode(protocol.blocks_header("r", 0, 2, 0, FP.num_layers, payload)[4:])
-    protocol.check_payload(header, payload, FP)
+    protocol.check_blocks_header(header, FP)
+    protocol.check_payload(header, payload)
     flipped = bytearray(payload)
     flipped[100] ^= 0x01
     with pytest.raises(TransferError) as e:
-        protocol.check_payload(header, bytes(flipped), FP)
+        protocol.check_payload(header, bytes(flipped))
     assert e.value.kind == "corrupt"
     with pytest.raises(TransferError) as e:
-        protocol.check_payload(header, payload[:-1], FP)
+        protocol.check_payload(header, payload[:-1])
     assert e.value.kind == "truncated"
+
+
+def test_a_blocks_header_that_lies_about_its_size_or_layers_is_refused_before_its_payload_is_read():
+    good = dict(kind="blocks", request_id="r", first_block=0, num_blocks=2, first_layer=0,
+                num_layers=FP.num_layers, nbytes=2 * BLOCK, crc32c=0)
+    protocol.check_blocks_header(good, FP)
+    for lie in ({"nbytes": 2**30}, {"num_layers": 1, "nbytes": 2 * FP.block_layer_bytes}, {"num_blocks": 0, "nbytes": 0},
+                {"first_layer": 1, "num_layers": 1, "nbytes": 2 * FP.block_layer_bytes}):
+        with pytest.raises(TransferError) as e:
+            protocol.check_blocks_header({**good, **lie}, FP)
+        assert e.value.kind == "protocol"
+    for bad in ({"kind": ["pull"]}, {"kind": "pull", "request_id": "x" * 300, "first_block": 0, "num_blocks": 0}):
+        with pytest.raises(TransferError):
+            protocol.decode(protocol.msgpack.packb(bad))
 
 
 def test_fingerprints_name_every_field_that_differs():
@@ -373,3 +388,76 @@ async def test_a_producer_killed_mid_pull_fails_it_at_once_and_one_that_goes_sil
         await collect(consumer, port, "r11")
     assert e.value.kind == "connection"
     await consumer.close()
+
+
+async def test_a_pull_abandoned_midway_hands_its_lease_back_at_once(producer):
+    p, port = producer  # a 30 s lease: only the release can free it this soon
+    blocks = Published(13, 8)
+    p.publish("r13", blocks.read, blocks.free)
+    p.progress("r13", 2)  # the prefill goes on: the stream waits for more
+    consumer = KVConsumer(FP)
+    async for _frame in consumer.pull("127.0.0.1", port, "r13"):
+        break  # the decode side gives up (its request was aborted)
+    await wait_freed(p, blocks, within_s=2)
+    for _ in range(50):  # and the abandoned connection is gone on both sides
+        if len(p._connections) == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert len(p._connections) == 0 and consumer._idle.get(("127.0.0.1", port), []) == []
+
+
+async def test_a_restarted_producer_is_never_told_to_release_an_id_it_may_hold_anew():
+    p = KVProducer(FP)
+    port = await p.start()
+    consumer = KVConsumer(FP)
+    blocks = Published(14, 1)
+    p.publish("r14", blocks.read, blocks.free)
+    p.progress("r14", 1, complete=True)
+    old = p.boot_id
+    await p.close()
+    restarted = KVProducer(FP)
+    await restarted.start(port=port)
+    again = Published(15, 1)
+    restarted.publish("r14", again.read, again.free)  # the same id, prefilled anew by the new process
+    with pytest.raises(TransferError) as e:
+        await collect(consumer, port, "r14", boot_id=old)
+    assert e.value.kind == "restarted"
+    await asyncio.sleep(0.2)
+    assert restarted.held() == ["r14"] and again.freed == 0
+    await consumer.close(); await restarted.close()
+
+
+async def fake_producer(answer: bytes) -> tuple[asyncio.Server, int]:
+    """A server that reads a hello and writes ``answer`` back, then waits."""
+    async def handle(reader, writer):
+        try:
+            n = protocol.header_length(await reader.readexactly(4))
+            await reader.readexactly(n)
+            writer.write(answer)
+            await writer.drain()
+            await reader.read()  # until the consumer closes
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_the_consumer_believes_neither_a_foreign_welcome_nor_a_frame_that_lies_about_its_size():
+    other = dataclasses.replace(FP, num_layers=3)
+    welcome = protocol.encode("welcome", version=protocol.PROTOCOL_VERSION, fingerprint=other.to_wire(), boot_id="b")
+    server, port = await fake_producer(welcome)
+    with pytest.raises(TransferError) as e:
+        await collect(KVConsumer(FP), port, "r")
+    assert e.value.kind == "incompatible" and "num_layers" in str(e.value)
+    server.close()
+    mine = protocol.encode("welcome", version=protocol.PROTOCOL_VERSION, fingerprint=FP.to_wire(), boot_id="b")
+    huge = protocol.encode("blocks", request_id="r", first_block=0, num_blocks=1, first_layer=0,
+                           num_layers=FP.num_layers, nbytes=2**30, crc32c=0)
+    server, port = await fake_producer(mine + huge)  # announces 1 GiB and sends none of it
+    started = time.monotonic()
+    with pytest.raises(TransferError) as e:
+        await collect(KVConsumer(FP, read_timeout_s=30), port, "r")
+    assert e.value.kind == "protocol" and time.monotonic() - started < 2  # refused at the header
+    server.close()
