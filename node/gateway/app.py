@@ -45,7 +45,7 @@ from cadenza.node.gateway.state import (
     UPSTREAMS,
     GatewaySettings,
 )
-from cadenza.node.gateway.upstreams import ROLES, Upstreams
+from cadenza.node.gateway.upstreams import SERVING_ROLES, Upstreams
 from cadenza.node.server.errors import error_middleware, error_response
 from cadenza.node.wire import MAX_BODY_BYTES
 
@@ -69,6 +69,7 @@ def create_gateway_app(
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S,
     slo_targets_s: tuple[float, ...] = (),
+    disagg_min_prompt_tokens: int | None = None,
 ) -> web.Application:
     """Build a gateway in front of the replicas in ``upstreams``.
 
@@ -80,6 +81,8 @@ def create_gateway_app(
         connect_timeout_s: seconds to connect to a replica before it counts as unreachable.
         health_interval_s: seconds between health checks of every replica (:mod:`.health`); 0: none.
         slo_targets_s: the pool's SLO targets (seconds); the latency histograms are dense around them.
+        disagg_min_prompt_tokens: prompts at least this long are prefilled on a ``prefill``
+            replica when there is one (:mod:`.disagg`); None: never.
 
     Serve it with ``web.AppRunner(app, handler_cancellation=True)`` (as :mod:`.cli` does), so a
     client that disconnects while its replica is still silent cancels the upstream request at once;
@@ -89,7 +92,8 @@ def create_gateway_app(
         ValueError: an invalid class or limit.
     """
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
-    app[SETTINGS] = GatewaySettings(default_class, max_outstanding, connect_timeout_s, health_interval_s)
+    app[SETTINGS] = GatewaySettings(default_class, max_outstanding, connect_timeout_s, health_interval_s,
+                                    disagg_min_prompt_tokens)
     app[UPSTREAMS] = upstreams
     app[METRICS] = GatewayMetrics(slo_targets_s)
     app.on_cleanup.append(_stop_metrics)
@@ -172,12 +176,12 @@ async def ready(request: web.Request) -> web.Response:
     """
     upstreams = request.app[UPSTREAMS]
     counts = {role: len(urls) for role, urls in upstreams.urls().items()}
-    up = {role: len(upstreams.reachable(role)) if counts.get(role) else 0 for role in ROLES}
+    up = {role: len(upstreams.reachable(role)) if counts.get(role) else 0 for role in SERVING_ROLES}
     unavailable = {role: ("no replica known" if not counts.get(role) else "every replica down")
-                   for role in ROLES if not up[role]}
-    if len(unavailable) == len(ROLES):
+                   for role in SERVING_ROLES if not up[role]}
+    if len(unavailable) == len(SERVING_ROLES):
         detail = "; ".join(f"{role}: {why}" for role, why in unavailable.items())
-        code = "no_upstream" if all(not counts.get(r) for r in ROLES) else "upstreams_unreachable"
+        code = "no_upstream" if all(not counts.get(r) for r in SERVING_ROLES) else "upstreams_unreachable"
         return error_response(503, f"no role can serve ({detail})", code=code, headers={"Retry-After": "1"})
     return web.json_response({"status": "ready", "replicas": counts, "up": up, "unavailable": unavailable})
 

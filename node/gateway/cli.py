@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", type=Path, metavar="PATH",
-                        help="JSON or YAML: {roles: {interactive: [urls], batch: [urls]}, default_class, "
+                        help="JSON or YAML: {roles: {interactive: [urls], batch: [urls], prefill: [urls]}, default_class, "
                              "max_outstanding}; re-read when it changes and on SIGHUP")
     source.add_argument("--kubernetes", action="store_true",
                         help="read the ready endpoints of Services <pool>-interactive and <pool>-batch")
@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-targets-ms", type=_targets, default=(), metavar="MS[,MS...]",
                         help="the pool's SLO targets: the TTFT / ITL histograms at /metrics get dense buckets "
                              "around each (default: none, coarse buckets only)")
+    parser.add_argument("--disagg-min-prompt-tokens", type=_positive_int, default=None, metavar="N",
+                        help="prompts of at least N tokens are prefilled on a replica of the prefill role, whose KV "
+                             "the decode replica pulls (needs $CADENZA_ADMIN_TOKEN, the replicas' token; default: off)")
     add_http_arguments(parser)
 
 
@@ -118,7 +121,8 @@ def build_gateway(args: argparse.Namespace) -> tuple[web.Application, UpstreamSo
         max_outstanding = max_outstanding or config.max_outstanding
     app = create_gateway_app(upstreams, default_class or "interactive", max_outstanding or DEFAULT_MAX_OUTSTANDING,
                              source=source, connect_timeout_s=args.connect_timeout,
-                             health_interval_s=args.health_interval, slo_targets_s=args.slo_targets_ms)
+                             health_interval_s=args.health_interval, slo_targets_s=args.slo_targets_ms,
+                             disagg_min_prompt_tokens=args.disagg_min_prompt_tokens)
     return app, source
 
 

@@ -5,7 +5,8 @@ Hop-by-hop headers (RFC 9110 section 7.6.1: ``Connection`` and every header it n
 ``Proxy-*`` credentials) describe one connection and are dropped in both directions; every other
 header — ``authorization``, ``x-cadenza-class``, ``x-cadenza-tenant``, W3C ``traceparent`` and
 ``tracestate`` among them — is forwarded unchanged. ``Host`` and ``Content-Length`` are set anew by
-the client library for the upstream request.
+the client library for the upstream request. A client's ``x-cadenza-kv-*`` headers are dropped:
+only the gateway itself asks replicas to move KV (:mod:`.disagg`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import math
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from cadenza.node.wire import KV_PUBLISH_HEADER, KV_SOURCE_HEADER
+
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade",
 })
-# Set by the client library from the upstream URL and the body it sends.
-_RESET_ON_REQUEST = frozenset({"host", "content-length"})
+# Set by the client library from the upstream URL and the body it sends; the KV transfer headers
+# are the gateway's own.
+_RESET_ON_REQUEST = frozenset({"host", "content-length", KV_PUBLISH_HEADER, KV_SOURCE_HEADER})
 
 DEFAULT_RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 3600.0  # a longer (or absurd) back-off is read as this

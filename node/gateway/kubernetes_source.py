@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from cadenza.node.gateway.upstreams import ROLES, Upstreams
+from cadenza.node.gateway.upstreams import SERVING_ROLES as ROLES, Upstreams
 
 logger = logging.getLogger(__name__)
 

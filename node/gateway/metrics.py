@@ -10,7 +10,10 @@ Two OpenTelemetry histograms, exported like the engines' (Prometheus text at the
   stream (the closing ``data: [DONE]`` excluded).
 
 Both carry ``cadenza.traffic_class``. Answers that are not streamed have no TTFT or ITL to
-measure and are not recorded.
+measure and are not recorded. A counter, ``cadenza.gateway.disagg.requests``, counts the requests
+the selective rule sent through a prefill replica, by ``cadenza.disagg.outcome``: ``prefilled``,
+``fallback_busy`` (no prefill replica free) or ``fallback_failed`` (its call failed; the decode
+replica prefilled).
 
 Bucket boundaries (:func:`latency_buckets`): the GenAI semantic conventions' TTFT buckets step
 0.25 -> 0.5 -> 0.75 s, too coarse to tell a 300 ms p99 from a 450 ms one. These are geometric
@@ -21,6 +24,7 @@ of 5 %: a p99 interpolated inside a 5 % bucket is within 5 % of the truth near t
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
@@ -77,6 +81,14 @@ class GatewayMetrics:
                                           "Client-side gaps between streamed chunks, by traffic class",
                                           explicit_bucket_boundaries_advisory=buckets)
         self._attrs = {c: {CLASS_ATTRIBUTE: c} for c in ("interactive", "batch", "background")}
+        self._disagg = meter.create_counter("cadenza.gateway.disagg.requests", "{request}",
+                                            "Requests sent through a prefill replica, by outcome")
+        self.disagg_outcomes: Counter = Counter()
+
+    def count_disagg(self, outcome: str) -> None:
+        """One request the selective rule sent to a prefill replica: how it went."""
+        self.disagg_outcomes[outcome] += 1
+        self._disagg.add(1, {"cadenza.disagg.outcome": outcome})
 
     def stream(self, traffic_class: str, started: float) -> StreamTimer:
         """A timer for one streamed answer; ``started`` is ``time.monotonic()`` at its arrival."""

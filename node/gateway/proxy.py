@@ -2,7 +2,8 @@
 
 1. **Route**: the ``x-cadenza-class`` header (case-insensitive; the gateway default when absent)
    names the role — ``interactive`` to the interactive replicas, ``batch`` and ``background`` to
-   the batch replicas. An invalid class is a 400 from the gateway itself.
+   the batch replicas. An invalid class is a 400 from the gateway itself. A long completion prompt
+   in a pool with ``prefill`` replicas is prefilled on one of them first (:mod:`.disagg`).
 2. **Pick**: the role's replica with the fewest requests in flight through this gateway
    (:meth:`Upstreams.pick`), avoiding replicas that are down. If every one is full the gateway answers 429 with ``Retry-After`` and
    calls nobody; if the role has no replica known yet, 503.
@@ -35,6 +36,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from cadenza.node.gateway import disagg
 from cadenza.node.gateway.headers import request_headers, response_headers, retry_after_s
 from cadenza.node.gateway.state import METRICS, SESSION, SETTINGS, UPSTREAMS
 from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream
@@ -79,7 +81,8 @@ async def proxy_by_class(request: web.Request) -> web.StreamResponse:
     cls = request_class(request)
     request["cadenza_timed"] = (cls, started)  # the class and arrival, for the latency histograms
     role = ROLE_OF_CLASS[cls]
-    return await forward(request, request.app[UPSTREAMS].of_role(role), f"{role} replica")
+    extra = await disagg.route(request)  # a long prompt is prefilled on a prefill replica first
+    return await forward(request, request.app[UPSTREAMS].of_role(role), f"{role} replica", extra)
 
 
 async def proxy_to_any(request: web.Request) -> web.StreamResponse:
@@ -87,8 +90,10 @@ async def proxy_to_any(request: web.Request) -> web.StreamResponse:
     return await forward(request, request.app[UPSTREAMS].all(), "replica")
 
 
-async def forward(request: web.Request, candidates: list[Upstream], what: str) -> web.StreamResponse:
-    """Send ``request`` to the least busy of ``candidates``, retrying once before the first byte.
+async def forward(request: web.Request, candidates: list[Upstream], what: str,
+                  extra_headers: CIMultiDict[str] | None = None) -> web.StreamResponse:
+    """Send ``request`` (with ``extra_headers``) to the least busy of ``candidates``, retrying once
+    before the first byte.
 
     Raises:
         APIError: 503 when there is no candidate, 429 when all are full, 502 when none answered.
@@ -104,6 +109,8 @@ async def forward(request: web.Request, candidates: list[Upstream], what: str) -
         raise APIError(429, f"every {what} is busy; retry in {wait} s", code="upstreams_full",
                        headers={"Retry-After": str(wait)})
     headers = request_headers(request.headers, request.remote)
+    if extra_headers:
+        headers.update(extra_headers)
     tried: list[Upstream] = []
     failed: _Failed | None = None
     for attempt in range(MAX_ATTEMPTS):

@@ -1,7 +1,8 @@
 """The gateway's table of upstreams: replicas by role, their load, and least-outstanding picking.
 
 A pool's replicas serve in one of two **roles**, ``interactive`` and ``batch``. In colocated mode
-both roles list the same replicas; in dedicated mode they are disjoint. A replica that appears in
+both roles list the same replicas; in dedicated mode they are disjoint. A disaggregated pool adds
+``prefill`` replicas, which only prefill prompts for the others (:mod:`.disagg`). A replica that appears in
 both roles is one :class:`Upstream` (one outstanding count), however many roles list it.
 
 An upstream is **full** when it has ``max_outstanding`` requests in flight through this gateway,
@@ -32,7 +33,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-ROLES = ("interactive", "batch")
+SERVING_ROLES = ("interactive", "batch")  # the roles traffic classes are routed to
+ROLES = (*SERVING_ROLES, "prefill")  # prefill: replicas that only prefill prompts for others (optional)
 # Traffic class (x-cadenza-class) -> the role whose replicas serve it.
 ROLE_OF_CLASS = {"interactive": "interactive", "batch": "batch", "background": "batch"}
 
@@ -104,7 +106,7 @@ class Upstreams:
         if unknown:
             raise ValueError(f"roles: unknown role(s) {sorted(unknown)}; roles are {', '.join(ROLES)}")
         new_urls = {role: list(dict.fromkeys(u.rstrip("/") for u in roles.get(role, ()))) for role in ROLES}
-        if new_urls == self.urls():
+        if new_urls == {role: [u.url for u in ups] for role, ups in self._roles.items()}:
             return False
         by_url = {url: self._by_url.get(url) or Upstream(url) for urls in new_urls.values() for url in urls}
         self._by_url = by_url
@@ -112,8 +114,8 @@ class Upstreams:
         return True
 
     def urls(self) -> dict[str, list[str]]:
-        """Role -> base URLs, in configuration order."""
-        return {role: [u.url for u in ups] for role, ups in self._roles.items()}
+        """Role -> base URLs, in configuration order (``prefill`` only when it has replicas)."""
+        return {role: [u.url for u in ups] for role, ups in self._roles.items() if role != "prefill" or ups}
 
     def of_role(self, role: str) -> list[Upstream]:
         return list(self._roles.get(role, ()))

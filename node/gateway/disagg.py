@@ -1,0 +1,151 @@
+"""Disaggregated serving at the gateway: which requests are prefilled on a prefill replica, and how.
+
+A pool with replicas in the ``prefill`` role serves a completion in two calls when the selective
+rule says it pays:
+
+1. **Prefill.** The gateway sends the request's body to the least busy prefill replica as a
+   non-streaming call for one token, with ``x-cadenza-kv-publish: 1``. The replica computes the
+   prompt, holds its KV under a lease, and answers where that KV is (``x-cadenza-kv-source``).
+2. **Decode.** The gateway sends the original request to a decode replica of the request's class,
+   naming that source. The decode replica pulls the prompt's KV, prefills only the prompt's last
+   block, and streams the answer to the client. From the client's side this is one ordinary stream.
+
+Any failure of the prefill call falls back to step 2 without a source: the decode replica then
+prefills the prompt itself, so the client gets the same answer, only later. Both calls carry the
+pool's bearer token (``$CADENZA_ADMIN_TOKEN``), which replicas require before they move KV.
+
+The rule. Move a prompt of ``n`` uncached tokens when the interference it would cause on the
+decode replica exceeds the cost of moving it. The interference is the time its prefill takes
+from the decode steps, ``n x s_prefill``. The cost is the transfer, ``n x bytes_per_token /
+bandwidth``, plus a fixed cost ``c`` (one more round trip, the prefill replica's queue). So move it
+when ``n >= c / (s_prefill - bytes_per_token / bandwidth)``: :func:`min_prompt_tokens`. When the
+transfer costs more per token than the prefill, the answer is never.
+
+The gateway takes the threshold pinned (``--disagg-min-prompt-tokens``). It counts a prompt's
+tokens exactly when they are token ids; for text it estimates one token per
+:data:`CHARS_PER_TOKEN` characters, because it has no tokenizer. It cannot see the decode
+replica's prefix cache, so it counts every token as uncached.
+
+Sources: DistServe (Zhong et al., OSDI 2024) and Splitwise (Patel et al., ISCA 2024) for
+splitting the phases; llm-d's selective P/D threshold and Dynamo's prefill-length rule for
+moving only long prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from cadenza.node.gateway.headers import request_headers
+from cadenza.node.gateway.state import METRICS, SESSION, SETTINGS, UPSTREAMS
+from cadenza.node.server.http import body_timeout
+from cadenza.node.server.auth import admin_token
+from cadenza.node.wire import KV_PUBLISH_HEADER, KV_SOURCE_HEADER
+
+logger = logging.getLogger(__name__)
+
+CHARS_PER_TOKEN = 4  # the usual BPE average for English text, for prompts sent as text
+PREFILL_TIMEOUT_S = 120.0  # a prefill call that takes longer falls back to local prefill
+DISAGG_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def min_prompt_tokens(prefill_s_per_token: float, bytes_per_token: int, link_bytes_per_s: float,
+                      fixed_s: float) -> int | None:
+    """The shortest prompt worth prefilling elsewhere (tokens), None when none is.
+
+    Args:
+        prefill_s_per_token: seconds one prompt token's prefill takes from the decode replica's
+            steps (its cost model).
+        bytes_per_token: KV bytes per token (``2 x layers x KV heads x head dim x dtype size``).
+        link_bytes_per_s: measured transfer bandwidth between the replicas.
+        fixed_s: the fixed cost of going through a prefill replica (a round trip and its queue).
+    """
+    saved_per_token = prefill_s_per_token - bytes_per_token / link_bytes_per_s
+    if saved_per_token <= 0:
+        return None
+    return max(1, math.ceil(fixed_s / saved_per_token))
+
+
+def prompt_tokens(body: object) -> int:
+    """The prompt's length in tokens: exact for token ids, estimated for text (0 when unreadable)."""
+    if not isinstance(body, dict):
+        return 0
+    prompt = body.get("prompt")
+    if prompt is None and isinstance(body.get("messages"), list):
+        prompt = " ".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+    if isinstance(prompt, list):
+        if all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        return max((prompt_tokens({"prompt": p}) for p in prompt), default=0)
+    if isinstance(prompt, str):
+        return math.ceil(len(prompt) / CHARS_PER_TOKEN)
+    return 0
+
+
+async def route(request: web.Request) -> CIMultiDict[str] | None:
+    """The extra headers of the decode call when this request goes through a prefill replica
+    (the prefill call made), else None: no prefill replica, a short prompt, not a completion."""
+    threshold = request.app[SETTINGS].disagg_min_prompt_tokens
+    if threshold is None or request.method != "POST" or request.path not in DISAGG_PATHS:
+        return None
+    if not request.app[UPSTREAMS].of_role("prefill"):
+        return None
+    async with body_timeout(request):
+        body = await request.read()  # read once: forward() gets the same bytes
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return None  # the decode replica answers the 400
+    if not isinstance(parsed, dict) or prompt_tokens(parsed) < threshold:
+        return None
+    source = await prefill(request, parsed)
+    return None if source is None else CIMultiDict({**_auth(), KV_SOURCE_HEADER: source})
+
+
+async def prefill(request: web.Request, parsed: dict) -> str | None:
+    """Run the prefill call; the ``x-cadenza-kv-source`` to hand the decode replica, or None to
+    fall back (no prefill replica free, or the call failed: logged and counted)."""
+    app = request.app
+    upstreams, settings, metrics = app[UPSTREAMS], app[SETTINGS], app[METRICS]
+    upstream = upstreams.pick(upstreams.of_role("prefill"), settings.max_outstanding)
+    if upstream is None:
+        metrics.count_disagg("fallback_busy")
+        return None
+    body = {**parsed, "max_tokens": 1, "stream": False}
+    body.pop("stream_options", None)
+    body.pop("max_completion_tokens", None)
+    headers = request_headers(request.headers, request.remote)
+    headers.update(_auth())
+    headers[KV_PUBLISH_HEADER] = "1"
+    upstream.outstanding += 1
+    try:
+        async with app[SESSION].post(upstream.url + request.path, json=body, headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=PREFILL_TIMEOUT_S)) as resp:
+            await resp.read()
+            source = resp.headers.get(KV_SOURCE_HEADER)
+            if resp.status != 200 or source is None:
+                logger.warning("prefill replica %s answered %d%s; prefilling on the decode replica", upstream.url,
+                               resp.status, "" if source else " without a KV source")
+                metrics.count_disagg("fallback_failed")
+                return None
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        logger.warning("prefill replica %s failed: %r; prefilling on the decode replica", upstream.url, exc)
+        upstreams.unreachable(upstream)
+        metrics.count_disagg("fallback_failed")
+        return None
+    finally:
+        upstream.outstanding -= 1
+    upstreams.answered(upstream)
+    metrics.count_disagg("prefilled")
+    return source
+
+
+def _auth() -> dict[str, str]:
+    token = admin_token()
+    return {"Authorization": f"Bearer {token}"} if token else {}
+

@@ -1,0 +1,116 @@
+"""The gateway in front of a disaggregated pool: real engine servers (tiny Llama), one prefill and
+one decode replica. A long prompt is prefilled on the prefill replica and its KV pulled by the
+decode replica; the client sees one ordinary answer, the same as a colocated one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from cadenza.node.gateway.state import METRICS
+from cadenza.node.gateway.disagg import min_prompt_tokens, prompt_tokens
+from cadenza.node.server.app import create_app
+from cadenza.node.server.auth import TOKEN_ENV
+from cadenza.node.server.openai_api import ENGINE
+from cadenza.node.wire import KV_SOURCE_HEADER
+
+MODEL = "tiny"
+LONG, SHORT = list(range(5, 105)), list(range(5, 25))  # 100 and 20 token ids; the threshold is 32
+
+
+@pytest.fixture
+async def pool(aiohttp_server, start_gateway, tiny_llama_dir, monkeypatch, dead_url):
+    monkeypatch.setenv(TOKEN_ENV, "pool-token")
+    servers = []
+    for _ in range(2):
+        config = EngineConfig(model=str(tiny_llama_dir), served_model_name=MODEL, attention_backend="torch",
+                              scheduler=SchedulerConfig(token_budget=64, chunk_size=32, max_model_len=512),
+                              cache=CacheConfig(block_size=16, num_kv_blocks=96), kv_transfer_port=0)
+        app = create_app(config, MODEL)
+        server = await aiohttp_server(app)
+        await app[ENGINE].wait_ready()
+        servers.append(server)
+    prefill, decode = (str(s.make_url("")).rstrip("/") for s in servers)
+
+    async def gateway(prefill_url=prefill):
+        return await start_gateway({"interactive": [decode], "prefill": [prefill_url]}, disagg_min_prompt_tokens=32)
+
+    return gateway, servers[0].app, servers[1].app
+
+
+def body(prompt, **extra) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **extra}
+
+
+async def text_of(resp) -> str:
+    assert resp.status == 200, await resp.text()
+    return (await resp.json())["choices"][0]["text"]
+
+
+async def test_a_long_prompt_is_prefilled_elsewhere_and_answered_as_colocated(pool):
+    gateway, prefill_app, decode_app = pool
+    gw = await gateway()
+    direct = await text_of(await gw.post("/v1/completions", json=body(LONG), headers={"x-cadenza-class": "interactive"}))
+    assert gw.app[METRICS].disagg_outcomes == {"prefilled": 1}
+    assert decode_app[ENGINE].core.scheduler.stats.remote_kv_tokens == 96
+    assert prefill_app[ENGINE].core.scheduler.stats.prefill_tokens_admitted == 100
+    # the same prompt prefilled on the decode replica itself, for comparison
+    plain = decode_app[ENGINE]
+    outputs = [o async for o in plain.generate("ref", LONG, _greedy(6))]
+    assert direct == "".join(o.text for o in outputs)
+
+
+async def test_a_short_prompt_goes_straight_to_the_decode_replica(pool):
+    gateway, prefill_app, decode_app = pool
+    gw = await gateway()
+    await text_of(await gw.post("/v1/completions", json=body(SHORT)))
+    assert gw.app[METRICS].disagg_outcomes == {}
+    assert prefill_app[ENGINE].core.scheduler.stats.prefill_tokens_admitted == 0
+
+
+async def test_streams_go_through_the_prefill_replica_too(pool):
+    gateway, _prefill_app, decode_app = pool
+    gw = await gateway()
+    resp = await gw.post("/v1/completions", json=body(LONG, stream=True))
+    assert resp.status == 200 and resp.content_type == "text/event-stream"
+    events = [line for line in (await resp.text()).splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    assert gw.app[METRICS].disagg_outcomes == {"prefilled": 1}
+
+
+async def test_a_dead_prefill_replica_falls_back_to_prefilling_on_the_decode_replica(pool, dead_url):
+    gateway, _prefill_app, decode_app = pool
+    gw = await gateway(prefill_url=dead_url)
+    want = await text_of(await (await gateway()).post("/v1/completions", json=body(LONG)))
+    assert await text_of(await gw.post("/v1/completions", json=body(LONG))) == want
+    assert gw.app[METRICS].disagg_outcomes == {"fallback_failed": 1}
+
+
+async def test_a_clients_own_kv_headers_never_reach_a_replica(pool):
+    gateway, _prefill_app, decode_app = pool
+    gw = await gateway()
+    forged = {KV_SOURCE_HEADER: "kv://10.9.9.9:7000/someone-else?boot=x&tokens=100", "x-cadenza-kv-publish": "1"}
+    await text_of(await gw.post("/v1/completions", json=body(SHORT), headers=forged))  # no 401: dropped
+    assert dict(decode_app[ENGINE].core.kv_link.stats.failures) == {}
+
+
+def test_prompt_length_is_exact_for_token_ids_and_estimated_for_text():
+    assert prompt_tokens({"prompt": LONG}) == 100
+    assert prompt_tokens({"prompt": "x" * 401}) == 101
+    assert prompt_tokens({"messages": [{"role": "user", "content": "y" * 80}]}) == 20
+    assert prompt_tokens({"prompt": [[1, 2, 3], [4]]}) == 3 and prompt_tokens("junk") == 0
+
+
+def test_the_threshold_is_where_the_saved_prefill_time_pays_for_the_fixed_cost():
+    # 100 us of decode-replica time per prompt token; KV of 128 KiB/token over 50 GB/s: 2.6 us
+    assert min_prompt_tokens(1e-4, 131072, 50e9, fixed_s=0.05) == 514
+    assert min_prompt_tokens(1e-4, 131072, 1e9, fixed_s=0.05) is None  # the link costs more than the prefill
+
+
+def _greedy(n):
+    from cadenza.node.core.request import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
