@@ -53,6 +53,7 @@ bench: model
 	$(BIN)/python -m bench.sim_hybrid
 	$(BIN)/python -m bench.decode_speed
 	$(BIN)/python -m bench.kv_transfer
+	$(BIN)/python -m bench.disagg
 
 # On a machine with a CUDA GPU: native kernel tests, attention bandwidth/throughput, engine step.
 gpu-check: $(DEV_STAMP) model

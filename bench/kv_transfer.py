@@ -3,9 +3,10 @@
 A producer process holds requests of SmolLM2-135M-Instruct's KV layout (30 layers, 3 KV heads,
 head dim 64, 16-token blocks, bf16: 368,640 bytes a block) of 2,048 prompt tokens each (128
 blocks, 45 MiB). This process pulls them with :class:`~cadenza.node.kv_transfer.consumer.KVConsumer`:
-msgpack headers, CRC32C per frame on both sides, lease bookkeeping. Side by side, interleaved
-round by round, the same producer process sends the same bytes in the same frame sizes over a plain
-asyncio stream (no header, no checksum), read the same way (``readexactly`` per frame). Both sides
+msgpack headers, CRC32C per frame on both sides, lease bookkeeping, asyncio streams. Side by
+side, interleaved round by round, the same producer process sends the same bytes over a plain
+blocking socket (one ``sendall`` per prompt, ``recv_into`` one preallocated buffer: no header, no
+checksum, no copy beyond the kernel's), the cheapest copy Python can make. Both sides
 run one process each on their own core (2 cores here). The producer's block reader returns views
 of one buffer in both runs: the engine's gather of blocks from its KV cache is not in this figure.
 
@@ -18,16 +19,19 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import socket
 import statistics
+import threading
 import time
 
 from bench.common import machine, report
 from cadenza.node.kv_transfer.consumer import KVConsumer
-from cadenza.node.kv_transfer.producer import MAX_FRAME_BLOCKS, KVProducer
+from cadenza.node.kv_transfer.producer import KVProducer, frame_blocks
 from cadenza.node.kv_transfer.protocol import Fingerprint
 
 SMOLLM2 = Fingerprint("SmolLM2-135M-Instruct", "bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
 PROMPT_TOKENS = 2048
+FRAME = frame_blocks(SMOLLM2.num_layers * SMOLLM2.block_layer_bytes)  # blocks per frame, both ways
 
 
 def _pin(cpu: int) -> None:
@@ -44,11 +48,10 @@ def _producer(ports: mp.Queue, requests: int, blocks: int) -> None:
     def read(first: int, count: int) -> memoryview:
         return data[first * block:(first + count) * block]
 
-    async def plain(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while await reader.readexactly(1):  # one request's frames per byte asked
-            for first in range(0, blocks, MAX_FRAME_BLOCKS):
-                writer.write(read(first, min(MAX_FRAME_BLOCKS, blocks - first)))
-                await writer.drain()
+    def plain(listener: socket.socket) -> None:  # blocking sockets: the copy at its cheapest
+        conn, _ = listener.accept()
+        while conn.recv(1):  # one request's bytes per byte asked, in one sendall
+            conn.sendall(read(0, blocks))
 
     async def main() -> None:
         producer = KVProducer(SMOLLM2, lease_s=3600)
@@ -56,8 +59,9 @@ def _producer(ports: mp.Queue, requests: int, blocks: int) -> None:
             producer.publish(f"r{i}", read, lambda: None)
             producer.progress(f"r{i}", blocks, complete=True)
         port = await producer.start()
-        server = await asyncio.start_server(plain, "127.0.0.1", 0)
-        ports.put((port, server.sockets[0].getsockname()[1]))
+        listener = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=plain, args=(listener,), daemon=True).start()
+        ports.put((port, listener.getsockname()[1]))
         await asyncio.Event().wait()
 
     asyncio.run(main())
@@ -67,9 +71,15 @@ async def _measure(port: int, plain_port: int, rounds: int, per_round: int, bloc
     block = SMOLLM2.num_layers * SMOLLM2.block_layer_bytes
     nbytes = per_round * blocks * block
     consumer = KVConsumer(SMOLLM2)
-    reader, writer = await asyncio.open_connection("127.0.0.1", plain_port)
-    frames = [min(MAX_FRAME_BLOCKS, blocks - f) * block for f in range(0, blocks, MAX_FRAME_BLOCKS)]
+    sock = socket.create_connection(("127.0.0.1", plain_port))
+    buffer = memoryview(bytearray(nbytes // per_round))
     kv, raw, n = [], [], 0
+
+    def receive() -> None:  # recv_into one preallocated buffer: no copy beyond the kernel's
+        sock.sendall(b"x")
+        got = 0
+        while got < len(buffer):
+            got += sock.recv_into(buffer[got:])
 
     async def pull_round() -> float:
         nonlocal n
@@ -84,9 +94,7 @@ async def _measure(port: int, plain_port: int, rounds: int, per_round: int, bloc
     async def plain_round() -> float:
         started = time.perf_counter()
         for _ in range(per_round):
-            writer.write(b"x")
-            for size in frames:
-                await reader.readexactly(size)
+            await asyncio.to_thread(receive)
         return nbytes / (time.perf_counter() - started)
 
     await pull_round(), await plain_round()  # warm-up: connections, buffers
@@ -94,7 +102,7 @@ async def _measure(port: int, plain_port: int, rounds: int, per_round: int, bloc
         order = (pull_round, plain_round) if r % 2 == 0 else (plain_round, pull_round)
         for f in order:
             (kv if f is pull_round else raw).append(await f())
-    writer.close()
+    sock.close()
     await consumer.close()
     return {"kv": kv, "plain": raw}
 
@@ -124,7 +132,7 @@ def main() -> None:
     report({"benchmark": "kv_transfer", "ratio": round(kv / plain, 3), "target": 0.8,
             "kv_gb_s": round(kv / 1e9, 3), "plain_gb_s": round(plain / 1e9, 3), "ratio_per_round": per_round,
             "bytes_per_prompt": blocks * SMOLLM2.num_layers * SMOLLM2.block_layer_bytes,
-            "bytes_per_token": SMOLLM2.bytes_per_token, "frame_blocks": MAX_FRAME_BLOCKS,
+            "bytes_per_token": SMOLLM2.bytes_per_token, "frame_blocks": FRAME,
             "prefix_caching": False, "prefix_cache_hit_rate": 0.0, "machine": machine()})
 
 

@@ -5,7 +5,8 @@ Every replica of a disaggregated pool may play either side, so one object does b
 
 - **Publish (prefill side).** A request added with ``publish_kv`` has each full prompt block
   shared into a holder table of the block manager (``kv-lease:<id>``) as soon as the step that
-  computed it has run. The block is then offered to the endpoint
+  computed it has run, and the prompt's partial last block once the prompt is done (a later
+  write there, if the request decodes on, is past the prompt: the decode side recomputes it). The block is then offered to the endpoint
   (:class:`~cadenza.node.kv_transfer.producer.KVProducer`), which streams it to the decode
   replica that pulls it, so the transfer overlaps the rest of the prefill. The holder keeps the
   blocks after the request itself has finished (it stops after its first token) until the lease
@@ -41,6 +42,7 @@ from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
 log = logging.getLogger(__name__)
 
 HOLDER = "kv-lease:"  # the block-manager table holding a published request's blocks
+DRAIN_BYTES = 4 * 2**20  # received KV written between two steps at most (more waits for the next gap)
 
 
 @dataclass
@@ -102,7 +104,7 @@ class KVLink:
     @property
     def busy(self) -> bool:
         """Something here waits on the engine thread: a load in flight or KV held for a pull."""
-        return bool(self._loads or self._published)
+        return bool(self._loads or self._published or not self._events.empty())
 
     # -- publish (prefill side) -----------------------------------------------------------------
 
@@ -132,11 +134,11 @@ class KVLink:
             if shared is None:
                 continue
             computed = min(row.start + row.num_tokens, req.num_prompt_tokens)
-            full = computed // bs
+            complete = computed == req.num_prompt_tokens
+            full = -(-computed // bs) if complete else computed // bs  # the prompt's partial last block too, at its end
             if full > shared:
                 self.kv.share(HOLDER + req.request_id, self.kv.block_table(req.request_id)[shared:full])
                 self._published[req.request_id] = full
-            complete = computed == req.num_prompt_tokens
             self._loop.call_soon_threadsafe(self.producer.progress, req.request_id, full, complete)
 
     def unpublish(self, request_id: str) -> None:
@@ -184,8 +186,11 @@ class KVLink:
 
     def drain(self, scheduler) -> None:
         """Apply what the transfer thread produced: free ended leases, write received blocks,
-        end finished loads (``scheduler.remote_kv_loaded``). On the engine thread, between steps."""
-        while True:
+        end finished loads (``scheduler.remote_kv_loaded``). On the engine thread, between steps;
+        at most :data:`DRAIN_BYTES` of KV are written per call, so a burst of frames is spread
+        over several steps rather than stalling one (the decode streams' ITL)."""
+        written = 0
+        while written < DRAIN_BYTES:
             try:
                 kind, rid, detail = self._events.get_nowait()
             except queue.Empty:
@@ -203,6 +208,7 @@ class KVLink:
                     kind, detail = "failed", "protocol"
                 else:
                     self.runner.write_kv_blocks(load.block_ids[offset:offset + detail.num_blocks], detail.payload)
+                    written += len(detail.payload)
                     load.good = offset + detail.num_blocks
                     self.stats.blocks_received += detail.num_blocks
                     self.stats.bytes_received += len(detail.payload)

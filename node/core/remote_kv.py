@@ -3,19 +3,21 @@
 A request that names a remote source (:class:`~cadenza.node.core.request.RemoteKV`: the prefill
 replica that computed its prompt) is admitted like any other, with a running slot and KV blocks
 for its whole prompt, after its local prefix-cache hit. What differs is what comes next. The
-source's whole blocks past that hit are handed to the :class:`KVConnector` to load, and the
-request waits in ``WAITING_FOR_REMOTE_KV`` without spending any token budget.
+source's blocks past that hit are handed to the :class:`KVConnector` to load, and the request
+waits in ``WAITING_FOR_REMOTE_KV`` without spending any token budget.
 
 When the connector reports the load (:meth:`RemoteLoads.finished`), the verified blocks count
-as computed and enter the prefix cache. The request then runs as a partial prefill of what is
-left: the blocks from the first one that failed, and the prompt's tail.
+as computed and the full ones enter the prefix cache. The request then runs as a partial
+prefill of what is left: the blocks from the first one that failed, and the prompt's last token.
 
 Invariants:
 - **Verified KV only.** A token is never produced from unverified KV. Only blocks the
   connector verified count as computed, and a failed block and every block after it are
   computed here.
-- **Whole blocks, and never the last prompt token.** At least one prompt token is prefilled
-  locally, and that row samples the first token.
+- **Every prompt token but the last.** The source's blocks, the last one partial when the
+  prompt does not end on a block, bring all of the prompt's KV except its last token's, which
+  is prefilled here: that one-token row samples the first token, and a decode step barely
+  notices it.
 - **A loading request holds its slot and its blocks.** It is in neither the running list nor
   a queue, so it is neither scheduled nor preempted.
 - **Remote KV only at first admission.** The source is forgotten once the load ends or is not
@@ -66,19 +68,24 @@ class RemoteLoads:
         self.connector = connector
         self.kv = kv
         self.stats = stats
-        self.loading: dict[str, tuple[Request, int, int]] = {}  # id -> (request, first block, blocks)
+        # id -> (request, first block, blocks, prompt tokens they hold)
+        self.loading: dict[str, tuple[Request, int, int, int]] = {}
 
     def __len__(self) -> int:
         return len(self.loading)
 
     def blocks_to_load(self, req: Request, cached_blocks: int) -> int:
-        """Whole blocks of ``req``'s prompt to pull from its source, after ``cached_blocks`` hit
-        the local prefix cache (0: prefill it here)."""
+        """Blocks of ``req``'s prompt to pull from its source, after ``cached_blocks`` hit the
+        local prefix cache (0: prefill it here); the last may be partial."""
         source = req.remote_kv
         if source is None or self.connector is None or req.num_preemptions:
             return 0
-        usable = min(source.num_tokens, req.num_prompt_tokens - 1) // self.kv.block_size
-        return max(0, usable - cached_blocks)
+        return max(0, self.kv.blocks_for(self._usable(req)) - cached_blocks)
+
+    @staticmethod
+    def _usable(req: Request) -> int:
+        """Prompt tokens whose KV may come from the source: all it holds but the prompt's last."""
+        return min(req.remote_kv.num_tokens, req.num_prompt_tokens - 1)
 
     def admitted(self, req: Request, first_block: int, num_blocks: int) -> bool:
         """``req`` was just admitted with ``first_block`` blocks from the prefix cache: start loading
@@ -99,7 +106,7 @@ class RemoteLoads:
         if not self.kv.allocate_slots(req.request_id, (first_block + num_blocks) * bs):
             raise MemoryError(f"request {req.request_id}: no KV blocks to load {num_blocks} remote blocks into")
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.loading[req.request_id] = (req, first_block, num_blocks)
+        self.loading[req.request_id] = (req, first_block, num_blocks, self._usable(req))
         self.stats.remote_kv_loads += 1
         table = self.kv.block_table(req.request_id)
         self.connector.start_load(req, first_block, list(table[first_block:first_block + num_blocks]))
@@ -114,17 +121,17 @@ class RemoteLoads:
         entry = self.loading.get(request_id)
         if entry is None:
             return None
-        req, first, asked = entry
+        req, first, asked, usable = entry
         if not 0 <= good_blocks <= asked:
             raise ValueError(f"{request_id}: {good_blocks} good blocks of {asked} asked")
         del self.loading[request_id]
         req.remote_kv = None  # its source is done with: a later preemption recomputes here
-        bs = self.kv.block_size
-        req.num_computed_tokens = (first + good_blocks) * bs
-        self.stats.remote_kv_tokens += good_blocks * bs
+        start = first * self.kv.block_size  # the local prefix hit
+        req.num_computed_tokens = min((first + good_blocks) * self.kv.block_size, usable)
+        self.stats.remote_kv_tokens += req.num_computed_tokens - start
         if good_blocks < asked:
             self.stats.remote_kv_failed_loads += 1
-            self.stats.remote_kv_recomputed_tokens += (asked - good_blocks) * bs
+            self.stats.remote_kv_recomputed_tokens += usable - req.num_computed_tokens
         req.status = RequestStatus.RUNNING
         return req
 

@@ -40,6 +40,7 @@ from cadenza.node.gateway.state import (
     DEFAULT_HEALTH_INTERVAL_S,
     DEFAULT_MAX_OUTSTANDING,
     METRICS,
+    PREFILL_CALLS,
     SESSION,
     SETTINGS,
     UPSTREAMS,
@@ -96,7 +97,9 @@ def create_gateway_app(
                                     disagg_min_prompt_tokens)
     app[UPSTREAMS] = upstreams
     app[METRICS] = GatewayMetrics(slo_targets_s)
+    app[PREFILL_CALLS] = set()
     app.on_cleanup.append(_stop_metrics)
+    app.on_shutdown.append(_stop_prefill_calls)
     app.cleanup_ctx.append(_client_session)
     if source is not None:
         app.cleanup_ctx.append(_run_source(source))
@@ -114,6 +117,13 @@ def create_gateway_app(
 
 async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].prometheus_text(), content_type="text/plain", charset="utf-8")
+
+
+async def _stop_prefill_calls(app: web.Application) -> None:
+    """Cancel prefill calls still being read (their decode calls are being cut too)."""
+    for task in list(app[PREFILL_CALLS]):
+        task.cancel()
+    await asyncio.gather(*app[PREFILL_CALLS], return_exceptions=True)
 
 
 async def _stop_metrics(app: web.Application) -> None:

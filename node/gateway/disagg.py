@@ -4,11 +4,15 @@ A pool with replicas in the ``prefill`` role serves a completion in two calls wh
 rule says it pays:
 
 1. **Prefill.** The gateway sends the request's body to the least busy prefill replica as a
-   non-streaming call for one token, with ``x-cadenza-kv-publish: 1``. The replica computes the
-   prompt, holds its KV under a lease, and answers where that KV is (``x-cadenza-kv-source``).
-2. **Decode.** The gateway sends the original request to a decode replica of the request's class,
-   naming that source. The decode replica pulls the prompt's KV, prefills only the prompt's last
-   block, and streams the answer to the client. From the client's side this is one ordinary stream.
+   streamed call for one token, with ``x-cadenza-kv-publish: 1``. The replica answers at once
+   where the prompt's KV will be (``x-cadenza-kv-source``), then computes it, holding each block
+   under a lease as soon as a step has written it. The gateway reads that call to its end in the
+   background.
+2. **Decode.** Right after those headers, the gateway sends the original request to a decode
+   replica of the request's class, naming that source. The decode replica pulls the prompt's
+   blocks while they are being computed (the transfer overlaps the prefill), prefills only the
+   prompt's last block, and streams the answer to the client. From the client's side this is one
+   ordinary stream.
 
 Any failure of the prefill call falls back to step 2 without a source: the decode replica then
 prefills the prompt itself, so the client gets the same answer, only later. Both calls carry the
@@ -33,6 +37,7 @@ moving only long prompts.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -42,7 +47,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from cadenza.node.gateway.headers import request_headers
-from cadenza.node.gateway.state import METRICS, SESSION, SETTINGS, UPSTREAMS
+from cadenza.node.gateway.state import METRICS, PREFILL_CALLS, SESSION, SETTINGS, UPSTREAMS
 from cadenza.node.server.http import body_timeout
 from cadenza.node.server.auth import admin_token
 from cadenza.node.wire import KV_PUBLISH_HEADER, KV_SOURCE_HEADER
@@ -116,7 +121,7 @@ async def prefill(request: web.Request, parsed: dict) -> str | None:
     if upstream is None:
         metrics.count_disagg("fallback_busy")
         return None
-    body = {**parsed, "max_tokens": 1, "stream": False}
+    body = {**parsed, "max_tokens": 1, "stream": True}
     body.pop("stream_options", None)
     body.pop("max_completion_tokens", None)
     headers = request_headers(request.headers, request.remote)
@@ -124,25 +129,37 @@ async def prefill(request: web.Request, parsed: dict) -> str | None:
     headers[KV_PUBLISH_HEADER] = "1"
     upstream.outstanding += 1
     try:
-        async with app[SESSION].post(upstream.url + request.path, json=body, headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=PREFILL_TIMEOUT_S)) as resp:
-            await resp.read()
-            source = resp.headers.get(KV_SOURCE_HEADER)
-            if resp.status != 200 or source is None:
-                logger.warning("prefill replica %s answered %d%s; prefilling on the decode replica", upstream.url,
-                               resp.status, "" if source else " without a KV source")
-                metrics.count_disagg("fallback_failed")
-                return None
+        resp = await app[SESSION].post(upstream.url + request.path, json=body, headers=headers,
+                                       timeout=aiohttp.ClientTimeout(total=PREFILL_TIMEOUT_S))
     except (aiohttp.ClientError, TimeoutError) as exc:
+        upstream.outstanding -= 1
         logger.warning("prefill replica %s failed: %r; prefilling on the decode replica", upstream.url, exc)
         upstreams.unreachable(upstream)
         metrics.count_disagg("fallback_failed")
         return None
-    finally:
-        upstream.outstanding -= 1
     upstreams.answered(upstream)
-    metrics.count_disagg("prefilled")
-    return source
+    source = resp.headers.get(KV_SOURCE_HEADER)
+    if resp.status != 200 or source is None:
+        logger.warning("prefill replica %s answered %d%s; prefilling on the decode replica", upstream.url,
+                       resp.status, "" if source else " without a KV source")
+        metrics.count_disagg("fallback_failed")
+    else:
+        metrics.count_disagg("prefilled")
+    # read the prefill call to its end while the decode call runs (closing it early would abort it)
+    task = asyncio.create_task(_finish(resp, upstream))
+    app[PREFILL_CALLS].add(task)
+    task.add_done_callback(app[PREFILL_CALLS].discard)
+    return source if resp.status == 200 else None
+
+
+async def _finish(resp: aiohttp.ClientResponse, upstream) -> None:
+    try:
+        await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:  # the decode side recomputes what it lacks
+        logger.warning("prefill call on %s broke off: %r", upstream.url, exc)
+    finally:
+        resp.close()
+        upstream.outstanding -= 1
 
 
 def _auth() -> dict[str, str]:

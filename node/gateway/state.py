@@ -61,3 +61,4 @@ SETTINGS = web.AppKey("gateway_settings", GatewaySettings)
 UPSTREAMS = web.AppKey("gateway_upstreams", Upstreams)
 SESSION = web.AppKey("gateway_session", aiohttp.ClientSession)
 METRICS = web.AppKey("gateway_metrics", GatewayMetrics)
+PREFILL_CALLS = web.AppKey("gateway_prefill_calls", set)  # prefill calls read to their end in the background

@@ -6,6 +6,8 @@ that wrote some of its blocks (:meth:`KVProducer.progress`), and may **abort** i
 connects, says hello (fingerprints must match, or it is refused before any block moves) and pulls
 requests one at a time per connection; a pull streams the blocks already written at once and the
 rest as steps write them, so the transfer overlaps the remaining prefill, and ends with ``done``.
+A pull may come before its request is published (the decode side heard of it first): it waits up
+to :data:`PUBLISH_WAIT_S` for it. Frames hold at most :data:`MAX_FRAME_BYTES`.
 
 Every published request is held under a lease (:mod:`.leases`): renewed by each frame the decode
 side's socket takes (TCP flow control makes a frame's ``drain`` wait on it), ended by its
@@ -26,6 +28,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +39,8 @@ from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BLOCKS = 64  # blocks per data frame: a chunk's worth at most, so frames interleave with steps
+MAX_FRAME_BYTES = 4 * 2**20  # and at most this many bytes: the decode side writes a frame between two steps
+PUBLISH_WAIT_S = 5.0  # a pull may arrive before its request is published (the engine is mid-step): wait this long
 HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello in this long is closed
 HEADER_TIMEOUT_S = 10.0  # once a header's length arrived, its bytes must follow within this
 IDLE_TIMEOUT_S = 300.0  # a connection with no pull for this long is closed (consumers reconnect)
@@ -99,6 +104,8 @@ class KVProducer:
         self._timer: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
         self._closed = False
+        self._awaited: dict[str, asyncio.Event] = {}  # pulls waiting for their request to be published
+        self._ended: deque[str] = deque(maxlen=4096)  # recently ended leases: a pull of one is not waited for
 
     # -- the engine's side --------------------------------------------------------------------
 
@@ -109,6 +116,8 @@ class KVProducer:
         if self._closed:
             raise RuntimeError("the KV transfer endpoint is closed")
         self.leases.hold(request_id, _Published(read, free), self.clock())
+        if (waiter := self._awaited.pop(request_id, None)) is not None:
+            waiter.set()  # a pull that came first
 
     def progress(self, request_id: str, written: int, complete: bool = False) -> None:
         """``written`` of the request's blocks now hold their KV (``complete``: all of them).
@@ -134,6 +143,7 @@ class KVProducer:
         if entry is None:
             return False
         entry.ended = why
+        self._ended.append(request_id)
         entry.changed.set()  # a stream waiting on it sees the lease gone
         try:
             entry.free()
@@ -147,6 +157,7 @@ class KVProducer:
         for rid, entry in self.leases.expire(self.clock()):
             self.stats.expired += 1
             entry.ended = "expired"
+            self._ended.append(rid)
             entry.changed.set()
             try:
                 entry.free()
@@ -257,6 +268,16 @@ class KVProducer:
 
     async def _stream(self, request_id: str, first_block: int, num_blocks: int, conn: _Connection) -> None:
         entry = self.leases.get(request_id)
+        if entry is None and request_id not in self._ended:  # maybe not published yet: wait a little
+            waiter = self._awaited.setdefault(request_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(waiter.wait(), PUBLISH_WAIT_S)
+            except TimeoutError:
+                pass
+            finally:
+                if self._awaited.get(request_id) is waiter and not waiter.is_set():
+                    del self._awaited[request_id]
+            entry = self.leases.get(request_id)
         if entry is None:
             return await self._error(conn, request_id, "unknown_request",
                                      f"no KV held for {request_id} (never published, released or expired)")
@@ -269,7 +290,7 @@ class KVProducer:
                                          f"({entry.ended}) while streaming")
             limit = entry.written if end is None else min(entry.written, end)
             if sent < limit:
-                count = min(limit - sent, MAX_FRAME_BLOCKS)
+                count = min(limit - sent, frame_blocks(block_bytes))
                 try:
                     payload = entry.read(sent, count)
                     if len(payload) != count * block_bytes:
@@ -304,6 +325,12 @@ class KVProducer:
         self.stats.failed(code)
         conn.writer.write(protocol.encode("error", request_id=request_id, code=code, message=message[:1024]))
         await conn.writer.drain()
+
+
+def frame_blocks(block_bytes: int) -> int:
+    """Blocks per data frame for blocks of ``block_bytes`` (every layer): :data:`MAX_FRAME_BLOCKS`,
+    fewer for large blocks so a frame stays under :data:`MAX_FRAME_BYTES`, at least one."""
+    return max(1, min(MAX_FRAME_BLOCKS, MAX_FRAME_BYTES // block_bytes))
 
 
 async def _read_header(reader: asyncio.StreamReader) -> dict:

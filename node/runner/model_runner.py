@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import warnings
 
 import numpy as np
 import torch
@@ -157,7 +158,9 @@ class ModelRunner:
         per_block = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
         if len(payload) != per_block * len(block_ids):
             raise ValueError(f"{len(payload)} payload bytes for {len(block_ids)} blocks of {per_block}")
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype)
+        with warnings.catch_warnings():  # a read-only buffer: the tensor is only read (copied into the cache)
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype)
         blocks = data.view(len(block_ids), _layers, 2, bs, heads, dim).permute(1, 2, 0, 3, 4, 5)
         ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
         self.kv_cache.index_copy_(2, ids, blocks.to(self.device))

@@ -239,6 +239,8 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
         return body
 
     last = None
+    if publish_kv:  # the headers now, not at the first token: the decode side pulls while this prefills
+        await response.prepare(request)
     async with aclosing(stream) as outputs:
         try:
             async for last in _guard(outputs):

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from cadenza.node.kv_transfer import producer as producer_module
 from cadenza.node.kv_transfer import protocol
 from cadenza.node.kv_transfer.consumer import KVConsumer
 from cadenza.node.kv_transfer.leases import LeaseTable
@@ -212,7 +213,20 @@ async def test_an_incompatible_consumer_is_refused_before_any_block_moves(produc
     assert p.stats.blocks_sent == 0 and p.stats.refused == 1 and p.held() == ["r3"]
 
 
-async def test_a_request_the_producer_does_not_hold_is_unknown(producer):
+async def test_a_pull_that_comes_before_its_publication_waits_for_it(producer):
+    p, port = producer
+    consumer = KVConsumer(FP)
+    blocks = Published(16, 3)
+    pull = asyncio.create_task(collect(consumer, port, "r16"))
+    await asyncio.sleep(0.2)  # the decode side asked first
+    p.publish("r16", blocks.read, blocks.free)
+    p.progress("r16", 3, complete=True)
+    assert await asyncio.wait_for(pull, 5) == blocks.data
+    await consumer.close()
+
+
+async def test_a_request_the_producer_does_not_hold_is_unknown(producer, monkeypatch):
+    monkeypatch.setattr(producer_module, "PUBLISH_WAIT_S", 0.2)
     p, port = producer
     consumer = KVConsumer(FP)
     with pytest.raises(TransferError) as e:

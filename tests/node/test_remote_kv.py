@@ -39,43 +39,46 @@ def step(sched, token=5):
     return out
 
 
-def test_the_prompts_whole_blocks_load_without_spending_budget_and_only_the_tail_is_prefilled():
+def test_the_prompt_loads_without_spending_budget_and_only_its_last_token_is_prefilled():
     conn = FakeConnector()
     sched = make_scheduler(token_budget=64, chunk_size=16, connector=conn)
-    req = make_request(30, remote_kv=remote(30))  # 7 whole blocks + 2 tokens
+    req = make_request(30, remote_kv=remote(30))  # 7 whole blocks + 2 tokens: 8 blocks hold tokens 0-28
     sched.add_request(req)
     out = sched.schedule()
     assert out.is_empty and req.status is RequestStatus.WAITING_FOR_REMOTE_KV
     first, blocks = conn.loads[req.request_id]
-    assert first == 0 and len(blocks) == 7 and blocks == sched.block_manager.block_table(req.request_id)[:7]
+    assert first == 0 and len(blocks) == 8 and blocks == sched.block_manager.block_table(req.request_id)[:8]
     assert sched.num_running == 0 and sched.num_waiting == 0 and sched.has_unfinished_requests()
-    assert sched.remote_kv_loaded(req.request_id, 7)
-    out = step(sched)
-    assert [(r.start, r.num_tokens, r.sample) for r in out.prefill_rows] == [(28, 2, True)]
-    assert req.num_output_tokens == 1 and sched.stats.remote_kv_tokens == 28
+    assert sched.remote_kv_loaded(req.request_id, 8)
+    out = step(sched)  # the last prompt token is a decode row: it samples the first token
+    assert out.prefill_rows == [] and out.decodes == [req] and out.decode_positions == [29]
+    assert req.num_output_tokens == 1 and sched.stats.remote_kv_tokens == 29
     assert sched.block_manager.consistent()
 
 
 def test_the_last_prompt_token_is_always_computed_here_to_sample_the_first_token():
     conn = FakeConnector()
     sched = make_scheduler(connector=conn)
-    req = make_request(8, remote_kv=remote(8))  # exactly 2 blocks: only the first may load
+    req = make_request(8, remote_kv=remote(8))  # 2 blocks; the second's last token is computed here
     sched.add_request(req)
     sched.schedule()
-    assert len(conn.loads[req.request_id][1]) == 1
-    sched.remote_kv_loaded(req.request_id, 1)
+    assert len(conn.loads[req.request_id][1]) == 2
+    sched.remote_kv_loaded(req.request_id, 2)
     out = step(sched)
-    assert [(r.start, r.num_tokens) for r in out.prefill_rows] == [(4, 4)]
+    assert out.decodes == [req] and out.decode_positions == [7] and req.num_output_tokens == 1
 
 
-def test_a_prompt_of_one_block_or_a_source_holding_less_than_a_block_is_prefilled_here():
+def test_a_one_token_prompt_has_nothing_to_load_and_a_thin_source_gives_what_it_holds():
     conn = FakeConnector()
     sched = make_scheduler(connector=conn)
-    short, thin = make_request(4, remote_kv=remote(4)), make_request(40, remote_kv=remote(3))
-    sched.add_request(short)
+    one, thin = make_request(1, remote_kv=remote(1)), make_request(40, remote_kv=remote(3))
+    sched.add_request(one)
     sched.add_request(thin)
     out = step(sched)
-    assert conn.loads == {} and {r.request.request_id for r in out.prefill_rows} == {short.request_id, thin.request_id}
+    assert [r.request.request_id for r in out.prefill_rows] == [one.request_id]
+    assert len(conn.loads[thin.request_id][1]) == 1  # tokens 0-2, in one partial block
+    sched.remote_kv_loaded(thin.request_id, 1)
+    assert [(r.start, r.num_tokens) for r in step(sched).prefill_rows if r.request is thin] == [(3, 16)]
 
 
 def test_a_load_that_failed_from_some_block_on_recomputes_from_that_block():
@@ -88,12 +91,12 @@ def test_a_load_that_failed_from_some_block_on_recomputes_from_that_block():
     out = step(sched)
     assert [(r.start, r.num_tokens) for r in out.prefill_rows] == [(12, 18)]
     s = sched.stats
-    assert (s.remote_kv_failed_loads, s.remote_kv_recomputed_tokens, s.remote_kv_tokens) == (1, 16, 12)
+    assert (s.remote_kv_failed_loads, s.remote_kv_recomputed_tokens, s.remote_kv_tokens) == (1, 17, 12)
     with pytest.raises(ValueError):
         other = make_request(30, remote_kv=remote(30))
         sched.add_request(other)
         sched.schedule()
-        sched.remote_kv_loaded(other.request_id, 8)
+        sched.remote_kv_loaded(other.request_id, 9)
 
 
 def test_only_verified_blocks_enter_the_prefix_cache_and_a_local_hit_is_not_loaded_again():
@@ -102,12 +105,12 @@ def test_only_verified_blocks_enter_the_prefix_cache_and_a_local_hit_is_not_load
     req = make_request(30, remote_kv=remote(30), max_tokens=1)
     sched.add_request(req)
     sched.schedule()
-    sched.remote_kv_loaded(req.request_id, 5)  # of 7
+    sched.remote_kv_loaded(req.request_id, 5)  # of 8
     twin = make_request(30, tokens=list(req.token_ids[:30]), remote_kv=remote(30))
     sched.add_request(twin)
     step(sched)
-    assert conn.loads[twin.request_id][0] == 5  # blocks 0-4 hit the cache; 5 and 6 load
-    assert len(conn.loads[twin.request_id][1]) == 2
+    assert conn.loads[twin.request_id][0] == 5  # blocks 0-4 hit the cache; 5-7 load
+    assert len(conn.loads[twin.request_id][1]) == 3
 
 
 def test_a_loading_request_holds_a_running_slot():
@@ -135,7 +138,7 @@ def test_aborting_a_loading_request_cancels_its_load_and_frees_its_blocks():
     assert used > 0
     sched.abort_request(req.request_id)
     assert conn.cancelled == [req.request_id] and sched.block_manager.num_used_blocks == 0
-    assert not sched.remote_kv_loaded(req.request_id, 7) and not sched.has_unfinished_requests()
+    assert not sched.remote_kv_loaded(req.request_id, 8) and not sched.has_unfinished_requests()
     assert sched.block_manager.consistent()
 
 
@@ -157,7 +160,7 @@ def test_a_request_that_needs_nothing_from_its_source_releases_it_once():
     conn.released = []
     conn.release = lambda req: conn.released.append(req.request_id)  # type: ignore[method-assign]
     sched = make_scheduler(connector=conn)
-    req = make_request(4, remote_kv=remote(4))  # one block: the last token's, computed here
+    req = make_request(1, remote_kv=remote(1))  # the one token is the last: computed here
     sched.add_request(req)
     step(sched)
     assert conn.released == [req.request_id] and req.remote_kv is None and conn.loads == {}
