@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from cadenza.node.kv_transfer import protocol
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
+from cadenza.node.kv_transfer.receiver import ConnectionEnded, Receiver
 
 MAX_IDLE_PER_PRODUCER = 8  # pooled connections kept per producer; more are closed when returned
 
@@ -38,37 +39,45 @@ class ReceivedBlocks:
     num_blocks: int
     first_layer: int
     num_layers: int
-    payload: bytes
+    payload: bytearray
 
 
 @dataclass(slots=True)
 class _Connection:
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
+    receiver: Receiver
     boot_id: str
+
+    def write(self, frame: bytes) -> None:
+        self.receiver.transport.write(frame)
+
+    @property
+    def usable(self) -> bool:
+        t = self.receiver.transport
+        return t is not None and not t.is_closing() and not self.receiver._ended
 
     async def read(self, timeout_s: float) -> dict:
         """The next header; the connection ending between frames is ``connection``, inside one
         ``truncated``."""
         try:
-            prefix = await asyncio.wait_for(self.reader.readexactly(4), timeout_s)
-        except asyncio.IncompleteReadError as e:
+            prefix = await asyncio.wait_for(self.receiver.read_exactly(4), timeout_s)
+        except ConnectionEnded as e:
             raise TransferError("truncated" if e.partial else "connection",
                                 "the producer closed the connection") from None
         try:
-            body = await asyncio.wait_for(self.reader.readexactly(protocol.header_length(prefix)), timeout_s)
-        except asyncio.IncompleteReadError:
+            body = await asyncio.wait_for(self.receiver.read_exactly(protocol.header_length(prefix)), timeout_s)
+        except ConnectionEnded:
             raise TransferError("truncated", "the connection ended inside a header") from None
         return protocol.decode(body)
 
-    async def payload(self, n: int, timeout_s: float) -> bytes:
+    async def payload(self, n: int, timeout_s: float) -> bytearray:
         try:
-            return await asyncio.wait_for(self.reader.readexactly(n), timeout_s)
-        except asyncio.IncompleteReadError as e:
-            raise TransferError("truncated", f"the connection ended after {len(e.partial)} of {n} payload bytes") from None
+            return await asyncio.wait_for(self.receiver.read_payload(n), timeout_s)
+        except ConnectionEnded:
+            raise TransferError("truncated", f"the connection ended inside a {n}-byte payload") from None
 
     def close(self) -> None:
-        self.writer.close()
+        if self.receiver.transport is not None:
+            self.receiver.transport.close()
 
 
 class KVConsumer:
@@ -119,9 +128,8 @@ class KVConsumer:
                 ok = True  # the connection itself is good
                 raise TransferError("restarted", f"the producer at {host}:{port} restarted (boot id "
                                     f"{conn.boot_id}, the request was prefilled under {boot_id})")
-            conn.writer.write(protocol.encode("pull", request_id=request_id, first_block=first_block,
+            conn.write(protocol.encode("pull", request_id=request_id, first_block=first_block,
                                               num_blocks=num_blocks))
-            await conn.writer.drain()
             expected, end = first_block, first_block + num_blocks if num_blocks else None
             while True:
                 msg = await conn.read(self.read_timeout_s)
@@ -142,8 +150,7 @@ class KVConsumer:
                     if msg["num_blocks"] != expected:
                         raise TransferError("protocol", f"done after {expected} blocks, the producer says "
                                             f"{msg['num_blocks']}")
-                    conn.writer.write(protocol.encode("release", request_id=request_id))
-                    await conn.writer.drain()
+                    conn.write(protocol.encode("release", request_id=request_id))
                     ok = released = True
                     return
                 elif msg["kind"] == "error":
@@ -158,7 +165,7 @@ class KVConsumer:
         finally:
             if not released:  # a failed or abandoned pull: hand the lease back if the socket still works
                 try:
-                    conn.writer.write(protocol.encode("release", request_id=request_id))
+                    conn.write(protocol.encode("release", request_id=request_id))
                 except Exception:
                     pass
             if ok:
@@ -175,8 +182,7 @@ class KVConsumer:
         """
         conn = await self._connection(host, port)
         try:
-            conn.writer.write(protocol.encode("release", request_id=request_id))
-            await conn.writer.drain()
+            conn.write(protocol.encode("release", request_id=request_id))
         except (ConnectionError, OSError) as e:
             conn.close()
             raise TransferError("connection", f"{host}:{port}: {e}") from None
@@ -193,39 +199,32 @@ class KVConsumer:
         idle = self._idle.get((host, port))
         while idle:
             conn = idle.pop()
-            if not conn.writer.is_closing() and not conn.reader.at_eof():
+            if conn.usable:
                 return conn
             conn.close()
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.connect_timeout_s)
+            _transport, receiver = await asyncio.wait_for(loop.create_connection(Receiver, host, port),
+                                                          self.connect_timeout_s)
         except (OSError, TimeoutError) as e:
             raise TransferError("connection", f"cannot connect to {host}:{port}: {e or 'timed out'}") from None
+        conn = _Connection(receiver, "")
         try:
-            writer.write(protocol.encode("hello", version=protocol.PROTOCOL_VERSION,
-                                         fingerprint=self.fingerprint.to_wire()))
-            await writer.drain()
-            conn = _Connection(reader, writer, "")
+            conn.write(protocol.encode("hello", version=protocol.PROTOCOL_VERSION, fingerprint=self.fingerprint.to_wire()))
             msg = await conn.read(self.connect_timeout_s)
+            if msg["kind"] == "refused":
+                raise TransferError("incompatible", f"{host}:{port} refused: {msg['reason']}")
+            if msg["kind"] != "welcome":
+                raise TransferError("protocol", f"{host}:{port} answered hello with {msg['kind']}")
+            theirs = Fingerprint.from_wire(msg["fingerprint"])
+            if msg["version"] != protocol.PROTOCOL_VERSION or (diff := self.fingerprint.mismatch(theirs)):
+                why = f"version {msg['version']}" if msg["version"] != protocol.PROTOCOL_VERSION else "; ".join(diff)
+                raise TransferError("incompatible", f"{host}:{port} welcomed with an incompatible layout: {why}")
         except BaseException as e:
-            writer.close()
+            conn.close()
             if isinstance(e, (OSError, TimeoutError)):
                 raise TransferError("connection", f"{host}:{port}: handshake failed: {e or 'timed out'}") from None
             raise
-        if msg["kind"] == "refused":
-            writer.close()
-            raise TransferError("incompatible", f"{host}:{port} refused: {msg['reason']}")
-        if msg["kind"] != "welcome":
-            writer.close()
-            raise TransferError("protocol", f"{host}:{port} answered hello with {msg['kind']}")
-        try:
-            theirs = Fingerprint.from_wire(msg["fingerprint"])
-        except TransferError:
-            writer.close()
-            raise
-        if msg["version"] != protocol.PROTOCOL_VERSION or (diff := self.fingerprint.mismatch(theirs)):
-            writer.close()
-            why = f"version {msg['version']}" if msg["version"] != protocol.PROTOCOL_VERSION else "; ".join(diff)
-            raise TransferError("incompatible", f"{host}:{port} welcomed with an incompatible layout: {why}")
         conn.boot_id = msg["boot_id"]
         if self._boot.get((host, port), conn.boot_id) != conn.boot_id:
             for old in self._idle.pop((host, port), []):  # connections to the old process are stale
