@@ -8,6 +8,7 @@ decode one each with a KV transfer endpoint, and a plain one for the colocated r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import time
@@ -24,12 +25,18 @@ LENGTHS = (1, 2, 15, 16, 17, 31, 33, 64, 65, 100, 127, 128, 129, 200, 255, 257, 
 _ids = itertools.count()
 
 
+@contextlib.contextmanager
 def engines(model, chunk_size, prefix_caching):
+    """(prefill, decode, colocated) engine cores; the two with endpoints are closed after."""
     knobs = dict(token_budget=64, chunk_size=chunk_size, max_model_len=512, num_kv_blocks=160, block_size=BS,
                  prefix_caching=prefix_caching, attention_backend="torch")
-    return (EngineCore.from_model(model, kv_transfer_port=0, **knobs),
-            EngineCore.from_model(model, kv_transfer_port=0, **knobs),
-            EngineCore.from_model(model, **knobs))
+    prefill = EngineCore.from_model(model, kv_transfer_port=0, **knobs)
+    decode = EngineCore.from_model(model, kv_transfer_port=0, **knobs)
+    try:
+        yield prefill, decode, EngineCore.from_model(model, **knobs)
+    finally:
+        prefill.close()
+        decode.close()
 
 
 def run(core: EngineCore, add: AddRequest, timeout_s: float = 60.0) -> list[int]:
@@ -71,9 +78,8 @@ def settle(core: EngineCore, timeout_s: float = 5.0) -> None:
 @pytest.mark.parametrize("chunk_size", [16, 64, None])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_output_of_a_disaggregated_pair_equals_colocated(tiny_llama_dir, chunk_size, prefix_caching):
-    prefill, decode, colocated = engines(tiny_llama_dir, chunk_size, prefix_caching)
-    rng = random.Random(chunk_size or 0)
-    try:
+    with engines(tiny_llama_dir, chunk_size, prefix_caching) as (prefill, decode, colocated):
+        rng = random.Random(chunk_size or 0)
         loaded = 0
         for n in LENGTHS:
             prompt = [rng.randrange(3, 300) for _ in range(n)]
@@ -85,28 +91,20 @@ def test_greedy_output_of_a_disaggregated_pair_equals_colocated(tiny_llama_dir, 
         settle(prefill)
         assert prefill.block_manager.num_used_blocks == 0  # every lease released, every block freed
         assert not any(k.startswith(HOLDER) for k in prefill.block_manager.tables)
-    finally:
-        prefill.close()
-        decode.close()
 
 
 def test_a_prefix_cached_on_the_decode_side_is_not_pulled_again(tiny_llama_dir):
-    prefill, decode, colocated = engines(tiny_llama_dir, 64, True)
-    try:
+    with engines(tiny_llama_dir, 64, True) as (prefill, decode, colocated):
         prompt = [random.Random(7).randrange(3, 300) for _ in range(100)]
         want = run(colocated, AddRequest("c-shared", prompt, greedy(4)))
         assert disaggregated(prefill, decode, prompt, 4) == want
         first = decode.scheduler.stats.remote_kv_tokens
         assert disaggregated(prefill, decode, prompt, 4) == want
         assert first == 99 and decode.scheduler.stats.remote_kv_tokens == first + 3  # the second: 6 blocks hit the cache
-    finally:
-        prefill.close()
-        decode.close()
 
 
 def test_a_failed_transfer_is_recomputed_locally_with_the_same_output(tiny_llama_dir):
-    prefill, decode, colocated = engines(tiny_llama_dir, 16, False)
-    try:
+    with engines(tiny_llama_dir, 16, False) as (prefill, decode, colocated):
         prompt = [random.Random(3).randrange(3, 300) for _ in range(90)]
         want = run(colocated, AddRequest("c-failed", prompt, greedy(5)))
         link = prefill.kv_link
@@ -120,9 +118,6 @@ def test_a_failed_transfer_is_recomputed_locally_with_the_same_output(tiny_llama
         settle(prefill, timeout_s=0.5)  # the two real publications are still leased (nobody pulled them)
         assert len([k for k in prefill.block_manager.tables if k.startswith(HOLDER)]) == 2
         prefill.abort_request("d-never")  # aborting an unknown id is harmless
-    finally:
-        prefill.close()
-        decode.close()
 
 
 def test_an_engine_without_an_endpoint_refuses_to_publish_and_computes_remote_prompts_itself(tiny_llama_dir):
