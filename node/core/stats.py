@@ -111,6 +111,10 @@ class EngineStats:
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_evictions: int = 0
+    remote_kv_loads: int = 0  # prompts whose KV was pulled from a prefill replica
+    remote_kv_tokens: int = 0
+    remote_kv_failed_loads: int = 0
+    remote_kv_recomputed_tokens: int = 0
     rejected: dict[str, int] = field(default_factory=dict)  # refused requests, by reason
     cost_model_error: float | None = None  # mean relative error of the step-time model
     classes: dict[str, ClassStats] = field(default_factory=dict)
@@ -183,6 +187,8 @@ def snapshot_of(sched) -> EngineStats:
         allocation_failures=s.allocation_failures, kv_admission_delays=s.kv_admission_delays,
         prefix_cache_queried_tokens=s.prefix_cache_queried_tokens,
         prefix_cache_hit_tokens=s.prefix_cache_hit_tokens, prefix_cache_evictions=bm.num_evictions,
+        remote_kv_loads=s.remote_kv_loads, remote_kv_tokens=s.remote_kv_tokens,
+        remote_kv_failed_loads=s.remote_kv_failed_loads, remote_kv_recomputed_tokens=s.remote_kv_recomputed_tokens,
         rejected=dict(s.rejected), cost_model_error=round(error, 4) if error is not None else None,
         classes=classes, tenants=tenants,
     )

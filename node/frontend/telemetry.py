@@ -158,6 +158,14 @@ class Telemetry:
                                                 "prefix_cache_hit_tokens"),
             "cadenza.prefix_cache.queried_tokens": ("{token}", "Prompt tokens looked up in the prefix cache",
                                                     "prefix_cache_queried_tokens"),
+            "cadenza.kv_transfer.loads": ("{request}", "Prompts whose KV was pulled from a prefill replica",
+                                          "remote_kv_loads"),
+            "cadenza.kv_transfer.loaded_tokens": ("{token}", "Prompt tokens whose KV arrived verified",
+                                                  "remote_kv_tokens"),
+            "cadenza.kv_transfer.failed_loads": ("{request}", "Pulls that failed from some block on",
+                                                 "remote_kv_failed_loads"),
+            "cadenza.kv_transfer.recomputed_tokens": ("{token}", "Tokens of failed pulls computed here instead",
+                                                      "remote_kv_recomputed_tokens"),
         }
         for name, (unit, description, source) in counters.items():
             key = source or name.rsplit(".", 1)[-1]
