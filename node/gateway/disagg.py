@@ -15,7 +15,10 @@ rule says it pays:
    ordinary stream.
 
 Any failure of the prefill call falls back to step 2 without a source: the decode replica then
-prefills the prompt itself, so the client gets the same answer, only later. Both calls carry the
+prefills the prompt itself, so the client gets the same answer, only later. A prefill replica
+that is down is never picked, and one that sends no headers within :data:`HEADERS_TIMEOUT_S` is
+given up on. When the decode call ends, however it ends, the prefill call is closed, so the
+prefill replica stops computing a prompt nobody waits for. Both calls carry the
 pool's bearer token (``$CADENZA_ADMIN_TOKEN``), which replicas require before they move KV.
 
 The rule. Move a prompt of ``n`` uncached tokens when the interference it would cause on the
@@ -56,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # the usual BPE average for English text, for prompts sent as text
 PREFILL_TIMEOUT_S = 120.0  # a prefill call that takes longer falls back to local prefill
+HEADERS_TIMEOUT_S = 5.0  # a prefill replica answers its headers before it prefills: longer is a hung one
+PREFILL_TASK = "cadenza_prefill_call"  # the request's prefill call being read, in the request's storage
 DISAGG_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -112,12 +117,21 @@ async def route(request: web.Request) -> CIMultiDict[str] | None:
     return None if source is None else CIMultiDict({**_auth(), KV_SOURCE_HEADER: source})
 
 
+def cancel_prefill(request: web.Request) -> None:
+    """The decode call has ended (answered, failed, or its client left): stop reading this
+    request's prefill call, so the prefill replica aborts it and frees its KV now."""
+    task = request.get(PREFILL_TASK)
+    if task is not None and not task.done():
+        task.cancel()
+
+
 async def prefill(request: web.Request, parsed: dict) -> str | None:
     """Run the prefill call; the ``x-cadenza-kv-source`` to hand the decode replica, or None to
     fall back (no prefill replica free, or the call failed: logged and counted)."""
     app = request.app
     upstreams, settings, metrics = app[UPSTREAMS], app[SETTINGS], app[METRICS]
-    upstream = upstreams.pick(upstreams.of_role("prefill"), settings.max_outstanding)
+    live = [u for u in upstreams.of_role("prefill") if not u.is_down]  # never a down one: decoding here is better
+    upstream = upstreams.pick(live, settings.max_outstanding)
     if upstream is None:
         metrics.count_disagg("fallback_busy")
         return None
@@ -128,9 +142,10 @@ async def prefill(request: web.Request, parsed: dict) -> str | None:
     headers.update(_auth())
     headers[KV_PUBLISH_HEADER] = "1"
     upstream.outstanding += 1
-    try:
-        resp = await app[SESSION].post(upstream.url + request.path, json=body, headers=headers,
-                                       timeout=aiohttp.ClientTimeout(total=PREFILL_TIMEOUT_S))
+    try:  # its headers come at once (before the prefill): a replica that sends none is hung
+        resp = await asyncio.wait_for(app[SESSION].post(upstream.url + request.path, json=body, headers=headers,
+                                                        timeout=aiohttp.ClientTimeout(total=PREFILL_TIMEOUT_S)),
+                                      HEADERS_TIMEOUT_S)
     except (aiohttp.ClientError, TimeoutError) as exc:
         upstream.outstanding -= 1
         logger.warning("prefill replica %s failed: %r; prefilling on the decode replica", upstream.url, exc)
@@ -147,6 +162,7 @@ async def prefill(request: web.Request, parsed: dict) -> str | None:
         metrics.count_disagg("prefilled")
     # read the prefill call to its end while the decode call runs (closing it early would abort it)
     task = asyncio.create_task(_finish(resp, upstream))
+    request[PREFILL_TASK] = task
     app[PREFILL_CALLS].add(task)
     task.add_done_callback(app[PREFILL_CALLS].discard)
     return source if resp.status == 200 else None

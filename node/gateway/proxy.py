@@ -82,7 +82,10 @@ async def proxy_by_class(request: web.Request) -> web.StreamResponse:
     request["cadenza_timed"] = (cls, started)  # the class and arrival, for the latency histograms
     role = ROLE_OF_CLASS[cls]
     extra = await disagg.route(request)  # a long prompt is prefilled on a prefill replica first
-    return await forward(request, request.app[UPSTREAMS].of_role(role), f"{role} replica", extra)
+    try:
+        return await forward(request, request.app[UPSTREAMS].of_role(role), f"{role} replica", extra)
+    finally:
+        disagg.cancel_prefill(request)
 
 
 async def proxy_to_any(request: web.Request) -> web.StreamResponse:

@@ -53,7 +53,7 @@ def parse_source(value: str) -> RemoteKV:
     request_id = unquote(url.path.lstrip("/"))
     if url.scheme != "kv" or not url.hostname or port is None or not request_id or not boot:
         raise bad(f"{value!r} is not a KV source")
-    if not tokens.isdigit() or int(tokens) < 1:
+    if not (tokens.isascii() and tokens.isdigit()) or int(tokens) < 1:
         raise bad(f"tokens must be a positive integer, got {tokens!r}")
     return RemoteKV(url.hostname, port, request_id, boot, int(tokens))
 

@@ -64,7 +64,7 @@ async def test_the_headers_need_the_pools_token_and_an_endpoint_and_a_well_forme
     resp = await plain.post("/v1/completions", json=body(1), headers={**AUTH, KV_PUBLISH_HEADER: "1"})
     assert resp.status == 400 and (await resp.json())["error"]["code"] == "kv_transfer_off"
     for bad in ("http://h:1/x?boot=b&tokens=5", "kv://h/x?boot=b&tokens=5", "kv://h:1/?boot=b&tokens=5",
-                "kv://h:1/x?tokens=5", "kv://h:1/x?boot=b&tokens=-1", "kv://h:99999/x?boot=b&tokens=5", "x" * 600):
+                "kv://h:1/x?tokens=5", "kv://h:1/x?boot=b&tokens=-1", "kv://h:1/x?boot=b&tokens=%C2%B2", "kv://h:99999/x?boot=b&tokens=5", "x" * 600):
         resp = await decode.post("/v1/completions", json=body(1), headers={**AUTH, KV_SOURCE_HEADER: bad})
         assert resp.status == 400, bad
         assert (await resp.json())["error"]["code"] == "invalid_kv_source"
