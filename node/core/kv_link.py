@@ -29,6 +29,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 HOLDER = "kv-lease:"  # the block-manager table holding a published request's blocks
 DRAIN_BYTES = 4 * 2**20  # received KV written between two steps at most (more waits for the next gap)
+RENEW_EVERY_S = 1.0  # how often the engine renews the leases of prompts it still computes
 
 
 @dataclass
@@ -83,6 +85,8 @@ class KVLink:
         self.stats = LinkStats()
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (kind, request id, detail) from the loop
         self._published: dict[str, int] = {}  # request id -> blocks shared into its holder so far
+        self._computing: set[str] = set()  # published, prompt not computed yet: the engine renews their leases
+        self._renewed = time.monotonic()
         self._loads: dict[str, _Load] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-transfer", daemon=True)
@@ -121,6 +125,7 @@ class KVLink:
             self._events.put(("free", rid, None))
 
         self._published[rid] = 0
+        self._computing.add(rid)
         self.stats.published += 1
         self._loop.call_soon_threadsafe(self.producer.publish, rid, read, free)
 
@@ -136,6 +141,8 @@ class KVLink:
             computed = min(row.start + row.num_tokens, req.num_prompt_tokens)
             complete = computed == req.num_prompt_tokens
             full = -(-computed // bs) if complete else computed // bs  # the prompt's partial last block too, at its end
+            if complete:
+                self._computing.discard(req.request_id)
             if full > shared:
                 self.kv.share(HOLDER + req.request_id, self.kv.block_table(req.request_id)[shared:full])
                 self._published[req.request_id] = full
@@ -143,6 +150,7 @@ class KVLink:
 
     def unpublish(self, request_id: str) -> None:
         """The request was aborted: end its lease (its blocks are freed at the next drain)."""
+        self._computing.discard(request_id)
         if request_id in self._published:
             self._loop.call_soon_threadsafe(self.producer.abort, request_id)
 
@@ -189,6 +197,10 @@ class KVLink:
         end finished loads (``scheduler.remote_kv_loaded``). On the engine thread, between steps;
         at most :data:`DRAIN_BYTES` of KV are written per call, so a burst of frames is spread
         over several steps rather than stalling one (the decode streams' ITL)."""
+        if self._computing and time.monotonic() - self._renewed >= RENEW_EVERY_S:
+            self._renewed = time.monotonic()
+            self._computing &= scheduler.requests.keys()  # one refused or finished early runs out its lease
+            self._loop.call_soon_threadsafe(self.producer.renew, list(self._computing))
         written = 0
         while written < DRAIN_BYTES:
             try:
@@ -198,6 +210,7 @@ class KVLink:
             if kind == "free":
                 self.kv.free(HOLDER + rid)
                 self._published.pop(rid, None)
+                self._computing.discard(rid)
                 continue
             load = self._loads.get(rid)
             if load is None or scheduler.requests.get(rid) is None:

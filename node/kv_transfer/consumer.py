@@ -146,6 +146,8 @@ class KVConsumer:
                     expected += msg["num_blocks"]
                     yield ReceivedBlocks(msg["first_block"], msg["num_blocks"], msg["first_layer"], msg["num_layers"],
                                          payload)
+                elif msg["kind"] == "pending":
+                    continue  # the producer is alive and still computing: the read timeout restarts
                 elif msg["kind"] == "done":
                     if msg["num_blocks"] != expected:
                         raise TransferError("protocol", f"done after {expected} blocks, the producer says "

@@ -5,12 +5,15 @@ a reader of the block bytes and a callback that frees them), reports **progress*
 that wrote some of its blocks (:meth:`KVProducer.progress`), and may **abort** it. A decode replica
 connects, says hello (fingerprints must match, or it is refused before any block moves) and pulls
 requests one at a time per connection; a pull streams the blocks already written at once and the
-rest as steps write them, so the transfer overlaps the remaining prefill, and ends with ``done``.
+rest as steps write them, so the transfer overlaps the remaining prefill, and ends with ``done``;
+a pull that waits a third of a lease without a frame gets ``pending``.
 A pull may come before its request is published (the decode side heard of it first): it waits up
 to :data:`PUBLISH_WAIT_S` for it. Frames hold at most :data:`MAX_FRAME_BYTES`.
 
 Every published request is held under a lease (:mod:`.leases`): renewed by each frame the decode
-side's socket takes (TCP flow control makes a frame's ``drain`` wait on it), ended by its
+side's socket takes (TCP flow control makes a frame's ``drain`` wait on it) and, until its prompt is
+computed, by the engine's steps (:meth:`KVProducer.renew`: a prompt queued on a busy replica is not
+lost), ended by its
 ``release`` (read at any time, mid-stream too), by the consumer going away mid-stream, by
 :meth:`KVProducer.abort`, or by expiry, which a timer checks every :data:`EXPIRY_CHECK_S`; the
 blocks are freed on the end, whichever it is. A pull of a request that holds no lease gets
@@ -129,6 +132,14 @@ class KVProducer:
             raise ValueError(f"{request_id}: written blocks went down from {entry.written} to {written}")
         entry.written, entry.complete = written, complete or entry.complete
         entry.changed.set()
+
+    def renew(self, request_ids: list[str]) -> None:
+        """The engine still works on these (queued, or part computed): their leases run on. Its
+        steps call this, so a prompt queued behind others on a busy prefill replica keeps its
+        lease, and one on an engine that stopped stepping expires as if the decode side had gone."""
+        now = self.clock()
+        for rid in request_ids:
+            self.leases.renew(rid, now)
 
     def abort(self, request_id: str) -> None:
         """End the request's lease now (the client went away): its blocks are freed."""
@@ -315,9 +326,13 @@ class KVProducer:
                 return
             entry.changed.clear()
             waits = [asyncio.ensure_future(entry.changed.wait()), asyncio.ensure_future(conn.closed.wait())]
-            _done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(waits, timeout=self.leases.ttl_s / 3,
+                                               return_when=asyncio.FIRST_COMPLETED)
             for w in pending:
                 w.cancel()
+            if not done and self.leases.get(request_id) is entry:  # still computing: tell the pull
+                conn.writer.write(protocol.encode("pending", request_id=request_id, num_blocks=sent))
+                await asyncio.wait_for(conn.writer.drain(), self.leases.ttl_s)
         # the consumer went away mid-stream: it will not pull this again
         self._end(request_id, "released")
 

@@ -15,6 +15,10 @@ kind           direction  fields
                           stream that many of the request's blocks from there
 ``blocks``     P -> C     ``request_id``, ``first_block``, ``num_blocks``, ``first_layer``,
                           ``num_layers``, ``nbytes``, ``crc32c`` (of the payload that follows)
+``pending``    P -> C     ``request_id``, ``num_blocks``: nothing new yet (the prompt waits in the
+                          producer's queue or is being computed); sent when a pull has
+                          had no frame for a third of the lease, so the pull's read
+                          timeout measures a silent producer, not a busy one
 ``done``       P -> C     ``request_id``, ``num_blocks``: the pull is over; blocks up to this index
                           were sent (fewer than asked: the producer holds no more)
 ``error``      P -> C     ``request_id``, ``code`` (a :class:`TransferError` kind), ``message``
@@ -163,6 +167,7 @@ _REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
     "pull": {"request_id": str, "first_block": int, "num_blocks": int},
     "blocks": {"request_id": str, "first_block": int, "num_blocks": int, "first_layer": int, "num_layers": int,
                "nbytes": int, "crc32c": int},
+    "pending": {"request_id": str, "num_blocks": int},
     "done": {"request_id": str, "num_blocks": int},
     "error": {"request_id": str, "code": str, "message": str},
     "release": {"request_id": str},

@@ -352,6 +352,25 @@ async def test_a_decode_side_stalled_past_the_lease_finds_it_expired_and_the_blo
     await consumer.close(); await p.close()
 
 
+async def test_a_prompt_queued_behind_others_outlives_many_leases_while_its_engine_steps():
+    """The engine's steps renew a prompt it has not computed yet, and ``pending`` frames keep the
+    pull's read timeout from firing on a producer that is busy, not silent."""
+    p = KVProducer(FP, lease_s=0.6)
+    port = await p.start()
+    blocks = Published(8, 5)
+    p.publish("r8", blocks.read, blocks.free)
+    consumer = KVConsumer(FP, read_timeout_s=0.6)
+    task = asyncio.create_task(collect(consumer, port, "r8", boot_id=p.boot_id))
+    for _ in range(10):  # 2 s queued: more than three leases and three read timeouts
+        await asyncio.sleep(0.2)
+        p.renew(["r8"])
+    assert not task.done() and p.held() == ["r8"]
+    p.progress("r8", 5, complete=True)
+    assert await asyncio.wait_for(task, 5) == blocks.data
+    await wait_freed(p, blocks, within_s=1.0)
+    await consumer.close(); await p.close()
+
+
 async def test_a_restarted_producer_is_detected_by_its_boot_id_and_stale_connections_dropped():
     p = KVProducer(FP)
     port = await p.start()
