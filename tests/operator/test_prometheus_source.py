@@ -195,12 +195,14 @@ def _compare_windows(url: str, gateway: str, replica: str, slo: dict) -> None:
                         "a known window from prometheus", interval=0.5)
     print(f"direct {mine}\nprometheus {theirs}")  # shown when an assertion below fails
     assert 30 <= theirs.requests <= 60  # increase() extrapolates at the edges of the range
-    # A p99 of ~200 gaps sits in the coarse (x 1.5) buckets far below the 200 ms target, and
-    # increase() extrapolates each bucket series on its own: one gap more or less in Prometheus'
-    # longer window moves the interpolated p99 into the next bucket. Agreement is the same or the
-    # neighbouring bucket.
+    # A p99 of ~200 gaps is the 2nd slowest gap, in the coarse (x 1.5) buckets far below the 200 ms
+    # target, and increase() extrapolates each bucket series on its own: a gap or two more or less
+    # in Prometheus' longer window moves the interpolated p99 by a bucket or two (CI, both cores
+    # loaded, saw 5.0 ms direct and 10.1 ms from Prometheus). Agreement is within two buckets, and
+    # both sides agree on the SLO.
     bounds = latency_buckets([slo["interactive"]["ttftP99Ms"] / 1000, slo["interactive"]["itlP99Ms"] / 1000])
     assert abs(bisect.bisect_left(bounds, theirs.itl_p99_ms / 1000)
-               - bisect.bisect_left(bounds, mine.itl_p99_ms / 1000)) <= 1
+               - bisect.bisect_left(bounds, mine.itl_p99_ms / 1000)) <= 2
+    assert theirs.attainment == pytest.approx(mine.attainment, abs=0.05)
     assert theirs.kv_usage is not None and theirs.queue_depth is not None
     assert theirs.predicted_step_p99_ms is not None  # the replica's cost model calibrated on these steps
