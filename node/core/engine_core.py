@@ -215,4 +215,13 @@ class EngineCore:
             times = sorted(self.step_time_s)
             stats.step_time_ms_mean = round(1000 * sum(times) / len(times), 3)
             stats.step_time_ms_p99 = round(1000 * times[min(len(times) - 1, int(0.99 * len(times)))], 3)
+        if (link := self.kv_link) is not None:
+            served, pulled = link.producer.stats, link.stats
+            stats.kv_transfer_published, stats.kv_transfer_received_bytes = pulled.published, pulled.bytes_received
+            stats.kv_transfer_sent_bytes, stats.kv_transfer_expired = served.bytes_sent, served.expired
+            stats.kv_transfer_pull_failures = dict(pulled.failures)
+            stats.kv_transfer_serve_failures = dict(served.failures)
+            bandwidth = link.consumer.bandwidth
+            stats.kv_transfer_bandwidth = None if bandwidth is None else round(bandwidth)
+            stats.kv_transfer_min_prompt_tokens = link.min_prompt_tokens(self.scheduler.cost_model)
         return stats

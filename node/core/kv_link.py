@@ -34,17 +34,20 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from cadenza.node.core.block_manager import KVBlockManager
+from cadenza.node.core.cost_model import StepCostModel
 from cadenza.node.core.request import Request
 from cadenza.node.core.step import SchedulerOutput
 from cadenza.node.kv_transfer.consumer import KVConsumer
 from cadenza.node.kv_transfer.producer import KVProducer
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
+from cadenza.node.kv_transfer.threshold import min_prompt_tokens
 
 log = logging.getLogger(__name__)
 
 HOLDER = "kv-lease:"  # the block-manager table holding a published request's blocks
 DRAIN_BYTES = 4 * 2**20  # received KV written between two steps at most (more waits for the next gap)
 RENEW_EVERY_S = 1.0  # how often the engine renews the leases of prompts it still computes
+ASSUMED_LINK_BYTES_PER_S = 1.25e9  # 10 Gbit/s, a common pod network, until pulls have measured the link
 
 
 @dataclass
@@ -104,6 +107,16 @@ class KVLink:
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+    def min_prompt_tokens(self, cost: StepCostModel) -> int | None:
+        """The shortest prompt worth prefilling on a prefill replica for this one
+        (:mod:`~cadenza.node.kv_transfer.threshold`): this engine's step-time model, its KV bytes
+        per token, and the bandwidth its pulls measured (:data:`ASSUMED_LINK_BYTES_PER_S` before
+        any). None before the cost model is calibrated, or when no prompt is worth it."""
+        if not cost.ready:
+            return None
+        bandwidth = self.consumer.bandwidth or ASSUMED_LINK_BYTES_PER_S
+        return min_prompt_tokens(float(cost.coef[1]), float(cost.coef[4]), self.fingerprint.bytes_per_token, bandwidth)
 
     @property
     def busy(self) -> bool:

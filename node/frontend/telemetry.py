@@ -85,6 +85,21 @@ def _prefill_tokens(stats: EngineStats) -> list[tuple[dict, int]]:
     return [({"cadenza.outcome": "admitted"}, stats.prefill_tokens_admitted),
             ({"cadenza.outcome": "deferred"}, stats.prefill_tokens_deferred)]
 
+
+def _kv_transfer_bytes(stats: EngineStats) -> list[tuple[dict, int]]:
+    return [({"cadenza.kv_transfer.direction": "sent"}, stats.kv_transfer_sent_bytes),
+            ({"cadenza.kv_transfer.direction": "received"}, stats.kv_transfer_received_bytes)]
+
+
+def _kv_transfer_failures(stats: EngineStats) -> list[tuple[dict, int]]:
+    """Pulls made here that failed (``pull``, by TransferError kind) and pulls served here that
+    failed (``serve``, by the error code sent)."""
+    return [({"cadenza.kv_transfer.side": side, "error.type": kind}, n)
+            for side, failures in (("pull", stats.kv_transfer_pull_failures),
+                                   ("serve", stats.kv_transfer_serve_failures))
+            for kind, n in sorted(failures.items())]
+
+
 class Telemetry:
     """Traces and metrics of one server (or one in-process engine).
 
@@ -166,6 +181,13 @@ class Telemetry:
                                                  "remote_kv_failed_loads"),
             "cadenza.kv_transfer.recomputed_tokens": ("{token}", "Tokens of failed pulls computed here instead",
                                                       "remote_kv_recomputed_tokens"),
+            "cadenza.kv_transfer.published": ("{request}", "Prompts whose KV was held for a decode replica",
+                                              "kv_transfer_published"),
+            "cadenza.kv_transfer.bytes": ("By", "KV bytes moved, by direction", _kv_transfer_bytes),
+            "cadenza.kv_transfer.failures": ("{failure}", "KV transfers that failed, by side and kind",
+                                             _kv_transfer_failures),
+            "cadenza.kv_transfer.expired_leases": ("{lease}", "Published KV freed because no decode replica "
+                                                   "took it in time", "kv_transfer_expired"),
         }
         for name, (unit, description, source) in counters.items():
             key = source or name.rsplit(".", 1)[-1]
@@ -176,6 +198,11 @@ class Telemetry:
         m.create_observable_gauge("cadenza.requests", [self._requests], "{request}", "Requests by class and state")
         m.create_observable_gauge("cadenza.cost_model.error", [self._cost_model_error], "1",
                                   "Mean relative error of the step-time cost model")
+        m.create_observable_gauge("cadenza.kv_transfer.bandwidth", [self._optional("kv_transfer_bandwidth")],
+                                  "By/s", "Bandwidth this replica's KV pulls measured")
+        m.create_observable_gauge("cadenza.kv_transfer.min_prompt_tokens",
+                                  [self._optional("kv_transfer_min_prompt_tokens")], "{token}",
+                                  "The shortest prompt this replica computes worth prefilling elsewhere")
 
     def _reader(self, key) -> Callable[[CallbackOptions], list[Observation]]:
         def read(_options: CallbackOptions) -> list[Observation]:
@@ -208,6 +235,15 @@ class Telemetry:
         stats = self._stats()
         return [Observation(info.preemptions, {"cadenza.request.class": cls})
                 for cls, info in (stats.classes if stats is not None else {}).items()]
+
+    def _optional(self, key: str) -> Callable[[CallbackOptions], list[Observation]]:
+        """A gauge of an EngineStats figure that may be None (then nothing is observed)."""
+        def read(_options: CallbackOptions) -> list[Observation]:
+            stats = self._stats()
+            value = None if stats is None else getattr(stats, key)
+            return [] if value is None else [Observation(value)]
+
+        return read
 
     def _cost_model_error(self, _options: CallbackOptions) -> list[Observation]:
         stats = self._stats()

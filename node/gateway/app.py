@@ -32,6 +32,7 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
+from cadenza.node.gateway import disagg
 from cadenza.node.gateway import health as health_checks
 from cadenza.node.gateway import proxy
 from cadenza.node.gateway.metrics import GatewayMetrics
@@ -70,7 +71,7 @@ def create_gateway_app(
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S,
     slo_targets_s: tuple[float, ...] = (),
-    disagg_min_prompt_tokens: int | None = None,
+    disagg_min_prompt_tokens: int | str | None = None,
 ) -> web.Application:
     """Build a gateway in front of the replicas in ``upstreams``.
 
@@ -83,7 +84,7 @@ def create_gateway_app(
         health_interval_s: seconds between health checks of every replica (:mod:`.health`); 0: none.
         slo_targets_s: the pool's SLO targets (seconds); the latency histograms are dense around them.
         disagg_min_prompt_tokens: prompts at least this long are prefilled on a ``prefill``
-            replica when there is one (:mod:`.disagg`); None: never.
+            replica when there is one (:mod:`.disagg`); ``"auto"``: the decode replicas' threshold; None: never.
 
     Serve it with ``web.AppRunner(app, handler_cancellation=True)`` (as :mod:`.cli` does), so a
     client that disconnects while its replica is still silent cancels the upstream request at once;
@@ -97,6 +98,7 @@ def create_gateway_app(
                                     disagg_min_prompt_tokens)
     app[UPSTREAMS] = upstreams
     app[METRICS] = GatewayMetrics(slo_targets_s)
+    app[METRICS].disagg_threshold = lambda: disagg.threshold(app)
     app[PREFILL_CALLS] = set()
     app.on_cleanup.append(_stop_metrics)
     app.on_shutdown.append(_stop_prefill_calls)

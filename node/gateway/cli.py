@@ -37,6 +37,10 @@ from cadenza.node.server.runner import run_app
 _POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
+def _threshold(value: str) -> int | str:
+    return "auto" if value.strip().lower() == "auto" else _positive_int(value)
+
+
 def _positive_int(value: str) -> int:
     try:
         number = int(value)
@@ -84,9 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-targets-ms", type=_targets, default=(), metavar="MS[,MS...]",
                         help="the pool's SLO targets: the TTFT / ITL histograms at /metrics get dense buckets "
                              "around each (default: none, coarse buckets only)")
-    parser.add_argument("--disagg-min-prompt-tokens", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--disagg-min-prompt-tokens", type=_threshold, default=None, metavar="N|auto",
                         help="prompts of at least N tokens are prefilled on a replica of the prefill role, whose KV "
-                             "the decode replica pulls (needs $CADENZA_ADMIN_TOKEN, the replicas' token; default: off)")
+                             "the decode replica pulls; auto: the threshold the decode replicas compute from their "
+                             "step-time model and measured transfer bandwidth (needs $CADENZA_ADMIN_TOKEN, the "
+                             "replicas' token; default: off)")
     add_http_arguments(parser)
 
 

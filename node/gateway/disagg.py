@@ -21,17 +21,15 @@ given up on. When the decode call ends, however it ends, the prefill call is clo
 prefill replica stops computing a prompt nobody waits for. Both calls carry the
 pool's bearer token (``$CADENZA_ADMIN_TOKEN``), which replicas require before they move KV.
 
-The rule. Move a prompt of ``n`` uncached tokens when the interference it would cause on the
-decode replica exceeds the cost of moving it. The interference is the time its prefill takes
-from the decode steps, ``n x s_prefill``. The cost is the transfer, ``n x bytes_per_token /
-bandwidth``, plus a fixed cost ``c`` (one more round trip, the prefill replica's queue). So move it
-when ``n >= c / (s_prefill - bytes_per_token / bandwidth)``: :func:`min_prompt_tokens`. When the
-transfer costs more per token than the prefill, the answer is never.
-
-The gateway takes the threshold pinned (``--disagg-min-prompt-tokens``). It counts a prompt's
-tokens exactly when they are token ids; for text it estimates one token per
-:data:`CHARS_PER_TOKEN` characters, because it has no tokenizer. It cannot see the decode
-replica's prefix cache, so it counts every token as uncached.
+The rule (:mod:`cadenza.node.kv_transfer.threshold`): a prompt goes through a prefill replica
+when it is at least ``--disagg-min-prompt-tokens`` long. Pinned, that is a number; ``auto`` takes
+the threshold the decode replicas compute from their step-time model and the bandwidth their
+pulls measured (they send it on every answer, ``x-cadenza-disagg-min-prompt-tokens``): the
+largest any reachable one reported, so a prompt moves only when it pays on each of them, and
+none until one has calibrated. The gateway counts a prompt's tokens exactly when they are token
+ids; for text it estimates one token per :data:`CHARS_PER_TOKEN` characters, because it has no
+tokenizer. It cannot see the decode replica's prefix cache, so it counts every token as
+uncached.
 
 Sources: DistServe (Zhong et al., OSDI 2024) and Splitwise (Patel et al., ISCA 2024) for
 splitting the phases; llm-d's selective P/D threshold and Dynamo's prefill-length rule for
@@ -51,6 +49,7 @@ from multidict import CIMultiDict
 
 from cadenza.node.gateway.headers import request_headers
 from cadenza.node.gateway.state import METRICS, PREFILL_CALLS, SESSION, SETTINGS, UPSTREAMS
+from cadenza.node.gateway.upstreams import SERVING_ROLES
 from cadenza.node.server.http import body_timeout
 from cadenza.node.server.auth import admin_token
 from cadenza.node.wire import KV_PUBLISH_HEADER, KV_SOURCE_HEADER
@@ -64,21 +63,16 @@ PREFILL_TASK = "cadenza_prefill_call"  # the request's prefill call being read, 
 DISAGG_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-def min_prompt_tokens(prefill_s_per_token: float, bytes_per_token: int, link_bytes_per_s: float,
-                      fixed_s: float) -> int | None:
-    """The shortest prompt worth prefilling elsewhere (tokens), None when none is.
-
-    Args:
-        prefill_s_per_token: seconds one prompt token's prefill takes from the decode replica's
-            steps (its cost model).
-        bytes_per_token: KV bytes per token (``2 x layers x KV heads x head dim x dtype size``).
-        link_bytes_per_s: measured transfer bandwidth between the replicas.
-        fixed_s: the fixed cost of going through a prefill replica (a round trip and its queue).
-    """
-    saved_per_token = prefill_s_per_token - bytes_per_token / link_bytes_per_s
-    if saved_per_token <= 0:
-        return None
-    return max(1, math.ceil(fixed_s / saved_per_token))
+def threshold(app: web.Application) -> int | None:
+    """The shortest prompt sent through a prefill replica now: pinned, or with ``auto`` the
+    largest the reachable serving replicas reported (None: never, or none reported yet)."""
+    pinned = app[SETTINGS].disagg_min_prompt_tokens
+    if pinned != "auto":
+        return pinned
+    upstreams = app[UPSTREAMS]
+    reported = [u.disagg_min_prompt_tokens for role in SERVING_ROLES for u in upstreams.reachable(role)
+                if u.disagg_min_prompt_tokens is not None]
+    return max(reported, default=None)
 
 
 def prompt_tokens(body: object) -> int:
@@ -100,10 +94,9 @@ def prompt_tokens(body: object) -> int:
 async def route(request: web.Request) -> CIMultiDict[str] | None:
     """The extra headers of the decode call when this request goes through a prefill replica
     (the prefill call made), else None: no prefill replica, a short prompt, not a completion."""
-    threshold = request.app[SETTINGS].disagg_min_prompt_tokens
-    if threshold is None or request.method != "POST" or request.path not in DISAGG_PATHS:
+    if request.method != "POST" or request.path not in DISAGG_PATHS or not request.app[UPSTREAMS].of_role("prefill"):
         return None
-    if not request.app[UPSTREAMS].of_role("prefill"):
+    if (least := threshold(request.app)) is None:
         return None
     async with body_timeout(request):
         body = await request.read()  # read once: forward() gets the same bytes
@@ -111,7 +104,7 @@ async def route(request: web.Request) -> CIMultiDict[str] | None:
         parsed = json.loads(body)
     except (ValueError, RecursionError):
         return None  # the decode replica answers the 400
-    if not isinstance(parsed, dict) or prompt_tokens(parsed) < threshold:
+    if not isinstance(parsed, dict) or prompt_tokens(parsed) < least:
         return None
     source = await prefill(request, parsed)
     return None if source is None else CIMultiDict({**_auth(), KV_SOURCE_HEADER: source})

@@ -1,6 +1,8 @@
 """Upstreams from the Kubernetes API: the ready endpoints of a pool's role Services (cluster mode).
 
-A ServingPool ``<pool>`` has one Service per role, ``<pool>-interactive`` and ``<pool>-batch``.
+A ServingPool ``<pool>`` has one Service per role, ``<pool>-interactive`` and ``<pool>-batch``,
+and in disaggregated mode ``<pool>-prefill`` (in the other modes it does not exist: its listing is
+empty and the gateway prefills nothing elsewhere).
 The gateway lists each Service's EndpointSlices (``discovery.k8s.io/v1``, label
 ``kubernetes.io/service-name=<service>``), then **watches** them, so a pod that stops being ready
 or starts terminating (its preStop drain) leaves the routing as soon as the API server says so,
@@ -26,7 +28,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from cadenza.node.gateway.upstreams import SERVING_ROLES as ROLES, Upstreams
+from cadenza.node.gateway.upstreams import ROLES, Upstreams
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +130,7 @@ class KubernetesSource:
 
     Args:
         namespace: the pool's namespace.
-        pool: the ServingPool name; the Services are ``<pool>-interactive`` and ``<pool>-batch``.
+        pool: the ServingPool name; the Services are ``<pool>-<role>`` for each of :data:`ROLES`.
         list_slices: ``(namespace, service) -> EndpointSlices`` (blocking; run in a thread).
             Default: :func:`kubernetes_list_slices`, built at the first refresh.
         watch_slices: ``(namespace, service) -> events`` (blocking; run in a thread per role).

@@ -13,7 +13,8 @@ Both carry ``cadenza.traffic_class``. Answers that are not streamed have no TTFT
 measure and are not recorded. A counter, ``cadenza.gateway.disagg.requests``, counts the requests
 the selective rule sent through a prefill replica, by ``cadenza.disagg.outcome``: ``prefilled``,
 ``fallback_busy`` (no prefill replica free) or ``fallback_failed`` (its call failed; the decode
-replica prefilled).
+replica prefilled); a gauge, ``cadenza.gateway.disagg.min_prompt_tokens``, is the threshold the
+rule applies now (pinned or computed by the decode replicas; absent while there is none).
 
 Bucket boundaries (:func:`latency_buckets`): the GenAI semantic conventions' TTFT buckets step
 0.25 -> 0.5 -> 0.75 s, too coarse to tell a 300 ms p99 from a 450 ms one. These are geometric
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 
+from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from prometheus_client import CollectorRegistry, generate_latest
@@ -84,6 +87,14 @@ class GatewayMetrics:
         self._disagg = meter.create_counter("cadenza.gateway.disagg.requests", "{request}",
                                             "Requests sent through a prefill replica, by outcome")
         self.disagg_outcomes: Counter = Counter()
+        self.disagg_threshold: Callable[[], int | None] = lambda: None  # set by the app
+        meter.create_observable_gauge(
+            "cadenza.gateway.disagg.min_prompt_tokens", [self._threshold], "{token}",
+            "The shortest prompt sent through a prefill replica now")
+
+    def _threshold(self, _options: CallbackOptions) -> list[Observation]:
+        least = self.disagg_threshold()
+        return [] if least is None else [Observation(least)]
 
     def count_disagg(self, outcome: str) -> None:
         """One request the selective rule sent to a prefill replica: how it went."""

@@ -37,7 +37,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from cadenza.node.gateway import disagg
-from cadenza.node.gateway.headers import request_headers, response_headers, retry_after_s
+from cadenza.node.gateway.headers import disagg_threshold, request_headers, response_headers, retry_after_s
 from cadenza.node.gateway.state import METRICS, SESSION, SETTINGS, UPSTREAMS
 from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream
 from cadenza.node.core.policy import PolicyError, check_class
@@ -196,6 +196,8 @@ async def _send_unless_down(send, upstream: Upstream) -> aiohttp.ClientResponse:
 
 async def _relay(request: web.Request, resp: aiohttp.ClientResponse, upstream: Upstream) -> web.StreamResponse:
     """Pass ``resp`` to the client: status, headers, then each chunk as soon as it arrives."""
+    if (least := disagg_threshold(resp.headers)) is not None:
+        upstream.disagg_min_prompt_tokens = least
     out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=response_headers(resp.headers))
     await out.prepare(request)
     timed = request.get("cadenza_timed")

@@ -29,7 +29,8 @@ class GatewaySettings:
         health_interval_s: seconds between active health checks of every upstream (each with the
             same timeout); 0 turns them off.
         disagg_min_prompt_tokens: prompts at least this long go through a ``prefill`` replica
-            when the pool has one (:mod:`.disagg`); None: never.
+            when the pool has one (:mod:`.disagg`); ``"auto"``: the threshold the decode replicas
+            compute; None: never.
 
     Raises:
         ValueError: a class that is not ``interactive``/``batch``/``background`` (case-insensitive),
@@ -40,7 +41,7 @@ class GatewaySettings:
     max_outstanding: int = DEFAULT_MAX_OUTSTANDING
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S
-    disagg_min_prompt_tokens: int | None = None
+    disagg_min_prompt_tokens: int | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "default_class", check_class(self.default_class))
@@ -49,10 +50,9 @@ class GatewaySettings:
             raise ValueError(f"max_outstanding: must be a positive integer, got {self.max_outstanding!r}")
         if not self.connect_timeout_s > 0:
             raise ValueError(f"connect_timeout_s: must be positive, got {self.connect_timeout_s!r}")
-        if self.disagg_min_prompt_tokens is not None and (
-                isinstance(self.disagg_min_prompt_tokens, bool) or not isinstance(self.disagg_min_prompt_tokens, int)
-                or self.disagg_min_prompt_tokens < 1):
-            raise ValueError(f"disagg_min_prompt_tokens: must be a positive integer, got {self.disagg_min_prompt_tokens!r}")
+        least = self.disagg_min_prompt_tokens
+        if least not in (None, "auto") and (isinstance(least, bool) or not isinstance(least, int) or least < 1):
+            raise ValueError(f"disagg_min_prompt_tokens: must be a positive integer or 'auto', got {least!r}")
         if not self.health_interval_s >= 0:
             raise ValueError(f"health_interval_s: must be 0 (off) or positive, got {self.health_interval_s!r}")
 

@@ -52,6 +52,8 @@ class Upstream:
             while this is above 0.
         went_down: set when it goes from up to down (requests still waiting for its answer give
             up on it then), cleared when it is up again.
+        disagg_min_prompt_tokens: the disaggregation threshold it last reported (a decode
+            replica's ``x-cadenza-disagg-min-prompt-tokens``), None before it has.
     """
 
     url: str
@@ -59,6 +61,7 @@ class Upstream:
     blocked_until: float = 0.0
     failures: int = 0
     went_down: asyncio.Event = field(default_factory=asyncio.Event)
+    disagg_min_prompt_tokens: int | None = None
 
     @property
     def is_down(self) -> bool:

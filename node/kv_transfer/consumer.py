@@ -14,7 +14,8 @@ llm-d's stale-connection crash). A connection that failed in any way is closed, 
 A producer that stops sending for ``read_timeout_s`` fails the pull (``connection``): a decode
 replica never waits forever on remote KV. Everything the producer says is checked before it is
 believed: its welcome's version and fingerprint, each frame's request, range and size (before
-its payload is read), and each payload's CRC32C.
+its payload is read), and each payload's CRC32C. The pulls also measure the link
+(:attr:`KVConsumer.bandwidth`): payload bytes over the time a read waited for them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
 from cadenza.node.kv_transfer.receiver import ConnectionEnded, Receiver
 
 MAX_IDLE_PER_PRODUCER = 8  # pooled connections kept per producer; more are closed when returned
+MIN_MEASURED_BYTES = 2**20  # the link's bandwidth is reported once this much was timed
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,16 @@ class KVConsumer:
         self.read_timeout_s = read_timeout_s
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._boot: dict[tuple[str, int], str] = {}  # the last boot id seen per producer
+        self.link_bytes = 0  # payload bytes received while a pull waited on the link, and its wait
+        self.link_s = 0.0
+
+    @property
+    def bandwidth(self) -> float | None:
+        """Bytes per second the link delivered payloads at, over every pull so far (None before
+        :data:`MIN_MEASURED_BYTES` were measured)."""
+        if self.link_bytes < MIN_MEASURED_BYTES or self.link_s <= 0:
+            return None
+        return self.link_bytes / self.link_s
 
     async def close(self) -> None:
         for conns in self._idle.values():
@@ -141,7 +153,10 @@ class KVConsumer:
                         raise TransferError("protocol", f"blocks {msg['first_block']}+{msg['num_blocks']} while "
                                             f"pulling block {expected} (to {end})")
                     protocol.check_blocks_header(msg, self.fingerprint)
+                    before = conn.receiver.waited_bytes, conn.receiver.waited_s
                     payload = await conn.payload(msg["nbytes"], self.read_timeout_s)
+                    self.link_bytes += conn.receiver.waited_bytes - before[0]
+                    self.link_s += conn.receiver.waited_s - before[1]
                     protocol.check_payload(msg, payload)
                     expected += msg["num_blocks"]
                     yield ReceivedBlocks(msg["first_block"], msg["num_blocks"], msg["first_layer"], msg["num_layers"],

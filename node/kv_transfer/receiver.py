@@ -15,6 +15,7 @@ the connection fails the wait in progress.
 from __future__ import annotations
 
 import asyncio
+import time
 
 STAGE_BYTES = 256 * 2**10  # room for a header (at most 64 KiB) and what follows it
 
@@ -39,6 +40,10 @@ class Receiver(asyncio.BufferedProtocol):
         self._paused = False
         self._ended = False
         self._waiter: asyncio.Future | None = None
+        # payload bytes that arrived while a read waited for them, and how long it waited: the
+        # link's bandwidth (staged bytes had arrived before; they would measure memory)
+        self.waited_bytes = 0
+        self.waited_s = 0.0
 
     # -- the protocol -----------------------------------------------------------------------
 
@@ -123,6 +128,7 @@ class Receiver(asyncio.BufferedProtocol):
             self._start = self._end = 0
         if take < n:
             self._target, self._filled = view, take
+            started = time.perf_counter()
             try:
                 self._resume()
                 while self._filled < n:
@@ -131,4 +137,6 @@ class Receiver(asyncio.BufferedProtocol):
                     await self._wait()
             finally:
                 self._target = None
+            self.waited_bytes += n - take
+            self.waited_s += time.perf_counter() - started
         return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from cadenza.node.kv_transfer.consumer import KVConsumer
 from cadenza.node.kv_transfer.leases import LeaseTable
 from cadenza.node.kv_transfer.producer import MAX_FRAME_BLOCKS, KVProducer
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
+from cadenza.node.kv_transfer.threshold import min_prompt_tokens
 
 FP = Fingerprint("tiny-llama", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 BLOCK = FP.num_layers * FP.block_layer_bytes  # bytes of one block, every layer
@@ -177,6 +179,26 @@ async def test_many_blocks_come_in_frames_and_a_pull_may_ask_for_a_range(produce
         assert await collect(consumer, port, rid, first_block=first, num_blocks=n) == blocks.data[want]
     await wait_freed(p, blocks, within_s=1, times=3)  # each released after its one pull
     await consumer.close()
+
+
+async def test_pulls_measure_the_links_bandwidth_from_the_payload_bytes_they_waited_for():
+    # blocks of a real model's size (1 MiB, 4 MiB frames): bytes staged before a read asked for
+    # them are not timed, and frames far larger than the stage are mostly waited for
+    fp = Fingerprint("big", "float32", block_size=16, num_layers=16, num_kv_heads=8, head_dim=64)
+    size = fp.num_layers * fp.block_layer_bytes
+    p = KVProducer(fp, lease_s=30.0)
+    port = await p.start()
+    consumer = KVConsumer(fp)
+    assert consumer.bandwidth is None
+    data = [os.urandom(size) for _ in range(8)]  # 8 MiB
+    p.publish("big", lambda first, count: b"".join(data[first:first + count]), lambda: None)
+    p.progress("big", len(data), complete=True)
+    got = b"".join([bytes(b.payload) async for b in consumer.pull("127.0.0.1", port, "big")])
+    assert got == b"".join(data)
+    assert 2**20 <= consumer.link_bytes <= 8 * 2**20 and consumer.bandwidth is not None
+    assert consumer.bandwidth > 1e6  # bytes per second: loopback moves GB/s
+    await consumer.close()
+    await p.close()
 
 
 async def test_a_range_pull_ends_once_its_blocks_are_written_before_the_prefill_ends(producer):
@@ -494,3 +516,50 @@ async def test_the_consumer_believes_neither_a_foreign_welcome_nor_a_frame_that_
         await collect(KVConsumer(FP, read_timeout_s=30), port, "r")
     assert e.value.kind == "protocol" and time.monotonic() - started < 2  # refused at the header
     server.close()
+
+
+# -- the selective rule -------------------------------------------------------------------------
+
+
+def test_the_threshold_is_where_the_saved_prefill_time_pays_for_the_fixed_cost():
+    # 100 us of decode-replica time per prompt token; KV of 128 KiB/token over 50 GB/s: 2.6 us
+    assert min_prompt_tokens(1e-4, 0.0, 131072, 50e9, fixed_s=0.05) == 514
+    assert min_prompt_tokens(1e-4, 0.0, 131072, 1e9, fixed_s=0.05) is None  # the link costs more than the prefill
+
+
+def test_with_an_attention_term_a_long_enough_prompt_always_pays_and_one_token_shorter_does_not():
+    c_p, c_pa, b, bw, c = 2e-5, 1e-8, 131072, 1e9, 0.01  # the link (131 us/token) is slower than c_p
+
+    def saved(n):
+        return c_p * n + c_pa * n * n / 2 - n * b / bw - c
+
+    n = min_prompt_tokens(c_p, c_pa, b, bw, fixed_s=c)
+    assert n is not None and saved(n) >= 0 > saved(n - 1)
+    assert min_prompt_tokens(c_p, c_pa, b, bw, fixed_s=0.0) == 22215  # where the attention term outgrows the link
+    assert min_prompt_tokens(c_p, c_pa, b, 50e9, fixed_s=0.0) == 1  # a fast link and no fixed cost: every prompt
+
+
+def test_the_threshold_refuses_nonsense():
+    with pytest.raises(ValueError):
+        min_prompt_tokens(-1e-4, 0.0, 1, 1e9)
+    with pytest.raises(ValueError):
+        min_prompt_tokens(1e-4, 0.0, 1, 0.0)
+
+
+def test_an_engine_computes_its_threshold_once_its_cost_model_is_calibrated_and_from_its_measured_link():
+    from types import SimpleNamespace
+
+    from cadenza.node.core.cost_model import StepCostModel, StepFeatures
+    from cadenza.node.core.kv_link import ASSUMED_LINK_BYTES_PER_S, KVLink
+
+    cost = StepCostModel()
+    consumer = SimpleNamespace(bandwidth=None)
+    link = SimpleNamespace(consumer=consumer, fingerprint=FP)  # what min_prompt_tokens reads of a KVLink
+    assert KVLink.min_prompt_tokens(link, cost) is None  # not calibrated: the gateway moves nothing
+    for i in range(16):  # 2 ms a step, 20 us a prefill token, 10 ns a prefill attention pair
+        n, decode = 16 * (i % 5 + 1), i % 3
+        cost.observe(StepFeatures(n, decode, 100 * decode, n * n / 2), 0.002 + 2e-5 * n + 1e-8 * n * n / 2)
+    expected = min_prompt_tokens(float(cost.coef[1]), float(cost.coef[4]), FP.bytes_per_token, ASSUMED_LINK_BYTES_PER_S)
+    assert KVLink.min_prompt_tokens(link, cost) == expected and 300 < expected < 1000
+    consumer.bandwidth = 1e5  # a slow link measured: moving a token costs more; only far longer prompts pay
+    assert KVLink.min_prompt_tokens(link, cost) > expected

@@ -4,17 +4,19 @@ decode replica; the client sees one ordinary answer, the same as a colocated one
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import pytest
 
 from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cadenza.node.gateway.state import METRICS
-from cadenza.node.gateway.disagg import min_prompt_tokens, prompt_tokens
+from cadenza.node.gateway.disagg import prompt_tokens
 from cadenza.node.server.app import create_app
 from cadenza.node.server.auth import TOKEN_ENV
 from cadenza.node.server.openai_api import ENGINE
-from cadenza.node.wire import KV_SOURCE_HEADER
+from cadenza.node.wire import DISAGG_THRESHOLD_HEADER, KV_SOURCE_HEADER
 
 MODEL = "tiny"
 LONG, SHORT = list(range(5, 105)), list(range(5, 25))  # 100 and 20 token ids; the threshold is 32
@@ -34,8 +36,9 @@ async def pool(aiohttp_server, start_gateway, tiny_llama_dir, monkeypatch, dead_
         servers.append(server)
     prefill, decode = (str(s.make_url("")).rstrip("/") for s in servers)
 
-    async def gateway(prefill_url=prefill):
-        return await start_gateway({"interactive": [decode], "prefill": [prefill_url]}, disagg_min_prompt_tokens=32)
+    async def gateway(prefill_url=prefill, threshold=32):
+        return await start_gateway({"interactive": [decode], "prefill": [prefill_url]},
+                                   disagg_min_prompt_tokens=threshold)
 
     return gateway, servers[0].app, servers[1].app
 
@@ -104,10 +107,22 @@ def test_prompt_length_is_exact_for_token_ids_and_estimated_for_text():
     assert prompt_tokens({"prompt": [[1, 2, 3], [4]]}) == 3 and prompt_tokens("junk") == 0
 
 
-def test_the_threshold_is_where_the_saved_prefill_time_pays_for_the_fixed_cost():
-    # 100 us of decode-replica time per prompt token; KV of 128 KiB/token over 50 GB/s: 2.6 us
-    assert min_prompt_tokens(1e-4, 131072, 50e9, fixed_s=0.05) == 514
-    assert min_prompt_tokens(1e-4, 131072, 1e9, fixed_s=0.05) is None  # the link costs more than the prefill
+async def test_with_auto_the_gateway_takes_the_threshold_the_decode_replica_reports(pool, monkeypatch):
+    gateway, prefill_app, decode_app = pool
+    gw = await gateway(threshold="auto")
+    # a decode replica whose cost model is not calibrated reports nothing: nothing moves
+    await text_of(await gw.post("/v1/completions", json=body(LONG)))
+    assert gw.app[METRICS].disagg_outcomes == {}
+    client = decode_app[ENGINE]
+    computed = dataclasses.replace(client.stats(), kv_transfer_min_prompt_tokens=64)
+    monkeypatch.setattr(client, "stats", lambda: computed)
+    resp = await gw.post("/v1/completions", json=body(SHORT))
+    assert DISAGG_THRESHOLD_HEADER not in resp.headers  # the gateway's to read, not the client's
+    await text_of(resp)
+    metrics = (await (await gw.get("/metrics")).text())
+    assert re.search(r"^cadenza_gateway_disagg_min_prompt_tokens(\{[^}]*\})? 64\.0$", metrics, re.M)
+    await text_of(await gw.post("/v1/completions", json=body(LONG)))  # 100 >= 64 tokens: moved
+    assert gw.app[METRICS].disagg_outcomes == {"prefilled": 1}
 
 
 def _greedy(n):

@@ -66,18 +66,21 @@ class FakeAPI:
 
 async def test_refresh_reads_each_role_service_and_keeps_the_last_upstreams_on_failure():
     api = FakeAPI({"chat-interactive": [slice_dict({"10.0.0.2": True})],
-                   "chat-batch": [slice_object({"10.0.0.3": True, "10.0.0.9": False})]})
+                   "chat-batch": [slice_object({"10.0.0.3": True, "10.0.0.9": False})],
+                   "chat-prefill": [slice_dict({"10.0.0.7": True})]})  # a disaggregated pool's prefill pods
     table = Upstreams()
     source = KubernetesSource("serving", "chat", api)
     assert await source.refresh(table)
-    assert table.urls() == {"interactive": ["http://10.0.0.2:8000"], "batch": ["http://10.0.0.3:8000"]}
-    assert sorted(api.calls) == [("serving", "chat-batch"), ("serving", "chat-interactive")]
+    assert table.urls() == {"interactive": ["http://10.0.0.2:8000"], "batch": ["http://10.0.0.3:8000"],
+                            "prefill": ["http://10.0.0.7:8000"]}
+    assert sorted(api.calls) == [("serving", "chat-batch"), ("serving", "chat-interactive"), ("serving", "chat-prefill")]
 
     api.broken = {"chat-interactive"}
     api.slices["chat-batch"] = [slice_dict({"10.0.0.3": True, "10.0.0.4": True})]
     await source.refresh(table)
     assert table.urls() == {"interactive": ["http://10.0.0.2:8000"],
-                            "batch": ["http://10.0.0.3:8000", "http://10.0.0.4:8000"]}
+                            "batch": ["http://10.0.0.3:8000", "http://10.0.0.4:8000"],
+                            "prefill": ["http://10.0.0.7:8000"]}
 
     api.broken = {"chat-interactive", "chat-batch"}
     assert not await source.refresh(table)
@@ -133,9 +136,9 @@ async def test_the_default_lister_asks_the_api_for_the_service_slices(aiohttp_se
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     table = Upstreams()
     await KubernetesSource("serving", "chat", kubernetes_list_slices()).refresh(table)
-    assert table.urls() == {"interactive": ["http://10.2.0.1:8123"], "batch": ["http://10.2.0.1:8123"]}
-    assert sorted(asked) == [("serving", "kubernetes.io/service-name=chat-batch", "Bearer s3cret"),
-                             ("serving", "kubernetes.io/service-name=chat-interactive", "Bearer s3cret")]
+    assert table.urls() == {role: ["http://10.2.0.1:8123"] for role in ("interactive", "batch", "prefill")}
+    assert sorted(asked) == [("serving", f"kubernetes.io/service-name=chat-{role}", "Bearer s3cret")
+                             for role in ("batch", "interactive", "prefill")]
 
 
 def test_terminating_endpoints_are_not_routed_to():
