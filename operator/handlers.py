@@ -42,7 +42,7 @@ from cadenza.node.otel import make_resource, otlp_enabled
 from cadenza.operator import kube, render
 from cadenza.operator.actuator import Actuator, AdminClient, State, spec_knobs
 from cadenza.operator.k8s_roles import PodBackend, scrape_pool
-from cadenza.operator.observe import PoolObserver, latency_status, slo_condition
+from cadenza.operator.observe import PoolObserver, disaggregation_status, latency_status, slo_condition
 from cadenza.operator.pool import Pool, PoolSpecError
 from cadenza.operator.validate import PoolValidationError, validate_pool
 
@@ -213,7 +213,7 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
     Raises:
         kube.Transient, kube.Refused: as :func:`kube.apply`.
     """
-    if pool.mode == "auto":
+    if render.needs_admin_token(pool):
         _admin_token(meta, pool)  # before the pods that mount it
     retiring = [name for name in render.stale_deployments(pool, roles)
                 if kube.deployment_status(name, pool.namespace) is not None]
@@ -231,6 +231,9 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
             if kube.delete("Deployment", name, pool.namespace):
                 logger.info("deleted Deployment %s (mode %s)", name, pool.mode)
                 kopf.info(body, reason="Deleted", message=f"Deployment {name}: role not run in mode {pool.mode}")
+        for name in render.stale_services(pool):
+            if kube.delete("Service", name, pool.namespace):
+                logger.info("deleted Service %s (mode %s)", name, pool.mode)
         retiring = []
     patch.status.update(_status(body, pool, roles, shift=(waiting, retiring), slo=slo))
 
@@ -329,6 +332,11 @@ def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str
             _condition(body, "Degraded", False, "AsExpected", "the spec is valid and applied"),
         ],
     }
+    if pool.mode == "disaggregated":
+        pinned = pool.min_prompt_tokens
+        status["disaggregated"] = disaggregation_status(pinned, None if pinned else scrape_pool(pool))
+    elif body.get("status", {}).get("disaggregated"):
+        status["disaggregated"] = None  # a merge patch removes a map by name
     previous = body.get("status", {})
     # A merge patch merges maps: a role the mode no longer runs must be removed by name.
     for stale in set(previous.get("roles") or {}) - set(per_role):

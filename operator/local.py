@@ -11,6 +11,10 @@ configuration go to a run folder it prints.
 With ``mode: auto`` every replica starts colocated with a per-run admin token, and the same SLO
 controller as the operator's keeps the pool's SLOs by retuning and moving replicas in place
 (:mod:`.local_control`); each decision is logged and the state file shows the shape.
+
+With ``mode: disaggregated`` the prefill and decode replicas each open a KV transfer endpoint (a
+free port, announced per request) and share a per-run token with the gateway, which sends every
+class to the decode replicas and long prompts through a prefill replica first.
 """
 
 from __future__ import annotations
@@ -111,7 +115,8 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int, admin_token: str |
          ) -> tuple[list[Process], Process]:
     """The replicas and the gateway a pool needs, with their configuration files written.
 
-    ``admin_token``, when given, enables every replica's admin API with it (``mode: auto``).
+    ``admin_token``, when given, enables every replica's admin API with it (``mode: auto``), and
+    is the gateway's too (``mode: disaggregated``: its KV transfer headers need it).
 
     Raises:
         PoolSpecError: a spec that cannot run here (a PVC source needs a cluster).
@@ -136,16 +141,22 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int, admin_token: str |
         for i in range(role.replicas):
             port_i = free_port()
             cmd = [*serve, "--port", str(port_i), *role.serve_args(model_args), "--policy", str(policy)]
+            if role.kv_transfer:
+                cmd += ["--kv-transfer-port", "0"]
             replicas.append(Process(f"{role.name}-{i}", cmd, port_i, run_dir / f"{role.name}-{i}.log",
                                     role=role.name, env=env))
     urls = {role: [r.url for r in replicas if r.role == role] for role in ("interactive", "batch")}
     if pool.mode in ("colocated", "auto"):  # auto: every replica starts colocated
         urls = {"interactive": [r.url for r in replicas], "batch": [r.url for r in replicas]}
+    elif pool.mode == "disaggregated":  # every class decodes on the decode replicas
+        decode = [r.url for r in replicas if r.role == "decode"]
+        urls = {"interactive": decode, "batch": decode, "prefill": [r.url for r in replicas if r.role == "prefill"]}
     config = run_dir / "gateway.json"
     write_routes(config, urls)
     gateway = Process("gateway", [sys.executable, "-m", "cadenza.node.cli", "gateway", "--config", str(config),
                                   "--host", host, "--port", str(port), *pool.gateway_args()], port,
-                      run_dir / "gateway.log", host=host)
+                      run_dir / "gateway.log", host=host,
+                      env={"CADENZA_ADMIN_TOKEN": admin_token} if pool.mode == "disaggregated" and admin_token else {})
     return replicas, gateway
 
 
@@ -211,7 +222,7 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
         return 1
     run_dir = Path(tempfile.mkdtemp(prefix=f"cadenza-up-{name}-"))
     auto = pool_obj["spec"].get("mode") == "auto"
-    token = secrets.token_hex(16) if auto else None
+    token = secrets.token_hex(16) if pool_obj["spec"].get("mode") in ("auto", "disaggregated") else None
     try:
         replicas, gateway = plan(pool_obj, run_dir, host, port, admin_token=token)
     except PoolSpecError as exc:

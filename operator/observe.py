@@ -98,3 +98,33 @@ def slo_condition(signals: Signals, spec: ControllerSpec) -> tuple[str, str, str
     if unknown:
         return "Unknown", "SignalsUnknown", "; ".join(unknown)
     return "True", "SLOMet", f"every class within its SLO over {spec.slow_window_s:.0f} s"
+
+
+THRESHOLD_METRIC = "cadenza_gateway_disagg_min_prompt_tokens"
+
+
+def disaggregation_status(pinned: int | None, scraped: Mapping[str, str] | None) -> dict[str, Any]:
+    """``status.disaggregated`` of a disaggregated pool: the shortest prompt its gateways send
+    through a prefill replica, and where that figure comes from.
+
+    Args:
+        pinned: ``spec.disaggregated.minPromptTokens``, or None (the engines compute it).
+        scraped: ``/metrics`` text by pod (:func:`~cadenza.operator.k8s_roles.scrape_pool`), or
+            None; the gateways' ``cadenza.gateway.disagg.min_prompt_tokens`` gauge is read.
+
+    Returns:
+        ``{"minPromptTokens", "source": "pinned" | "computed", "message"}``, or ``source:
+        unknown`` (no ``minPromptTokens``) while no gateway reports a computed threshold — the
+        decode replicas' cost models calibrate on their first steps and their link on the first
+        1 MiB pulled; until then nothing is moved.
+    """
+    if pinned is not None:
+        return {"minPromptTokens": pinned, "source": "pinned", "message": "spec.disaggregated.minPromptTokens"}
+    values = [float(line.rsplit(" ", 1)[1]) for text in (scraped or {}).values() for line in text.splitlines()
+              if line.startswith(THRESHOLD_METRIC) and line[len(THRESHOLD_METRIC):][:1] in (" ", "{")]
+    if not values:
+        return {"source": "unknown", "message": "no gateway reports a computed threshold yet (the decode replicas "
+                                                "calibrate their step-time model and measure the link first); "
+                                                "until then every prompt is prefilled where it decodes"}
+    return {"minPromptTokens": int(max(values)), "source": "computed",
+            "message": "from the decode replicas' step-time models and measured KV transfer bandwidth"}

@@ -8,7 +8,10 @@ Roles: ``colocated`` mode runs one role, ``colocated``, whose replicas serve eve
 top) and ``batch`` replicas (the base settings) for batch and background traffic. ``auto`` runs one
 workload, ``auto``, whose pods start with the base settings and no routing; the SLO controller
 gives each pod its role (colocated or interactive) in place — labels and live settings — and
-only then routes to it (:mod:`.actuator`).
+only then routes to it (:mod:`.actuator`). ``disaggregated`` runs ``prefill`` replicas
+(``disaggregated.prefillEngine`` on top of the base), which compute long prompts and stream their
+KV, and ``decode`` replicas (``disaggregated.decodeEngine`` on top) serving every class; both
+have a KV transfer endpoint.
 """
 
 from __future__ import annotations
@@ -23,7 +26,16 @@ from cadenza.node.core.config import ConfigError
 from cadenza.operator.engine_args import engine_config, policy_document, serve_args
 
 MODEL_MOUNT = "/models"
-DEFAULT_CLASS = {"colocated": "interactive", "interactive": "interactive", "batch": "batch", "auto": "interactive"}
+DEFAULT_CLASS = {"colocated": "interactive", "interactive": "interactive", "batch": "batch", "auto": "interactive",
+                 "prefill": "interactive", "decode": "interactive"}
+MODES = ("colocated", "dedicated", "disaggregated", "auto")
+KV_TRANSFER_ROLES = ("prefill", "decode")  # the roles whose replicas move prompt KV between them
+_OVERRIDES = {"interactive": ("dedicated", "engine"), "prefill": ("disaggregated", "prefillEngine"),
+              "decode": ("disaggregated", "decodeEngine")}  # role -> where its engine overrides are
+# What a prefill or decode role may set on top of the base: a decode replica takes the prefill
+# replica's KV blocks as they are, so the KV layout and the model length stay the pool's.
+KV_ROLE_KEYS = frozenset({"tokenBudget", "chunkSize", "maxNumSeqs", "prefixCaching", "stepTimeTargetMs",
+                          "kvCacheFraction", "classes", "tenants"})
 
 
 class PoolSpecError(ValueError):
@@ -35,7 +47,7 @@ class Role:
     """One kind of replica in a pool.
 
     Attributes:
-        name: ``colocated`` | ``interactive`` | ``batch``.
+        name: ``colocated`` | ``interactive`` | ``batch`` | ``auto`` | ``prefill`` | ``decode``.
         replicas: how many.
         engine: the merged camelCase engine settings.
     """
@@ -50,6 +62,11 @@ class Role:
 
     def policy(self) -> dict[str, Any]:
         return policy_document(self.engine)
+
+    @property
+    def kv_transfer(self) -> bool:
+        """Its replicas run a KV transfer endpoint (and need the pool's token to use it)."""
+        return self.name in KV_TRANSFER_ROLES
 
     def config_hash(self, model_args: list[str]) -> str:
         """Changes exactly when what this role's replicas run changes (rolls only them)."""
@@ -67,8 +84,8 @@ class Pool:
 
     @property
     def mode(self) -> str:
-        """``colocated`` | ``dedicated`` | ``auto``."""
-        return self.spec.get("mode") if self.spec.get("mode") in ("dedicated", "auto") else "colocated"
+        """``colocated`` | ``dedicated`` | ``disaggregated`` | ``auto``."""
+        return self.spec.get("mode") if self.spec.get("mode") in MODES else "colocated"
 
     @property
     def model_name(self) -> str:
@@ -89,41 +106,55 @@ class Pool:
         """The roles to run, validated against the engine's own rules.
 
         Raises:
-            PoolSpecError: an engine setting the engine refuses, or a dedicated split that leaves
-                a role empty.
+            PoolSpecError: an engine setting the engine refuses, a dedicated or disaggregated
+                split that leaves a role empty, or a prefill or decode override outside
+                :data:`KV_ROLE_KEYS` (the CRD refuses those too; ``cadenza up`` has no API server).
         """
         replicas = int(self.spec.get("replicas", 1))
-        base = dict(self.spec.get("engine", {}))
         if self.mode == "colocated":
-            roles = [Role("colocated", replicas, base)]
+            roles = [self.role_settings("colocated", replicas)]
         elif self.mode == "auto":
-            roles = [Role("auto", replicas, base)]
+            roles = [self.role_settings("auto", replicas)]
         else:
-            dedicated = self.spec.get("dedicated", {})
-            interactive = int(dedicated.get("interactiveReplicas", 1))
-            if interactive >= replicas:
-                raise PoolSpecError(f"spec.dedicated.interactiveReplicas ({interactive}) must be less than "
-                                    f"spec.replicas ({replicas})")
-            merged = {**base, **dedicated.get("engine", {})}
-            roles = [Role("interactive", interactive, merged), Role("batch", replicas - interactive, base)]
+            first, rest, section, key = (("interactive", "batch", "dedicated", "interactiveReplicas")
+                                         if self.mode == "dedicated" else
+                                         ("prefill", "decode", "disaggregated", "prefillReplicas"))
+            n = int(self.spec.get(section, {}).get(key, 1))
+            if n >= replicas:
+                raise PoolSpecError(f"spec.{section}.{key} ({n}) must be less than spec.replicas ({replicas})")
+            for role in KV_TRANSFER_ROLES if self.mode == "disaggregated" else ():
+                overrides = self.spec.get(section, {}).get(_OVERRIDES[role][1], {})
+                if extra := sorted(set(overrides) - KV_ROLE_KEYS):
+                    raise PoolSpecError(f"spec.{section}.{_OVERRIDES[role][1]} may not set {', '.join(extra)}: a "
+                                        "decode replica takes the prefill replica's KV blocks as they are")
+            roles = [self.role_settings(first, n), self.role_settings(rest, replicas - n)]
         for role in roles:
             self._check(role)
         return roles
 
-    def role_settings(self, name: str) -> Role:
-        """The settings a role runs with under this spec, whether or not the mode runs it (for the
-        policy file of a role being retired; its replicas are 0 here)."""
+    def role_settings(self, name: str, replicas: int = 0) -> Role:
+        """The settings a role runs with under this spec — the base engine settings with the role's
+        overrides on top — whether or not the mode runs it (for the policy file of a role being
+        retired, with 0 replicas)."""
         base = dict(self.spec.get("engine", {}))
-        if name == "interactive":
-            base = {**base, **self.spec.get("dedicated", {}).get("engine", {})}
-        return Role(name, 0, base)
+        if name in _OVERRIDES:
+            section, key = _OVERRIDES[name]
+            base = {**base, **self.spec.get(section, {}).get(key, {})}
+        return Role(name, replicas, base)
+
+    @property
+    def min_prompt_tokens(self) -> int | None:
+        """The pinned disaggregation threshold (``disaggregated.minPromptTokens``), or None: the
+        gateway takes the one the decode replicas compute."""
+        value = self.spec.get("disaggregated", {}).get("minPromptTokens")
+        return None if value is None else int(value)
 
     def _check(self, role: Role) -> None:
         engine = role.engine
         budget, chunk = engine.get("tokenBudget", 512), engine.get("chunkSize", 256)
         if chunk is not None and chunk > budget:
             raise PoolSpecError(f"role {role.name}: chunkSize ({chunk}) exceeds tokenBudget ({budget}) once "
-                                "spec.dedicated.engine is applied")
+                                "the role's engine overrides are applied")
         try:
             engine_config("/model", engine, self.model_name)
         except ConfigError as exc:
@@ -131,9 +162,14 @@ class Pool:
 
     def gateway_args(self) -> list[str]:
         """``--slo-targets-ms`` with every SLO target of the pool (the gateway's histograms are dense
-        around them), or nothing without SLOs."""
+        around them), or nothing without SLOs; in disaggregated mode ``--disagg-min-prompt-tokens``,
+        pinned or ``auto``."""
         targets = sorted({float(v) for slo in (self.spec.get("slo") or {}).values() for v in (slo or {}).values()})
-        return ["--slo-targets-ms", ",".join(f"{t:g}" for t in targets)] if targets else []
+        args = ["--slo-targets-ms", ",".join(f"{t:g}" for t in targets)] if targets else []
+        if self.mode == "disaggregated":
+            pinned = self.min_prompt_tokens
+            args += ["--disagg-min-prompt-tokens", "auto" if pinned is None else str(pinned)]
+        return args
 
     @property
     def gpus(self) -> int:

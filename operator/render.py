@@ -3,15 +3,19 @@
 Every function returns plain dicts (testable without a cluster). For a pool named ``p``:
 
 - ConfigMap ``p-engine``: each role's policy document (mounted at ``/etc/cadenza``);
-- a Deployment per role: ``p-colocated``, or ``p-interactive`` and ``p-batch``; the pod template
-  carries a hash of the role's configuration, so a changed knob rolls only that role;
+- a Deployment per role: ``p-colocated``, ``p-interactive`` and ``p-batch``, ``p-auto``, or
+  ``p-prefill`` and ``p-decode``; the pod template carries a hash of the role's configuration, so a
+  changed knob rolls only that role; prefill and decode pods also listen for KV transfers (port
+  ``kv``, bound to the pod IP) and hold the pool's token;
 - Services: ``p`` (every engine pod), ``p-interactive`` and ``p-batch`` (what the gateway routes
   each class to — in colocated mode both select every engine pod, so a mode shift changes
   selectors, never the gateway; while a shift waits for the new roles, ``narrow=False`` keeps
-  them on every engine pod, old and new), and ``p-gateway`` (the pool's entry point);
+  them on every engine pod, old and new; in disaggregated mode they select the decode pods, and
+  ``p-prefill`` the prefill pods), and ``p-gateway`` (the pool's entry point);
 - a PodDisruptionBudget ``p-engine`` (one engine pod down at a time);
 - the gateway: ServiceAccount, Role and RoleBinding ``p-gateway`` (read EndpointSlices) and a
-  Deployment ``p-gateway`` running ``cadenza gateway --kubernetes``.
+  Deployment ``p-gateway`` running ``cadenza gateway --kubernetes`` (with the pool's token in
+  disaggregated mode: it asks the replicas to move KV).
 
 All carry an owner reference to the pool.
 """
@@ -35,7 +39,8 @@ ADMIN_TOKEN_DIR = "/var/run/cadenza-admin"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 CONFIG_HASH = "serving.cadenza.dev/config-hash"
 HTTP_PORT = 8000
-ALL_ROLES = ("colocated", "interactive", "batch", "auto")
+KV_PORT = 9000  # the KV transfer endpoint of prefill and decode pods
+ALL_ROLES = ("colocated", "interactive", "batch", "auto", "prefill", "decode")
 _SECURE_CONTAINER = {
     "runAsNonRoot": True, "runAsUser": 65532, "readOnlyRootFilesystem": True,
     "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
@@ -61,8 +66,22 @@ def engine_selector(pool: Pool, role: str | None = None) -> dict[str, str]:
 
 
 def admin_secret_name(pool: Pool) -> str:
-    """The Secret holding the pool's admin token (mode auto; created by the operator)."""
+    """The Secret holding the pool's admin token (modes auto and disaggregated; created by the
+    operator)."""
     return f"{pool.name}-admin"
+
+
+def needs_admin_token(pool: Pool) -> bool:
+    """Whether the pool's pods use its token: the SLO controller's admin calls (auto), the KV
+    transfer headers between gateway and replicas (disaggregated)."""
+    return pool.mode in ("auto", "disaggregated")
+
+
+def _token_volume(pool: Pool) -> tuple[dict, dict, dict]:
+    """The admin Secret as ``(volume, mount, env)`` of a container that reads the token."""
+    return ({"name": "admin-token", "secret": {"secretName": admin_secret_name(pool), "defaultMode": 0o440}},
+            {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
+            {"name": "CADENZA_ADMIN_TOKEN_FILE", "value": f"{ADMIN_TOKEN_DIR}/token"})
 
 
 def admin_secret_meta(pool: Pool, owner: Mapping[str, str] | None) -> dict:
@@ -134,6 +153,8 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
             "--policy", f"/etc/cadenza/{role.name}.policy.json", "--shutdown-timeout-s", str(max(1, grace - drain - 5))]
     if pool.gpus:
         args += ["--device", "cuda"]
+    if role.kv_transfer:  # peers dial the pod IP ($(POD_IP) is expanded by the kubelet)
+        args += ["--kv-transfer-port", str(KV_PORT), "--kv-transfer-host", "$(POD_IP)"]
     volumes = [{"name": "config", "configMap": {"name": f"{pool.name}-engine"}},
                {"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
     # The root filesystem is read-only: the model cache and /tmp (torch needs a temp dir) are volumes.
@@ -157,14 +178,20 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
     ]
     if (threads := cpu_threads(pool)) is not None:
         env.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
+    if role.kv_transfer:
+        env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     auto = role.name == "auto"
-    if auto:  # the SLO controller reaches each pod's admin API with the pool's token
-        volumes.append({"name": "admin-token", "secret": {"secretName": admin_secret_name(pool), "defaultMode": 0o440}})
-        mounts.append({"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True})
-        env.append({"name": "CADENZA_ADMIN_TOKEN_FILE", "value": f"{ADMIN_TOKEN_DIR}/token"})
+    if auto or role.kv_transfer:  # the SLO controller's admin calls; the gateway's KV headers
+        volume, mount, token_env = _token_volume(pool)
+        volumes.append(volume)
+        mounts.append(mount)
+        env.append(token_env)
+    ports = [{"name": "http", "containerPort": HTTP_PORT}]
+    if role.kv_transfer:
+        ports.append({"name": "kv", "containerPort": KV_PORT})
     container = {
         "name": "engine", "image": pool.spec["image"], "command": ["cadenza"], "args": args,
-        "ports": [{"name": "http", "containerPort": HTTP_PORT}],
+        "ports": ports,
         "env": env,
         "resources": resources(pool),
         "volumeMounts": mounts,
@@ -223,20 +250,26 @@ def _service(pool: Pool, name: str, component: str, selector: dict, owner=None) 
 
 
 def render_services(pool: Pool, owner=None, narrow: bool = True) -> list[dict]:
-    """The engine-wide, per-class and gateway Services (selectors follow the mode; with
-    ``narrow=False`` the class Services select every engine pod, whatever the mode)."""
-    dedicated = pool.mode == "dedicated" and narrow
-    interactive = engine_selector(pool, "interactive" if dedicated else None)
-    batch = engine_selector(pool, "batch" if dedicated else None)
-    if pool.mode == "auto" and narrow:  # routed by the labels the controller sets on each pod
+    """The engine-wide, per-class and gateway Services, and ``p-prefill`` in disaggregated mode
+    (selectors follow the mode; with ``narrow=False`` the class Services select every engine
+    pod, whatever the mode)."""
+    interactive = batch = engine_selector(pool)
+    if narrow and pool.mode == "dedicated":
+        interactive, batch = engine_selector(pool, "interactive"), engine_selector(pool, "batch")
+    elif narrow and pool.mode == "disaggregated":  # every class decodes on the decode pods
+        interactive = batch = engine_selector(pool, "decode")
+    elif narrow and pool.mode == "auto":  # routed by the labels the controller sets on each pod
         interactive = {**engine_selector(pool), SERVES_INTERACTIVE: "true"}
         batch = {**engine_selector(pool), SERVES_BATCH: "true"}
-    return [
+    services = [
         _service(pool, pool.name, "engine", engine_selector(pool), owner),
         _service(pool, f"{pool.name}-interactive", "engine", interactive, owner),
         _service(pool, f"{pool.name}-batch", "engine", batch, owner),
         _service(pool, f"{pool.name}-gateway", "gateway", {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}, owner),
     ]
+    if pool.mode == "disaggregated":
+        services.insert(3, _service(pool, f"{pool.name}-prefill", "engine", engine_selector(pool, "prefill"), owner))
+    return services
 
 
 def render_pdb(pool: Pool, owner=None) -> dict:
@@ -270,6 +303,11 @@ def render_gateway(pool: Pool, owner=None) -> list[dict]:
         "readinessProbe": _probe("/ready", periodSeconds=5),
         "securityContext": _SECURE_CONTAINER,
     }
+    pod: dict[str, Any] = {"serviceAccountName": name, "containers": [container], "securityContext": {"runAsNonRoot": True}}
+    if pool.mode == "disaggregated":  # the KV transfer headers need the pool's token
+        volume, mount, token_env = _token_volume(pool)
+        container.update(volumeMounts=[mount], env=[token_env])
+        pod["volumes"] = [volume]
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(pool, name, "gateway", owner),
         "spec": {
@@ -277,8 +315,7 @@ def render_gateway(pool: Pool, owner=None) -> list[dict]:
             "selector": {"matchLabels": {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}},
             "template": {
                 "metadata": {"labels": labels(pool, "gateway")},
-                "spec": {"serviceAccountName": name, "containers": [container],
-                         "securityContext": {"runAsNonRoot": True}},
+                "spec": pod,
             },
         },
     }
@@ -313,6 +350,11 @@ def stale_deployments(pool: Pool, roles: list[Role]) -> list[str]:
     return [f"{pool.name}-{role}" for role in ALL_ROLES if role not in running]
 
 
+def stale_services(pool: Pool) -> list[str]:
+    """Services the current mode does not render (to delete after a shift)."""
+    return [] if pool.mode == "disaggregated" else [f"{pool.name}-prefill"]
+
+
 def every_child(pool: Pool) -> list[tuple[str, str, str]]:
     """``(apiVersion, kind, name)`` of every object a pool may own, whatever its mode (for cleanup;
     some test API servers have no garbage collector)."""
@@ -320,7 +362,7 @@ def every_child(pool: Pool) -> list[tuple[str, str, str]]:
     return [
         ("apps/v1", "Deployment", f"{n}-gateway"), *[("apps/v1", "Deployment", f"{n}-{r}") for r in ALL_ROLES],
         ("v1", "Service", n), ("v1", "Service", f"{n}-interactive"), ("v1", "Service", f"{n}-batch"),
-        ("v1", "Service", f"{n}-gateway"), ("v1", "ConfigMap", f"{n}-engine"), ("v1", "Secret", f"{n}-admin"),
+        ("v1", "Service", f"{n}-prefill"), ("v1", "Service", f"{n}-gateway"), ("v1", "ConfigMap", f"{n}-engine"), ("v1", "Secret", f"{n}-admin"),
         ("policy/v1", "PodDisruptionBudget", f"{n}-engine"),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", f"{n}-gateway"),
         ("rbac.authorization.k8s.io/v1", "Role", f"{n}-gateway"), ("v1", "ServiceAccount", f"{n}-gateway"),

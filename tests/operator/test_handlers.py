@@ -163,3 +163,24 @@ def test_the_resync_timer_is_quiet_about_an_invalid_spec(cluster):
     b = kopf.Body(bad)
     handlers.resync(body=b, meta=b.metadata, patch=kopf.Patch(), logger=logging.getLogger("test"))
     assert cluster["applied"] == [] and cluster["events"] == []
+
+
+def test_a_disaggregated_pool_reports_its_threshold_pinned_or_as_its_gateways_compute_it(cluster, monkeypatch):
+    tokens = []
+    monkeypatch.setattr(kube, "ensure_secret_token", lambda meta, token: tokens.append(meta["name"]) or token)
+    scraped = {"chat-gateway-1": "# TYPE g gauge\ncadenza_gateway_disagg_min_prompt_tokens{a=\"b\"} 700.0\n",
+               "chat-gateway-2": "cadenza_gateway_disagg_min_prompt_tokens 650.0\n", "chat-decode-1": "x 1\n"}
+    monkeypatch.setattr(handlers, "scrape_pool", lambda pool: scraped)
+    body = {**BODY, "spec": {**BODY["spec"], "mode": "disaggregated", "disaggregated": {"prefillReplicas": 1}}}
+    status = run(body)["status"]
+    assert tokens == ["chat-admin"]  # before the pods that mount it
+    assert status["roles"] == {"prefill": {"replicas": 1, "readyReplicas": 0},
+                               "decode": {"replicas": 1, "readyReplicas": 0}}
+    # the most any gateway reports: a gateway that has not heard from every decode replica lags
+    assert status["disaggregated"]["minPromptTokens"] == 700 and status["disaggregated"]["source"] == "computed"
+    scraped.clear()
+    assert run(body)["status"]["disaggregated"]["source"] == "unknown"
+    body["spec"]["disaggregated"]["minPromptTokens"] = 900
+    assert run(body)["status"]["disaggregated"] == {"minPromptTokens": 900, "source": "pinned",
+                                                    "message": "spec.disaggregated.minPromptTokens"}
+    assert "disaggregated" not in run(BODY)["status"]

@@ -54,6 +54,15 @@ def test_the_plan_follows_the_pool_mode(tmp_path, tiny_llama_dir):
     config = json.loads((tmp_path / "gateway.json").read_text())
     assert [r.role for r in replicas] == ["interactive", "batch"]
     assert config["roles"] == {"interactive": [replicas[0].url], "batch": [replicas[1].url]}
+    pool["spec"].update(mode="disaggregated", replicas=3, disaggregated={"prefillReplicas": 1})
+    replicas, gateway = plan(pool, tmp_path, "127.0.0.1", 8123, admin_token="t0ken")
+    config = json.loads((tmp_path / "gateway.json").read_text())
+    assert [r.role for r in replicas] == ["prefill", "decode", "decode"]
+    decode = [r.url for r in replicas[1:]]
+    assert config["roles"] == {"interactive": decode, "batch": decode, "prefill": [replicas[0].url]}
+    assert all(r.cmd[r.cmd.index("--kv-transfer-port") + 1] == "0" for r in replicas)  # announced per request
+    assert gateway.env["CADENZA_ADMIN_TOKEN"] == replicas[0].env["CADENZA_ADMIN_TOKEN"] == "t0ken"
+    assert gateway.cmd[gateway.cmd.index("--disagg-min-prompt-tokens") + 1] == "auto"
 
 
 def test_replicas_share_the_cores_instead_of_oversubscribing(tmp_path, tiny_llama_dir, monkeypatch):
@@ -224,3 +233,47 @@ def test_no_child_outlives_a_killed_supervisor(tmp_path, tiny_llama_dir):
         up.wait()
     pids = [state["gateway"]["pid"], *(r["pid"] for r in state["replicas"])]
     wait_for(lambda: not any(alive(pid) for pid in pids), 30, "children stopped with their supervisor")
+
+
+@pytest.mark.slow
+def test_a_disaggregated_pool_prefills_long_prompts_elsewhere_and_answers_as_one_replica_would(tmp_path,
+                                                                                            tiny_llama_dir):
+    port, state_file = free_port(), tmp_path / "state.json"
+    spec = {"mode": "disaggregated", "disaggregated": {"prefillReplicas": 1, "minPromptTokens": 32}}
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen([sys.executable, "-m", "cadenza.node.cli", "up",
+                           str(pool_yaml(tmp_path / "pool.yaml", tiny_llama_dir, **spec)), "--port", str(port),
+                           "--state-file", str(state_file)], stdout=log, stderr=subprocess.STDOUT, env=up_env(tmp_path))
+    url = f"http://127.0.0.1:{port}"
+
+    def complete(base: str, prompt: list[int]) -> dict:
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"{base}/v1/completions", body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())
+
+    def metric(base: str, name: str) -> float:
+        text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and not line.startswith("#") and line[len(name)] in " {")
+
+    try:
+        state = wait_for(lambda: json.loads(state_file.read_text()), 180, "the pool to be ready")
+        roles = {r["role"]: r["url"] for r in state["replicas"]}
+        assert set(roles) == {"prefill", "decode"}
+        long_prompt, short_prompt = [(7 * i) % 250 + 3 for i in range(150)], [5, 6, 7]
+        moved = complete(url, long_prompt)
+        assert metric(url, "cadenza_gateway_disagg_requests_total") == 1  # prefilled on the prefill replica
+        assert metric(roles["decode"], "cadenza_kv_transfer_loads_total") == 1
+        assert metric(roles["prefill"], "cadenza_kv_transfer_published_total") == 1
+        # the prefill replica serving the prompt whole, as a colocated replica would, gives the same tokens
+        # (not the decode replica: its prefix cache now holds the KV it pulled)
+        assert moved["choices"][0]["text"] == complete(roles["prefill"], long_prompt)["choices"][0]["text"]
+        assert moved["usage"] == {"prompt_tokens": 150, "completion_tokens": 8, "total_tokens": 158}
+        complete(url, short_prompt)  # below the pinned threshold: straight to the decode replica
+        assert metric(url, "cadenza_gateway_disagg_requests_total") == 1
+        assert metric(roles["decode"], "cadenza_kv_transfer_loads_total") == 1
+    finally:
+        stop_up(up, log, tmp_path / "up.log")

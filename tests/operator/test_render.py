@@ -8,7 +8,8 @@ import json
 import pytest
 
 from cadenza.operator.pool import Pool, PoolSpecError
-from cadenza.operator.render import CONFIG_HASH, render_all, selector_string, stale_deployments
+from cadenza.operator.render import (CONFIG_HASH, KV_PORT, every_child, render_all, selector_string,
+                                     stale_deployments, stale_services)
 
 OWNER = {"name": "chat", "uid": "uid-123"}
 BASE = {
@@ -83,7 +84,7 @@ def test_dedicated_mode_splits_roles_with_interactive_overrides():
     assert objs[("Service", "chat-interactive")]["spec"]["selector"]["serving.cadenza.dev/role"] == "interactive"
     assert objs[("Service", "chat-batch")]["spec"]["selector"]["serving.cadenza.dev/role"] == "batch"
     assert set(objs[("ConfigMap", "chat-engine")]["data"]) == {"interactive.policy.json", "batch.policy.json"}
-    assert stale_deployments(p, p.roles()) == ["chat-colocated", "chat-auto"]
+    assert stale_deployments(p, p.roles()) == ["chat-colocated", "chat-auto", "chat-prefill", "chat-decode"]
 
 
 def test_auto_mode_is_one_workload_whose_pods_get_roles_and_routing_in_place():
@@ -103,6 +104,56 @@ def test_auto_mode_is_one_workload_whose_pods_get_roles_and_routing_in_place():
     volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "admin-token")
     assert volume["secret"]["secretName"] == "chat-admin"
     assert "CADENZA_ADMIN_TOKEN_FILE" not in str(by_name(render_all(pool(), OWNER))[("Deployment", "chat-colocated")])
+
+
+def test_disaggregated_mode_runs_prefill_and_decode_roles_with_kv_endpoints_and_the_token():
+    spec = {"prefillReplicas": 1, "prefillEngine": {"chunkSize": 512}, "decodeEngine": {"maxNumSeqs": 32}}
+    p = pool(mode="disaggregated", disaggregated=spec)
+    objs = by_name(render_all(p, OWNER))
+    assert objs[("Deployment", "chat-prefill")]["spec"]["replicas"] == 1
+    assert objs[("Deployment", "chat-decode")]["spec"]["replicas"] == 2
+    prefill, decode = engine(objs, "prefill"), engine(objs, "decode")
+    assert prefill["args"][prefill["args"].index("--chunk-size") + 1] == "512"
+    assert decode["args"][decode["args"].index("--chunk-size") + 1] == "256"  # the base
+    assert decode["args"][decode["args"].index("--max-num-seqs") + 1] == "32"
+    for container in (prefill, decode):
+        args = container["args"]
+        assert args[args.index("--kv-transfer-port") + 1] == str(KV_PORT)
+        assert args[args.index("--kv-transfer-host") + 1] == "$(POD_IP)"  # peers dial the pod, not 0.0.0.0
+        env = {e["name"]: e for e in container["env"]}
+        assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["CADENZA_ADMIN_TOKEN_FILE"]["value"] == "/var/run/cadenza-admin/token"
+        assert {"name": "kv", "containerPort": KV_PORT} in container["ports"]
+    # every class decodes on the decode pods; the gateway finds prefill pods through their own Service
+    role = "serving.cadenza.dev/role"
+    assert objs[("Service", "chat-interactive")]["spec"]["selector"][role] == "decode"
+    assert objs[("Service", "chat-batch")]["spec"]["selector"][role] == "decode"
+    assert objs[("Service", "chat-prefill")]["spec"]["selector"][role] == "prefill"
+    gateway = objs[("Deployment", "chat-gateway")]["spec"]["template"]["spec"]
+    assert gateway["volumes"][0]["secret"]["secretName"] == "chat-admin"
+    args = gateway["containers"][0]["args"]
+    assert args[args.index("--disagg-min-prompt-tokens") + 1] == "auto"
+    pinned = by_name(render_all(pool(mode="disaggregated", disaggregated={"minPromptTokens": 700}), OWNER))
+    args = pinned[("Deployment", "chat-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--disagg-min-prompt-tokens") + 1] == "700"
+    # leaving the mode deletes what only it runs
+    assert stale_deployments(p, p.roles()) == ["chat-colocated", "chat-interactive", "chat-batch", "chat-auto"]
+    assert stale_services(p) == [] and stale_services(pool()) == ["chat-prefill"]
+    assert ("v1", "Service", "chat-prefill") in every_child(p)
+    assert ("apps/v1", "Deployment", "chat-decode") in every_child(pool())
+    # no other mode runs a KV endpoint or gives the gateway the token
+    colocated = by_name(render_all(pool(), OWNER))
+    assert "--kv-transfer-port" not in engine(colocated, "colocated")["args"]
+    assert "volumes" not in colocated[("Deployment", "chat-gateway")]["spec"]["template"]["spec"]
+
+
+def test_a_disaggregated_split_keeps_one_kv_layout_and_a_decode_replica():
+    with pytest.raises(PoolSpecError, match="prefillReplicas"):
+        render_all(pool(mode="disaggregated", replicas=2, disaggregated={"prefillReplicas": 2}))
+    with pytest.raises(PoolSpecError, match="blockSize"):
+        render_all(pool(mode="disaggregated", disaggregated={"decodeEngine": {"blockSize": 32}}))
+    with pytest.raises(PoolSpecError, match="chunkSize"):
+        render_all(pool(mode="disaggregated", disaggregated={"prefillEngine": {"chunkSize": 1024}}))
 
 
 def test_changing_a_knob_rolls_only_the_roles_it_affects():

@@ -164,7 +164,7 @@ def test_replicas_above_the_maximum_are_refused():
 
 def test_unknown_mode_is_refused_naming_the_supported_values():
     problems = problems_of(pool(mode="hybrid"))
-    assert problems[0] == 'spec.mode: Unsupported value: "hybrid": supported values: "colocated", "dedicated", "auto"'
+    assert problems[0] == 'spec.mode: Unsupported value: "hybrid": supported values: "colocated", "dedicated", "disaggregated", "auto"'
 
 
 def test_block_size_outside_the_enum_is_refused():
@@ -416,3 +416,22 @@ def test_dedicated_engine_holds_only_live_settings():
 def test_termination_needs_room_for_the_drain_delay():
     with pytest.raises(PoolValidationError, match="must exceed drainDelaySeconds"):
         validate_pool(pool(termination={"gracePeriodSeconds": 12, "drainDelaySeconds": 10}))
+
+
+def test_a_disaggregated_pool_is_defaulted_and_keeps_a_decode_replica():
+    spec = validate_pool(pool(mode="disaggregated", replicas=3))["spec"]
+    assert spec["disaggregated"] == {"prefillReplicas": 1, "prefillEngine": {}, "decodeEngine": {}}  # threshold: computed
+    assert problems_of(pool(mode="disaggregated", replicas=2, disaggregated={"prefillReplicas": 2})) == [
+        "spec: disaggregated.prefillReplicas must be less than replicas (the decode role needs at least one)"]
+    # the other modes ignore the section; dedicated's rule does not bind a disaggregated pool
+    validate_pool(pool(mode="disaggregated", replicas=2, dedicated={"interactiveReplicas": 2}))
+
+
+@pytest.mark.parametrize("role", ["prefillEngine", "decodeEngine"])
+@pytest.mark.parametrize("key, value", [("blockSize", 32), ("maxModelLen", 4096)])
+def test_a_role_of_a_disaggregated_pool_may_not_change_the_kv_layout(role, key, value):
+    problems = problems_of(pool(mode="disaggregated", replicas=2, disaggregated={role: {key: value}}))
+    assert problems == ["spec.disaggregated: disaggregated.prefillEngine and decodeEngine may not change the KV "
+                        "layout or the model length (blockSize, maxModelLen): a decode replica takes the prefill "
+                        "replica's KV blocks as they are"]
+    validate_pool(pool(mode="disaggregated", replicas=2, disaggregated={role: {"chunkSize": 64}}))
