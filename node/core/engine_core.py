@@ -187,6 +187,7 @@ class EngineCore:
             [(req.request_id, req.traffic_class, phase, waited) for req, phase, waited in out.admitted],
             [(row.request.request_id, row.start, row.num_tokens) for row in out.prefill_rows],
             [(req.request_id, req.num_preemptions) for req in out.preempted],
+            self.scheduler.remote.drain_ended(),
             out.decode_context_tokens, out.prefill_attention_tokens, out.num_rows, out.num_sampled,
             time.perf_counter() - began - elapsed,
         )

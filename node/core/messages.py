@@ -173,12 +173,12 @@ class StepRecord:
     Attributes:
         admitted: ``(request_id, class, phase, seconds queued)``; phase ``admission`` | ``resume``.
         chunks: ``(request_id, start position, tokens)`` of each prefill chunk.
-        preempted: ``(request_id, times preempted so far)``.
+        preempted: ``(request_id, times so far)``; kv_loads: remote KV loads ended, ``(request_id, tokens
+            loaded, tokens left)``.
         decode_context_tokens, prefill_attention_tokens, num_rows, num_sampled: the rest of the
             step's composition (see :class:`~cadenza.node.core.step.SchedulerOutput`), for the
             step log a cost-model calibration reads (``cadenza serve --step-log``).
-        host_seconds: the scheduler's own time in the step (``schedule()``, ``update_from_output()``
-            and the outputs built), beside ``seconds`` of the forward pass.
+        host_seconds: the scheduler's own time in the step (schedule, update, outputs), beside ``seconds``.
     """
 
     seconds: float
@@ -188,6 +188,7 @@ class StepRecord:
     admitted: list[tuple[str, str, str, float]] = field(default_factory=list)
     chunks: list[tuple[str, int, int]] = field(default_factory=list)
     preempted: list[tuple[str, int]] = field(default_factory=list)
+    kv_loads: list[tuple[str, int, int]] = field(default_factory=list)
     decode_context_tokens: int = 0
     prefill_attention_tokens: float = 0.0
     num_rows: int = 0

@@ -70,6 +70,8 @@ class RemoteLoads:
         self.stats = stats
         # id -> (request, first block, blocks, prompt tokens they hold)
         self.loading: dict[str, tuple[Request, int, int, int]] = {}
+        # (id, tokens loaded, tokens left to compute here) of loads ended since the last drain (spans)
+        self.ended: list[tuple[str, int, int]] = []
 
     def __len__(self) -> int:
         return len(self.loading)
@@ -133,7 +135,13 @@ class RemoteLoads:
             self.stats.remote_kv_failed_loads += 1
             self.stats.remote_kv_recomputed_tokens += usable - req.num_computed_tokens
         req.status = RequestStatus.RUNNING
+        self.ended.append((request_id, req.num_computed_tokens - start, req.num_prompt_tokens - req.num_computed_tokens))
         return req
+
+    def drain_ended(self) -> list[tuple[str, int, int]]:
+        """The loads ended since the last call: ``(id, tokens loaded, tokens left to compute here)``."""
+        ended, self.ended = self.ended, []
+        return ended
 
     def cancel(self, req: Request) -> None:
         """Forget a loading request that is ending (aborted); its blocks are freed by the caller."""

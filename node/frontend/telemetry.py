@@ -354,6 +354,12 @@ class Telemetry:
             t = tracked.get(request_id)
             if t is not None and t.span is not None:
                 t.span.add_event("preempted", {"cadenza.preemptions": times}, timestamp=t.ns(now))
+        for request_id, loaded, left in step.kv_loads:  # ended before this step, which runs the request
+            t = tracked.get(request_id)
+            if t is not None and t.span is not None:
+                t.span.add_event("kv_transfer.loaded", {"cadenza.kv_transfer.loaded_tokens": loaded,
+                                                        "cadenza.kv_transfer.computed_tokens": left},
+                                 timestamp=t.ns(now - step.seconds))
 
     # -- export ---------------------------------------------------------------------------------
 

@@ -92,6 +92,7 @@ def test_a_load_that_failed_from_some_block_on_recomputes_from_that_block():
     assert [(r.start, r.num_tokens) for r in out.prefill_rows] == [(12, 18)]
     s = sched.stats
     assert (s.remote_kv_failed_loads, s.remote_kv_recomputed_tokens, s.remote_kv_tokens) == (1, 17, 12)
+    assert sched.remote.drain_ended() == [(req.request_id, 12, 18)] and sched.remote.drain_ended() == []  # once, for the span
     with pytest.raises(ValueError):
         other = make_request(30, remote_kv=remote(30))
         sched.add_request(other)

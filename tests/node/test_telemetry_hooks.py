@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
@@ -106,3 +107,17 @@ def test_the_step_log_gets_every_steps_composition_and_seconds(tmp_path):
     assert lines[0] == {"prefill_tokens": 64, "decode_tokens": 3, "decode_context_tokens": 900,
                         "prefill_attention_tokens": 2048.0, "num_rows": 4, "num_sampled": 3, "seconds": 0.02,
                         "host_seconds": 0.0002}
+
+
+def test_a_remote_kv_load_is_an_event_on_the_span_when_the_step_that_runs_the_request_begins():
+    telemetry, spans = telemetry_with_spans()
+    req = start(telemetry)
+    rid = req.request_id
+    telemetry.on_step(StepRecord(0.01, None, 0, 1, kv_loads=[(rid, 16, 4)]), ARRIVAL + 0.2)
+    telemetry.on_step(StepRecord(0.01, None, 4, 0, chunks=[(rid, 16, 4)]), ARRIVAL + 0.3)
+    telemetry.on_output(output(req, ARRIVAL + 0.3, 1, "length"))
+    (span,) = spans.get_finished_spans()
+    assert [e.name for e in span.events] == ["queued", "kv_transfer.loaded", "prefill_chunk", "first_token", "finish"]
+    loaded = span.events[1]
+    assert dict(loaded.attributes) == {"cadenza.kv_transfer.loaded_tokens": 16, "cadenza.kv_transfer.computed_tokens": 4}
+    assert loaded.timestamp - span.events[0].timestamp == pytest.approx(0.19e9, abs=100)  # when the step began
