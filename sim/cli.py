@@ -43,7 +43,12 @@ def register_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=int, help="the first N requests of the trace")
     p.add_argument("--compare", nargs="*", metavar="POLICY",
                    help="run these policies side by side on the same trace and cost model (default: all of "
-                        "prefill-first, chunked-fcfs, chunked-classes, dedicated, auto)")
+                        "prefill-first, chunked-fcfs, chunked-classes, dedicated, disaggregated, auto)")
+    p.add_argument("--kv-link-gbps", type=float, default=10.0, metavar="GBIT_S",
+                   help="the KV link between prefill and decode replicas, in Gbit/s (default 10: TCP; "
+                        "400: RDMA; 3600: NVLink)")
+    p.add_argument("--kv-link-latency-us", type=float, default=50.0, metavar="US",
+                   help="per-message latency of that link in microseconds (default 50)")
     p.add_argument("--sweep", action="store_true",
                    help="find each policy's capacity at the pool's SLOs (requests/s) by bisection over the rate")
     p.add_argument("--plot", type=Path, metavar="DIR", help="write PNG figures here (needs matplotlib)")
@@ -105,6 +110,7 @@ def run_sim(args: argparse.Namespace) -> int:
     from cadenza.node.replay.trace import load_trace, scale_trace
     from cadenza.operator.pool import PoolSpecError
     from cadenza.operator.validate import PoolValidationError, load_pools
+    from cadenza.sim.disagg import KVLinkModel
     from cadenza.sim.hardware import ProfileError, load_profile
     from cadenza.sim.model_dims import ModelDimsError, load_model_dims
     from cadenza.sim.policies import POLICIES, policies
@@ -133,7 +139,8 @@ def run_sim(args: argparse.Namespace) -> int:
         roofline = Roofline(load_model_dims(args.model), load_profile(args.hardware), args.tp)
         own = {"colocated": "chunked-classes"}.get(pool["spec"].get("mode", "colocated"), pool["spec"].get("mode"))
         names = list(dict.fromkeys(args.compare or POLICIES)) if args.compare is not None else [own]
-        runs_of = policies(pool, roofline, names)
+        link = KVLinkModel(args.kv_link_gbps * 1e9 / 8, args.kv_link_latency_us * 1e-6)
+        runs_of = policies(pool, roofline, names, link)
         if not runs_of:
             raise ValueError(f"--compare {' '.join(names)}: a pool of one replica has no dedicated split to run")
         skipped = [n for n in names if n not in {p.name for p in runs_of}]
@@ -220,7 +227,7 @@ def run_report(policy, trace, roofline, on_done) -> dict:
     return {
         "policy": policy.name, "simulated_s": round(fleet.clock.now, 3), "dropped": result.dropped,
         "goodput_rps": run.goodput_rps, "reshapes": run.reshapes,
-        "kv_usage": result.kv_usage, "preemptions": result.preemptions,
+        "kv_usage": result.kv_usage, "preemptions": result.preemptions, "kv_transfer": result.kv_transfer,
         "by_class": {cls: asdict(summary) for cls, summary in result.by_class.items()},
         "actions": [asdict(a) for a in run.controller.actions] if run.controller else [],
         "attainment_over_time": fleet.attainment_over_time(max(interval, result.span_s / 60)),
@@ -253,6 +260,11 @@ def print_report(report: dict) -> None:
                   f"{s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms; ITL p50/p99 {s['itl_ms']['p50']:.1f}/"
                   f"{s['itl_ms']['p99']:.1f} ms; TPOT p99 {s['tpot_ms']['p99']:.1f} ms; "
                   f"{s['output_tokens_per_s']:.0f} output tok/s")
+        if moved := run.get("kv_transfer"):
+            least = moved["min_prompt_tokens"]
+            print(f"  KV transfer: {moved['moved']} prompts prefilled elsewhere ({moved['bytes'] / 2**30:.2f} GiB), "
+                  f"{moved['fallbacks']} prefilled where they decode; threshold "
+                  f"{'none worth moving' if least is None else f'{least} tokens'}")
         for a in run["actions"]:
             print(f"    t={a['time_s']:.0f} s {a['action']}{' (advised)' if not a['acted'] else ''}: {a['reason']}")
     for name, rate in (report.get("capacity_req_s") or {}).items():

@@ -5,8 +5,12 @@ Each request goes where the gateway would send it: its traffic class names a rol
 outstanding replica of that role that is not full; a replica's 429 backs it off for its
 ``Retry-After`` and the request is retried once elsewhere (the gateway's ``MAX_ATTEMPTS``); a
 request no replica takes is dropped, as a 429 to the client. Replicas step independently: an event
-heap holds step ends, timed callbacks (the controller, its actuations) and arrivals, in that order
-at equal times, so a replica's next step starts when its last one ends.
+heap holds step ends, KV loads that completed, timed callbacks (the controller, its actuations)
+and arrivals, in that order at equal times, so a replica's next step starts when its last one ends.
+
+With a ``prefill`` role and a KV link, a long prompt is prefilled on a prefill replica and its
+KV moved to the decode replica, as the gateway and engines of a disaggregated pool do
+(:mod:`cadenza.sim.disagg`).
 """
 
 from __future__ import annotations
@@ -18,15 +22,30 @@ from dataclasses import dataclass, field
 from cadenza.node.core.admission import AdmissionError
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.core.knobs import reconfigured
+from cadenza.node.core.request import RemoteKV
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream, Upstreams
 from cadenza.node.replay.trace import TraceRequest
+from cadenza.sim.disagg import KVLinkModel, SimConnector, ready_at, threshold
 from cadenza.sim.replica import RequestTimes, SimReplica, VirtualClock
 from cadenza.sim.roofline import Roofline
 from cadenza.sim.report import LatencySummary, meets_slo, summarize
 
 MAX_ATTEMPTS = 2  # as the gateway: the first try and at most one retry
-_STEP_END, _CALLBACK, _ARRIVAL = 0, 1, 2  # at equal times: free slots first, then act, then admit
+_STEP_END, _LOADED, _CALLBACK, _ARRIVAL = 0, 1, 2, 3  # at equal times: free slots, loads, act, admit
+PREFILL_SUFFIX = "/prefill"  # a moved prompt's request on its prefill replica
+
+
+@dataclass(slots=True)
+class _Move:
+    """A prompt prefilled elsewhere: where it decodes, and its load's progress."""
+
+    decode: str
+    prompt_tokens: int
+    arrival_s: float
+    ready_s: float | None = None  # when its KV has all arrived (None: still prefilling)
+    blocks: int | None = None  # blocks the decode replica is loading (None: not admitted yet)
+    failed: bool = False  # no prefill replica took it: the decode replica computes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +61,9 @@ class FleetResult:
         kv_usage: ``mean`` (KV blocks in use over the replicas' capacity, averaged over the span)
             and ``peak`` (the highest any replica reached at a step's end).
         preemptions: requests preempted, by the victim's class.
+        kv_transfer: with a ``prefill`` role, ``moved`` (prompts prefilled elsewhere), ``bytes``
+            (their KV), ``fallbacks`` (moves no prefill replica took) and ``min_prompt_tokens``
+            (the threshold last applied; None: nothing was worth moving).
     """
 
     by_class: dict[str, LatencySummary]
@@ -50,6 +72,7 @@ class FleetResult:
     span_s: float = 0.0
     kv_usage: dict[str, float] = field(default_factory=dict)
     preemptions: dict[str, int] = field(default_factory=dict)
+    kv_transfer: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -73,6 +96,8 @@ class Fleet:
         num_blocks: KV blocks per replica (None: what fits the device, see :class:`SimReplica`).
         slo: class -> ``{"ttftP99Ms", "itlP99Ms"}`` (a ServingPool's ``spec.slo``), for SLO
             attainment and goodput in the result.
+        link: the KV link between ``prefill`` replicas and the rest (default: 10 Gb/s TCP).
+        min_prompt_tokens: a pinned threshold (None: each decode replica's computed one).
 
     Raises:
         ValueError: a replica named in ``roles`` without a config.
@@ -81,7 +106,8 @@ class Fleet:
     def __init__(self, roles: Mapping[str, Sequence[str]], configs: Mapping[str, SchedulerConfig],
                  roofline: Roofline, max_outstanding: int = 256, block_size: int = 16,
                  scheduler_cls: type[Scheduler] = Scheduler, num_blocks: int | None = None,
-                 slo: Mapping[str, Mapping[str, float]] | None = None) -> None:
+                 slo: Mapping[str, Mapping[str, float]] | None = None, link: KVLinkModel | None = None,
+                 min_prompt_tokens: int | None = None) -> None:
         self.slo = {cls: dict(v) for cls, v in (slo or {}).items()}
         names = list(dict.fromkeys(n for group in roles.values() for n in group))
         missing = [n for n in names if n not in configs]
@@ -89,7 +115,13 @@ class Fleet:
             raise ValueError(f"replicas without a config: {missing}")
         self.clock = VirtualClock()
         self.replicas = {n: SimReplica(configs[n], roofline, self.clock, block_size, scheduler_cls=scheduler_cls,
-                                       num_blocks=num_blocks) for n in names}
+                                       num_blocks=num_blocks, connector=SimConnector(self._load_started))
+                         for n in names}
+        self.link, self.min_prompt_tokens = link or KVLinkModel(), min_prompt_tokens
+        self.bytes_per_token = roofline.kv_bytes_per_token()
+        self._moves: dict[str, _Move] = {}
+        self.kv_transfer: dict[str, float | None] = {"moved": 0, "bytes": 0, "fallbacks": 0,
+                                                     "min_prompt_tokens": min_prompt_tokens}
         self.upstreams = Upstreams({role: list(group) for role, group in roles.items()}, clock=self.clock)
         self.max_outstanding = max_outstanding
         self.classes: dict[str, str] = {}  # request id -> traffic class it was sent as
@@ -154,15 +186,18 @@ class Fleet:
             if upstream is None:
                 break
             tried.append(upstream)
+            remote = self._worth_moving(upstream.url, rid, req.input_len)
             try:
                 self.replicas[upstream.url].add_request(rid, i, req.input_len, req.output_len, t, traffic_class=cls,
-                                                        tenant=req.tenant or "default")
+                                                        tenant=req.tenant or "default", remote_kv=remote)
             except AdmissionError as exc:
                 if exc.retry_after:
                     self.upstreams.back_off(upstream, exc.retry_after)
                 continue
             upstream.outstanding += 1
             self._served_by[rid] = upstream
+            if remote is not None:
+                self._prefill_elsewhere(rid, i, req, cls, upstream.url)
             self._kick(upstream.url)
             return True
         self.dropped[label] = self.dropped.get(label, 0) + 1
@@ -194,6 +229,11 @@ class Fleet:
                 replica = self.replicas[what]
                 done = 0
                 for req in replica.end_step():
+                    if req.request_id.endswith(PREFILL_SUFFIX):  # the prefill half of a moved prompt
+                        if req.is_finished:
+                            self._served_by.pop(req.request_id).outstanding -= 1
+                            self._prefilled(req.request_id.removesuffix(PREFILL_SUFFIX), replica.scheduler.config)
+                        continue
                     self._observe(req, replica.times[req.request_id])
                     if req.is_finished:
                         self._served_by.pop(req.request_id).outstanding -= 1
@@ -201,6 +241,11 @@ class Fleet:
                 if done and on_done is not None:
                     on_done(done)
                 self._kick(what)
+            elif kind == _LOADED:
+                self._work -= 1
+                move = self._moves.pop(what)
+                self.replicas[move.decode].scheduler.remote_kv_loaded(what, 0 if move.failed else move.blocks)
+                self._kick(move.decode)
             elif kind == _CALLBACK:
                 what(self)
                 for name in self.replicas:  # an actuation may have made room or work
@@ -213,6 +258,55 @@ class Fleet:
         if stuck:
             raise RuntimeError(f"replicas {stuck} stopped making progress with requests left (a scheduler bug)")
         return self.result(dict.fromkeys(r.traffic_class or c for r, c in zip(trace, classes)))
+
+    # -- disaggregated prefill ------------------------------------------------------------------
+
+    def _worth_moving(self, decode: str, rid: str, prompt_tokens: int) -> RemoteKV | None:
+        """The remote source a prompt routed to ``decode`` gets, when the selective rule moves it."""
+        if not self.upstreams.of_role("prefill"):
+            return None
+        least = self.min_prompt_tokens
+        if least is None:
+            least = self.kv_transfer["min_prompt_tokens"] = threshold(
+                self.replicas[decode].scheduler.cost_model, self.link, self.bytes_per_token)
+        if least is None or prompt_tokens < least:
+            return None
+        return RemoteKV("sim", 0, rid + PREFILL_SUFFIX, "sim", prompt_tokens)
+
+    def _prefill_elsewhere(self, rid: str, i: int, req: TraceRequest, cls: str, decode: str) -> None:
+        """Send a moved prompt's prefill to the least outstanding prefill replica that takes it."""
+        move = self._moves[rid] = _Move(decode, req.input_len, self.clock.now)
+        tried: list[Upstream] = []
+        while (upstream := self.upstreams.pick(self.upstreams.of_role("prefill"), self.max_outstanding,
+                                               exclude=tried)) is not None:
+            tried.append(upstream)
+            try:
+                self.replicas[upstream.url].add_request(rid + PREFILL_SUFFIX, i, req.input_len, 1, self.clock.now,
+                                                        traffic_class=cls, tenant=req.tenant or "default")
+            except AdmissionError:
+                continue
+            upstream.outstanding += 1
+            self._served_by[rid + PREFILL_SUFFIX] = upstream
+            self.kv_transfer["moved"] += 1
+            self.kv_transfer["bytes"] += req.input_len * self.bytes_per_token
+            self._kick(upstream.url)
+            return
+        move.failed, move.ready_s = True, self.clock.now  # computed where it decodes
+        self.kv_transfer["fallbacks"] += 1
+
+    def _prefilled(self, rid: str, config: SchedulerConfig) -> None:
+        move = self._moves[rid]
+        move.ready_s = ready_at(self.link, move.arrival_s, self.clock.now, move.prompt_tokens,
+                                config.chunk_size or move.prompt_tokens, self.bytes_per_token)
+        if move.blocks is not None:
+            self._push(move.ready_s, _LOADED, rid)
+
+    def _load_started(self, rid: str, blocks: int) -> None:
+        """A decode replica admitted a moved prompt and allocated its blocks (inside its schedule())."""
+        move = self._moves[rid]
+        move.blocks = blocks
+        if move.ready_s is not None:
+            self._push(max(self.clock.now, move.ready_s), _LOADED, rid)
 
     def _observe(self, req, times: RequestTimes) -> None:
         """What the gateway's histograms would record for this token: a TTFT for the first, the
@@ -227,7 +321,8 @@ class Fleet:
             obs.itl_s.append(t - times.token_s[-2])
 
     def timelines(self, cls: str) -> list[RequestTimes]:
-        """The timelines of the requests reported under class ``cls``, over every replica."""
+        """The timelines of the requests reported under class ``cls``, over every replica (a moved
+        prompt's prefill half is not reported: its request is the decode replica's)."""
         return [t for r in self.replicas.values() for rid, t in r.times.items() if self.labels.get(rid) == cls]
 
     def attainment_over_time(self, window_s: float) -> dict[str, list[tuple[float, float]]]:
@@ -246,7 +341,7 @@ class Fleet:
         return out
 
     def result(self, classes: Mapping[str, object] | Sequence[str]) -> FleetResult:
-        times = [t for r in self.replicas.values() for t in r.times.values()]
+        times = [t for r in self.replicas.values() for rid, t in r.times.items() if not rid.endswith(PREFILL_SUFFIX)]
         finished = [t.finished_s for t in times if t.finished_s is not None]
         span = max(finished) - min(t.arrival_s for t in times) if finished else 0.0
         by_class = {cls: summarize(self.timelines(cls), self.dropped.get(cls, 0), self.slo.get(cls), span)
@@ -258,8 +353,9 @@ class Fleet:
         for r in replicas:
             for cls, n in r.scheduler.stats.preemptions_by_class.items():
                 preemptions[cls] = preemptions.get(cls, 0) + n
+        kv_transfer = dict(self.kv_transfer) if self.upstreams.of_role("prefill") else {}
         return FleetResult(by_class, sum(self.dropped.values()), {n: r.steps for n, r in self.replicas.items()},
-                           span, kv, preemptions)
+                           span, kv, preemptions, kv_transfer)
 
 
 def simulate_fleet(trace: Sequence[TraceRequest], roles: Mapping[str, Sequence[str]],

@@ -8,6 +8,8 @@ and engine knobs under each way of scheduling them, on the same trace and cost m
   fair queuing (cadenza's colocated mode);
 - ``dedicated``: interactive-only replicas beside batch ones (``spec.dedicated.interactiveReplicas``,
   else half the pool), a static split;
+- ``disaggregated``: prefill replicas (``spec.disaggregated.prefillReplicas``, default 1) computing
+  long prompts for decode replicas, the KV moved over a link (:mod:`cadenza.sim.disagg`);
 - ``auto``: cadenza's hybrid mode, its controller moving replicas and retuning knobs at run time.
 
 Each is the pool document with its ``spec.mode`` (and, for the split, ``spec.dedicated``) set,
@@ -26,11 +28,12 @@ from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.replay.trace import TraceRequest
 from cadenza.sim.baselines import PrefillFirstScheduler
 from cadenza.sim.control import SimController
+from cadenza.sim.disagg import KVLinkModel
 from cadenza.sim.fleet import Fleet, FleetResult
 from cadenza.sim.pool import FleetLayout, fleet_layout
 from cadenza.sim.roofline import Roofline
 
-POLICIES = ("prefill-first", "chunked-fcfs", "chunked-classes", "dedicated", "auto")
+POLICIES = ("prefill-first", "chunked-fcfs", "chunked-classes", "dedicated", "disaggregated", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +45,14 @@ class Policy:
         layout: its replicas, roles, knobs and (``auto``) controller.
         scheduler_cls: the replicas' scheduler.
         one_class: send every request as ``interactive`` (the trace's classes ignored).
+        link: the KV link of a ``disaggregated`` pool (None: :class:`KVLinkModel`'s default).
     """
 
     name: str
     layout: FleetLayout
     scheduler_cls: type[Scheduler] = Scheduler
     one_class: bool = False
+    link: KVLinkModel | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +86,11 @@ def _with_mode(pool: Mapping[str, Any], mode: str) -> dict:
     return doc
 
 
-def policies(pool: Mapping[str, Any], roofline: Roofline, names: Sequence[str] = POLICIES) -> list[Policy]:
-    """The named policies of ``pool`` (a validated ServingPool document); ``dedicated`` is left
-    out of a one-replica pool, which cannot be split.
+def policies(pool: Mapping[str, Any], roofline: Roofline, names: Sequence[str] = POLICIES,
+             link: KVLinkModel | None = None) -> list[Policy]:
+    """The named policies of ``pool`` (a validated ServingPool document); ``dedicated`` and
+    ``disaggregated`` are left out of a one-replica pool, which cannot be split. ``link``: the
+    KV link a disaggregated pool moves prompts over.
 
     Raises:
         ValueError: an unknown policy name, or a pool the engine refuses.
@@ -93,10 +100,10 @@ def policies(pool: Mapping[str, Any], roofline: Roofline, names: Sequence[str] =
         raise ValueError(f"unknown policies {unknown}: choose from {', '.join(POLICIES)}")
     out = []
     for name in names:
-        if name == "dedicated":
+        if name in ("dedicated", "disaggregated"):
             if int(pool["spec"].get("replicas", 1)) < 2:
                 continue
-            out.append(Policy(name, fleet_layout(_with_mode(pool, "dedicated"), roofline)))
+            out.append(Policy(name, fleet_layout(_with_mode(pool, name), roofline), link=link))
         elif name == "auto":
             out.append(Policy(name, fleet_layout(_with_mode(pool, "auto"), roofline)))
         else:
@@ -119,7 +126,8 @@ def run_policy(policy: Policy, trace: Sequence[TraceRequest], roofline: Roofline
     """
     layout = policy.layout
     fleet = Fleet(layout.roles, layout.configs, roofline, block_size=layout.block_size,
-                  scheduler_cls=policy.scheduler_cls, num_blocks=layout.num_blocks, slo=layout.slo)
+                  scheduler_cls=policy.scheduler_cls, num_blocks=layout.num_blocks, slo=layout.slo,
+                  link=policy.link, min_prompt_tokens=layout.min_prompt_tokens)
     controller = None
     if layout.controller is not None:
         controller = SimController(layout.controller, **controller_args)

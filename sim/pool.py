@@ -26,13 +26,14 @@ class FleetLayout:
     """What a pool runs as in the simulator.
 
     Attributes:
-        roles: gateway role (``interactive`` / ``batch``) -> replica names.
+        roles: gateway role (``interactive`` / ``batch``, ``prefill`` when disaggregated) -> replica names.
         configs: replica name -> its scheduler knobs (``max_model_len`` resolved).
         controller: the ``auto`` pool's controller settings; None for a static shape.
         block_size: tokens per KV block (``spec.engine.blockSize``).
         num_blocks: KV blocks per replica when the engine settings fix them (``numKvBlocks``,
             ``kvCacheGiB``); None: what fits the device.
         slo: class -> targets (``spec.slo``: ``ttftP99Ms``, ``itlP99Ms``).
+        min_prompt_tokens: a disaggregated pool's pinned threshold (None: computed).
     """
 
     roles: dict[str, list[str]]
@@ -41,6 +42,7 @@ class FleetLayout:
     block_size: int = 16
     num_blocks: int | None = None
     slo: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    min_prompt_tokens: int | None = None
 
 
 def fleet_layout(pool: Mapping[str, Any], roofline: Roofline, model_max_len: int = 131072) -> FleetLayout:
@@ -69,9 +71,9 @@ def fleet_layout(pool: Mapping[str, Any], roofline: Roofline, model_max_len: int
         for i in range(role.replicas):
             name = f"{kind}-{i}"
             configs[name] = sched
-            for gateway_role in (("interactive", "batch") if kind == "colocated" else (kind,)):
-                roles[gateway_role].append(name)
+            for gateway_role in (("interactive", "batch") if kind in ("colocated", "decode") else (kind,)):
+                roles.setdefault(gateway_role, []).append(name)
     controller = ControllerSpec.from_pool_spec(spec) if p.mode == "auto" else None
     slo = {cls: {k: float(v) for k, v in targets.items() if v} for cls, targets in (spec.get("slo") or {}).items()
            if targets}
-    return FleetLayout(roles, configs, controller, block_size, num_blocks, slo)
+    return FleetLayout(roles, configs, controller, block_size, num_blocks, slo, p.min_prompt_tokens)

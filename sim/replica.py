@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from cadenza.node.core.block_manager import KVBlockManager
 from cadenza.node.core.config import SchedulerConfig
-from cadenza.node.core.request import Request, SamplingParams
+from cadenza.node.core.remote_kv import KVConnector
+from cadenza.node.core.request import RemoteKV, Request, SamplingParams
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.core.step import SchedulerOutput
 from cadenza.sim.roofline import Roofline, StepComposition
@@ -82,6 +83,7 @@ class SimReplica:
         scheduler_cls: the scheduler (cadenza's, or a baseline of :mod:`cadenza.sim.baselines`).
         num_blocks: KV blocks of the pool (as ``--num-kv-blocks`` / ``--kv-cache-gib`` fix them);
             None: what the roofline says fits at ``memory_utilization``.
+        connector: the scheduler's KV connector (a disaggregated fleet's decode replicas).
 
     Raises:
         ValueError: the model does not fit, or ``max_model_len`` is unresolved.
@@ -89,11 +91,11 @@ class SimReplica:
 
     def __init__(self, config: SchedulerConfig, roofline: Roofline, clock: VirtualClock, block_size: int = 16,
                  memory_utilization: float = 0.9, scheduler_cls: type[Scheduler] = Scheduler,
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, connector: KVConnector | None = None) -> None:
         if num_blocks is None:
             num_blocks = roofline.kv_capacity_tokens(memory_utilization) // block_size
         self.block_manager = KVBlockManager(num_blocks, block_size, prefix_caching=config.prefix_caching)
-        self.scheduler = scheduler_cls(config, self.block_manager, clock=clock)
+        self.scheduler = scheduler_cls(config, self.block_manager, clock=clock, connector=connector)
         self.roofline, self.clock = roofline, clock
         self.vocab_size = roofline.dims.vocab_size
         self.times: dict[str, RequestTimes] = {}
@@ -107,16 +109,18 @@ class SimReplica:
         self.last_step: SchedulerOutput | None = None
 
     def add_request(self, request_id: str, index: int, prompt_len: int, output_len: int, arrival_s: float,
-                    traffic_class: str = "interactive", tenant: str = "default") -> Request:
+                    traffic_class: str = "interactive", tenant: str = "default",
+                    remote_kv: RemoteKV | None = None) -> Request:
         """Queue a request of the trace that arrived at ``arrival_s`` (at most ``clock.now``: one
-        that came during a step is queued when the step ends); its ``index`` seeds its tokens.
+        that came during a step is queued when the step ends); its ``index`` seeds its tokens;
+        ``remote_kv``: its prompt is prefilled elsewhere (loaded through the connector).
 
         Raises:
             AdmissionError: refused as the engine would (429 under overload, 400 too long).
         """
         prompt = [synthetic_token(index, p, self.vocab_size) for p in range(prompt_len)]
         req = Request(request_id, prompt, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True),
-                      arrival_time=arrival_s, traffic_class=traffic_class, tenant=tenant)
+                      arrival_time=arrival_s, traffic_class=traffic_class, tenant=tenant, remote_kv=remote_kv)
         self.scheduler.add_request(req)
         self.times[request_id] = RequestTimes(arrival_s)
         self._index[request_id] = index

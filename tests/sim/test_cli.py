@@ -94,7 +94,12 @@ def test_compare_runs_every_policy_on_the_same_trace_and_plots_them(tmp_path, ca
                  "--hardware", "h100-sxm", "--compare", "--json", str(out), "--plot", str(plots), "--no-progress"])
     assert code == 0
     report = json.loads(out.read_text())
-    assert list(report["policies"]) == ["prefill-first", "chunked-fcfs", "chunked-classes", "dedicated", "auto"]
+    assert list(report["policies"]) == ["prefill-first", "chunked-fcfs", "chunked-classes", "dedicated",
+                                        "disaggregated", "auto"]
+    # over the default 10 Gb/s link, moving Llama-3.1-8B's 128 KiB a token never pays for 3,000 tokens
+    moved = report["policies"]["disaggregated"]["kv_transfer"]
+    assert moved["moved"] == 0 and moved["min_prompt_tokens"] > 3000
+    assert report["policies"]["chunked-classes"]["kv_transfer"] == {}
     for name, run in report["policies"].items():
         by_class = run["by_class"]
         assert set(by_class) == {"interactive", "batch"}, name  # reported by the trace's classes

@@ -89,3 +89,52 @@ def test_requests_sent_as_one_class_are_reported_under_the_traces():
     requests = [replace(r, traffic_class="batch" if i % 2 else "interactive") for i, r in enumerate(trace(20, 0.05))]
     result = Fleet({"interactive": ["a"]}, {"a": CONFIG}, MODEL).run(requests, classes=["interactive"] * 20)
     assert result.by_class["interactive"].requests == result.by_class["batch"].requests == 10
+
+
+def _long_prompts_among_streams() -> list[TraceRequest]:
+    """Short prompts decoding 200 tokens, with a 6,000-token prompt every 0.25 s among them."""
+    streams = [TraceRequest(0.02 * i, 200, 200) for i in range(40)]
+    long = [TraceRequest(0.1 + 0.25 * i, 6000, 20) for i in range(4)]
+    return sorted(streams + long, key=lambda r: r.arrival_s)
+
+
+def test_a_disaggregated_fleet_moves_long_prompts_off_the_decode_replica_over_a_fast_link():
+    from cadenza.sim.disagg import KVLinkModel
+
+    requests = _long_prompts_among_streams()
+    colocated = simulate_fleet(requests, {"interactive": ["a", "b"], "batch": ["a", "b"]},
+                               {"a": CONFIG, "b": CONFIG}, MODEL)
+    fleet = Fleet({"interactive": ["d"], "batch": ["d"], "prefill": ["p"]}, {"d": CONFIG, "p": CONFIG}, MODEL,
+                  link=KVLinkModel(5e10, 10e-6))  # 400 Gb/s RDMA
+    moved = fleet.run(requests)
+    kv = moved.kv_transfer
+    # the decode replica's model calibrates on its first steps: the long prompts after that move
+    assert kv["moved"] >= 3 and kv["fallbacks"] == 0 and 0 < kv["min_prompt_tokens"] < 6000
+    assert kv["bytes"] == kv["moved"] * 6000 * MODEL.kv_bytes_per_token()
+    assert moved.by_class["interactive"].requests == len(requests)
+    on_prefill = list(fleet.replicas["p"].times)  # only long prompts, and only their prefill halves
+    assert len(on_prefill) == kv["moved"]
+    assert all(requests[int(rid[1:].removesuffix("/prefill"))].input_len == 6000 for rid in on_prefill)
+    # the streams' worst gaps no longer hold a 6,000-token prefill's chunks
+    assert moved.by_class["interactive"].itl_ms["p99"] < colocated.by_class["interactive"].itl_ms["p99"]
+    assert colocated.kv_transfer == {}
+
+
+def test_over_a_slow_link_no_prompt_is_worth_moving_unless_the_threshold_is_pinned():
+    from cadenza.sim.disagg import KVLinkModel, ready_at
+
+    requests = _long_prompts_among_streams()
+    roles, configs = {"interactive": ["d"], "batch": ["d"], "prefill": ["p"]}, {"d": CONFIG, "p": CONFIG}
+    tcp = Fleet(roles, configs, MODEL, link=KVLinkModel(1.25e8, 50e-6)).run(requests)  # 1 Gb/s
+    # only a prompt of millions of tokens, whose prefill attention outgrows the link, would pay
+    assert tcp.kv_transfer["moved"] == 0 and tcp.kv_transfer["min_prompt_tokens"] > 10**6
+    pinned = Fleet(roles, configs, MODEL, link=KVLinkModel(1.25e8, 50e-6), min_prompt_tokens=1000).run(requests)
+    assert pinned.kv_transfer["moved"] == 4
+    # moving 6,000 tokens of 128 KiB over 1 Gb/s takes ~6.3 s: the long prompts wait for it
+    assert pinned.by_class["interactive"].ttft_ms["p99"] > 6000 > tcp.by_class["interactive"].ttft_ms["p99"]
+    # the last of the KV lands after the prefill's last chunk, or once every byte could cross
+    link = KVLinkModel(1e9, 1e-3)
+    assert ready_at(link, 0.0, 2.0, 1000, 256, 1000) == pytest.approx(2.0 + 256e3 / 1e9 + 1e-3)
+    assert ready_at(link, 0.0, 0.5, 1000, 256, 10**6) == pytest.approx(1.0 + 1e-3)
+    with pytest.raises(ValueError):
+        KVLinkModel(0.0)

@@ -1,0 +1,80 @@
+"""Disaggregated prefill in the simulator: the KV link, the selective rule, and when a moved
+prompt's KV has arrived.
+
+A prompt is moved when the decode replica it was routed to would rather not prefill it: the
+engine's own rule (:mod:`cadenza.node.kv_transfer.threshold`) on that replica's step-time model
+(calibrated on the roofline's step times, as an engine's on its measured ones) and the link's
+bandwidth, with the link's per-message latency added to the fixed cost; or a pinned
+``spec.disaggregated.minPromptTokens``. Before calibration nothing moves, as in the engine.
+
+A moved prompt runs as in cadenza: the prefill replica computes it by chunked prefill as a
+one-token request, while the decode replica takes the request at once with a remote KV source.
+The request waits there with its blocks allocated and spends no token budget (the scheduler's
+remote-KV path). The blocks stream as each chunk's step writes them, so the last of them lands at
+
+    ready = max(prefill end + last chunk's bytes / B, arrival + prompt bytes / B) + latency
+
+for a link of ``B`` bytes/s. From there the decode replica computes the prompt's last token and
+decodes. A prefill replica that refuses the prompt (full, or a 429) loads nothing, and the decode
+replica computes the prompt itself, as the engine's failed pull does. The prefill replica frees
+the blocks at its request's end; the lease is not modelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cadenza.node.core.cost_model import StepCostModel
+from cadenza.node.core.request import Request
+from cadenza.node.kv_transfer.threshold import FIXED_S, min_prompt_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class KVLinkModel:
+    """The link between prefill and decode replicas.
+
+    Attributes:
+        bytes_per_s: payload bandwidth (1.25e9: 10 Gb/s TCP; ~5e10 for 400 Gb/s RDMA).
+        latency_s: per message (the last frame's trip and the pull's round trip).
+    """
+
+    bytes_per_s: float = 1.25e9
+    latency_s: float = 50e-6
+
+    def __post_init__(self) -> None:
+        if not (self.bytes_per_s > 0 and self.latency_s >= 0):
+            raise ValueError(f"a KV link needs a positive bandwidth and a non-negative latency, got {self}")
+
+
+def threshold(cost: StepCostModel, link: KVLinkModel, bytes_per_token: int) -> int | None:
+    """The shortest prompt worth moving for a decode replica with step-time model ``cost``
+    (tokens), None before calibration or when no prompt is worth it."""
+    if not cost.ready:
+        return None
+    return min_prompt_tokens(float(cost.coef[1]), float(cost.coef[4]), bytes_per_token, link.bytes_per_s,
+                             fixed_s=FIXED_S + link.latency_s)
+
+
+def ready_at(link: KVLinkModel, arrival_s: float, prefill_end_s: float, prompt_tokens: int, chunk_tokens: int,
+             bytes_per_token: int) -> float:
+    """When the last of a moved prompt's KV has reached the decode replica (virtual seconds)."""
+    last_chunk = min(prompt_tokens, chunk_tokens) * bytes_per_token
+    streamed = arrival_s + prompt_tokens * bytes_per_token / link.bytes_per_s
+    return max(prefill_end_s + last_chunk / link.bytes_per_s, streamed) + link.latency_s
+
+
+class SimConnector:
+    """A decode replica's KV connector: tells the fleet a load began (the fleet ends it)."""
+
+    def __init__(self, on_start: Callable[[str, int], None]) -> None:
+        self._on_start = on_start
+
+    def start_load(self, request: Request, first_block: int, block_ids: list[int]) -> None:
+        self._on_start(request.request_id, len(block_ids))
+
+    def cancel(self, request_id: str) -> None:
+        pass  # nothing is in flight but the fleet's event, which finds the load gone
+
+    def release(self, request: Request) -> None:
+        pass  # the prefill replica frees its blocks at its request's end
