@@ -147,7 +147,9 @@ async def prefill(request: web.Request, parsed: dict) -> str | None:
         return None
     upstreams.answered(upstream)
     source = resp.headers.get(KV_SOURCE_HEADER)
-    if resp.status != 200 or source is None:
+    if 400 <= resp.status < 500 and resp.status != 429:  # the request's own fault: decode answers it alike
+        metrics.count_disagg("fallback_refused")
+    elif resp.status != 200 or source is None:
         logger.warning("prefill replica %s answered %d%s; prefilling on the decode replica", upstream.url,
                        resp.status, "" if source else " without a KV source")
         metrics.count_disagg("fallback_failed")

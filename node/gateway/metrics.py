@@ -12,8 +12,9 @@ Two OpenTelemetry histograms, exported like the engines' (Prometheus text at the
 Both carry ``cadenza.traffic_class``. Answers that are not streamed have no TTFT or ITL to
 measure and are not recorded. A counter, ``cadenza.gateway.disagg.requests``, counts the requests
 the selective rule sent through a prefill replica, by ``cadenza.disagg.outcome``: ``prefilled``,
-``fallback_busy`` (no prefill replica free) or ``fallback_failed`` (its call failed; the decode
-replica prefilled); a gauge, ``cadenza.gateway.disagg.min_prompt_tokens``, is the threshold the
+``fallback_busy`` (no prefill replica free), ``fallback_failed`` (its call failed; the decode
+replica prefilled) or ``fallback_refused`` (the prefill replica refused the request itself, a 4xx
+other than 429: the decode replica gives the client the same answer); a gauge, ``cadenza.gateway.disagg.min_prompt_tokens``, is the threshold the
 rule applies now (pinned or computed by the decode replicas; absent while there is none).
 
 Bucket boundaries (:func:`latency_buckets`): the GenAI semantic conventions' TTFT buckets step

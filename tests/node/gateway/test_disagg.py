@@ -11,7 +11,7 @@ import re
 import pytest
 
 from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from cadenza.node.gateway.state import METRICS
+from cadenza.node.gateway.state import METRICS, UPSTREAMS
 from cadenza.node.gateway.disagg import prompt_tokens
 from cadenza.node.server.app import create_app
 from cadenza.node.server.auth import TOKEN_ENV
@@ -90,6 +90,15 @@ async def test_a_dead_prefill_replica_falls_back_to_prefilling_on_the_decode_rep
     want = await text_of(await (await gateway()).post("/v1/completions", json=body(LONG)))
     assert await text_of(await gw.post("/v1/completions", json=body(LONG))) == want
     assert gw.app[METRICS].disagg_outcomes == {"fallback_failed": 1}
+
+
+async def test_a_request_the_prefill_replica_refuses_is_the_clients_error_not_a_failed_prefill(pool):
+    gateway, _prefill_app, _decode_app = pool
+    gw = await gateway()
+    resp = await gw.post("/v1/completions", json=body(LONG, temperature=-1))
+    assert resp.status == 400 and "temperature" in (await resp.json())["error"]["message"]
+    assert gw.app[METRICS].disagg_outcomes == {"fallback_refused": 1}
+    assert gw.app[UPSTREAMS].of_role("prefill")[0].is_down is False  # the replica is fine
 
 
 async def test_a_clients_own_kv_headers_never_reach_a_replica(pool):
