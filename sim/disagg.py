@@ -25,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cadenza.node.core import kv_link
 from cadenza.node.core.cost_model import StepCostModel
 from cadenza.node.core.request import Request
-from cadenza.node.kv_transfer.threshold import FIXED_S, min_prompt_tokens
+from cadenza.node.kv_transfer.threshold import FIXED_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +51,7 @@ class KVLinkModel:
 def threshold(cost: StepCostModel, link: KVLinkModel, bytes_per_token: int) -> int | None:
     """The shortest prompt worth moving for a decode replica with step-time model ``cost``
     (tokens), None before calibration or when no prompt is worth it."""
-    if not cost.ready:
-        return None
-    return min_prompt_tokens(float(cost.coef[1]), float(cost.coef[4]), bytes_per_token, link.bytes_per_s,
-                             fixed_s=FIXED_S + link.latency_s)
+    return kv_link.threshold(cost, bytes_per_token, link.bytes_per_s, FIXED_S + link.latency_s)
 
 
 def ready_at(link: KVLinkModel, arrival_s: float, prefill_end_s: float, prompt_tokens: int, chunk_tokens: int,

@@ -40,7 +40,7 @@ from cadenza.node.core.step import SchedulerOutput
 from cadenza.node.kv_transfer.consumer import KVConsumer
 from cadenza.node.kv_transfer.producer import KVProducer
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
-from cadenza.node.kv_transfer.threshold import min_prompt_tokens
+from cadenza.node.kv_transfer.threshold import FIXED_S, min_prompt_tokens
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,16 @@ HOLDER = "kv-lease:"  # the block-manager table holding a published request's bl
 DRAIN_BYTES = 4 * 2**20  # received KV written between two steps at most (more waits for the next gap)
 RENEW_EVERY_S = 1.0  # how often the engine renews the leases of prompts it still computes
 ASSUMED_LINK_BYTES_PER_S = 1.25e9  # 10 Gbit/s, a common pod network, until pulls have measured the link
+
+
+def threshold(cost: StepCostModel, bytes_per_token: int, link_bytes_per_s: float, fixed_s: float = FIXED_S
+              ) -> int | None:
+    """The shortest prompt worth prefilling elsewhere for an engine with step-time model ``cost``
+    (:func:`~cadenza.node.kv_transfer.threshold.min_prompt_tokens` on its prefill coefficients),
+    None before the model is calibrated or when no prompt is worth it."""
+    if not cost.ready:
+        return None
+    return min_prompt_tokens(float(cost.coef[1]), float(cost.coef[4]), bytes_per_token, link_bytes_per_s, fixed_s)
 
 
 @dataclass
@@ -113,10 +123,7 @@ class KVLink:
         (:mod:`~cadenza.node.kv_transfer.threshold`): this engine's step-time model, its KV bytes
         per token, and the bandwidth its pulls measured (:data:`ASSUMED_LINK_BYTES_PER_S` before
         any). None before the cost model is calibrated, or when no prompt is worth it."""
-        if not cost.ready:
-            return None
-        bandwidth = self.consumer.bandwidth or ASSUMED_LINK_BYTES_PER_S
-        return min_prompt_tokens(float(cost.coef[1]), float(cost.coef[4]), self.fingerprint.bytes_per_token, bandwidth)
+        return threshold(cost, self.fingerprint.bytes_per_token, self.consumer.bandwidth or ASSUMED_LINK_BYTES_PER_S)
 
     @property
     def busy(self) -> bool:

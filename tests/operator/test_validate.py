@@ -435,3 +435,13 @@ def test_a_role_of_a_disaggregated_pool_may_not_change_the_kv_layout(role, key, 
                         "layout or the model length (blockSize, maxModelLen): a decode replica takes the prefill "
                         "replica's KV blocks as they are"]
     validate_pool(pool(mode="disaggregated", replicas=2, disaggregated={role: {"chunkSize": 64}}))
+
+
+def test_the_crd_and_the_pool_allow_the_same_role_overrides_in_a_disaggregated_pool():
+    import re
+
+    from cadenza.operator.pool import KV_ROLE_KEYS
+
+    section = load_crd_schema()["properties"]["spec"]["properties"]["disaggregated"]
+    (rule,) = [r["rule"] for r in section["x-kubernetes-validations"]]
+    assert set(re.search(r"k in \[([^\]]*)\]", rule).group(1).replace("'", "").replace(" ", "").split(",")) == KV_ROLE_KEYS
