@@ -263,7 +263,7 @@ _TYPES: dict[int, tuple[type, Callable[[Any], list], Callable[[list], Any]]] = {
     12: (ReconfigureResult, _fields_to_wire, _plain(ReconfigureResult)),
     13: (RequestDelta, _fields_to_wire, _plain(RequestDelta)),
     14: (RequestFailure, _fields_to_wire, _plain(RequestFailure)),
-    15: (StepRecord, _fields_to_wire, _with_tuples(StepRecord, 4, 5, 6)),
+    15: (StepRecord, _fields_to_wire, _with_tuples(StepRecord, 4, 5, 6, 7)),
     16: (StepOutputs, _step_outputs_to_wire, _step_outputs_from_wire),
     17: (EngineStats, _fields_to_wire, _plain(EngineStats)),
     18: (ClassStats, _fields_to_wire, _plain(ClassStats)),

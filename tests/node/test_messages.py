@@ -48,7 +48,7 @@ EXAMPLES = [
     RequestDelta("cmpl-1", [42], "length", 3, 7, 16),
     RequestFailure("cmpl-2", "admission", "queue full", 429, "queue_full", 3),
     StepRecord(0.031, 0.029, 256, 12, [("cmpl-1", "batch", "admission", 0.25)], [("cmpl-1", 0, 256)], [("x", 2)],
-               4096, 512.0, 13, 12, 0.0004),
+               [("cmpl-1", 240, 16)], 4096, 512.0, 13, 12, 0.0004),
     StepOutputs(99.5, [RequestDelta("cmpl-1", [42], None, 3, 1)], StepRecord(0.01, None, 0, 1), STATS,
                 [RequestFailure("cmpl-3", "step", "boom")]),
     STATS,
