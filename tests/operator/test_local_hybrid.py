@@ -35,8 +35,11 @@ BATCH_PROMPT = [5 + i % 300 for i in range(700)]  # token ids: 700 tokens, two c
 
 
 def itl_target_ms(model) -> float:
-    """Half the time of a step that holds a 256-token chunk beside two decodes (one thread, median
-    of three); skips where that is not well above a decode step, so no machine makes it flaky."""
+    """A third of the time of a step that holds a 256-token chunk beside two decodes (one thread,
+    median of three); skips where that is not well above a decode step, so no machine makes it
+    flaky. (Half, on 2026-12-03: the pool's ITL p99 with chunks at their 256 bound hovered at
+    135-250 ms against a 134 ms target, within it every other window, and the reshape, which
+    needs 10 s over it, never came.)"""
     import statistics
     import time
 
@@ -69,7 +72,7 @@ def itl_target_ms(model) -> float:
     if chunked < 8 * decode:
         pytest.skip(f"a 256-token chunk step ({chunked * 1e3:.0f} ms) is not well above a decode step "
                     f"({decode * 1e3:.0f} ms) on this machine")
-    return round(chunked * 1e3 / 2)
+    return round(chunked * 1e3 / 3)
 
 
 def stream(url: str, cls: str, max_tokens: int = 8) -> int:
