@@ -20,6 +20,7 @@ MAX_BODY_BYTES = 32 * 2**20
 # hold the prompt's KV and answers where it is; a decode call names where to pull it from.
 KV_PUBLISH_HEADER = "x-cadenza-kv-publish"
 KV_SOURCE_HEADER = "x-cadenza-kv-source"
-# On a replica's answers: the shortest prompt it computes worth prefilling elsewhere (integer
-# tokens; absent: not computed yet, or never worth it). The gateway reads it and drops it.
-DISAGG_THRESHOLD_HEADER = "x-cadenza-disagg-min-prompt-tokens"
+# On a replica's answers: the coefficients of its selective disaggregation rule
+# (:meth:`cadenza.node.kv_transfer.threshold.Rule.header`; absent: its cost model is not calibrated
+# yet). The gateway reads it, solves it with its prefill replicas' queues, and drops it.
+DISAGG_RULE_HEADER = "x-cadenza-disagg-rule"

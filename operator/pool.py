@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cadenza.node.core.config import ConfigError
-from cadenza.operator.engine_args import engine_config, policy_document, serve_args
+from cadenza.operator.engine_args import ENGINE_KNOBS, POLICY_KEYS, engine_config, policy_document, serve_args
 
 MODEL_MOUNT = "/models"
 DEFAULT_CLASS = {"colocated": "interactive", "interactive": "interactive", "batch": "batch", "auto": "interactive",
@@ -124,9 +124,14 @@ class Pool:
                 raise PoolSpecError(f"spec.{section}.{key} ({n}) must be less than spec.replicas ({replicas})")
             for role in KV_TRANSFER_ROLES if self.mode == "disaggregated" else ():
                 overrides = self.spec.get(section, {}).get(_OVERRIDES[role][1], {})
+                where = f"spec.{section}.{_OVERRIDES[role][1]}"
+                if unknown := sorted(set(overrides) - {*ENGINE_KNOBS, *POLICY_KEYS}):
+                    raise PoolSpecError(f"{where}.{unknown[0]}: unknown engine setting (allowed here: "
+                                        f"{', '.join(sorted(KV_ROLE_KEYS))})")
                 if extra := sorted(set(overrides) - KV_ROLE_KEYS):
-                    raise PoolSpecError(f"spec.{section}.{_OVERRIDES[role][1]} may not set {', '.join(extra)}: a "
-                                        "decode replica takes the prefill replica's KV blocks as they are")
+                    raise PoolSpecError(f"{where} may not set {', '.join(extra)}: a decode replica takes the "
+                                        "prefill replica's KV blocks as they are (allowed here: "
+                                        f"{', '.join(sorted(KV_ROLE_KEYS))})")
             roles = [self.role_settings(first, n), self.role_settings(rest, replicas - n)]
         for role in roles:
             self._check(role)

@@ -263,7 +263,8 @@ def print_report(report: dict) -> None:
         if moved := run.get("kv_transfer"):
             least = moved["min_prompt_tokens"]
             print(f"  KV transfer: {moved['moved']} prompts prefilled elsewhere ({moved['bytes'] / 2**30:.2f} GiB), "
-                  f"{moved['fallbacks']} prefilled where they decode; threshold "
+                  f"{moved['fallbacks']} prefilled where they decode for want of a prefill replica, "
+                  f"{moved['kept_queued']} for its queue; threshold (idle prefill) "
                   f"{'none worth moving' if least is None else f'{least} tokens'}")
         for a in run["actions"]:
             print(f"    t={a['time_s']:.0f} s {a['action']}{' (advised)' if not a['acted'] else ''}: {a['reason']}")

@@ -4,8 +4,10 @@ prompt's KV has arrived.
 A prompt is moved when the decode replica it was routed to would rather not prefill it: the
 engine's own rule (:mod:`cadenza.node.kv_transfer.threshold`) on that replica's step-time model
 (calibrated on the roofline's step times, as an engine's on its measured ones) and the link's
-bandwidth, with the link's per-message latency added to the fixed cost; or a pinned
-``spec.disaggregated.minPromptTokens``. Before calibration nothing moves, as in the engine.
+bandwidth, with the link's per-message latency added to the fixed cost, solved as the gateway
+does with the queue of the prefill replica it would use (the prompts sent there and not yet
+computed); or a pinned ``spec.disaggregated.minPromptTokens``. Before calibration nothing moves,
+as in the engine.
 
 A moved prompt runs as in cadenza: the prefill replica computes it by chunked prefill as a
 one-token request, while the decode replica takes the request at once with a remote KV source.
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from cadenza.node.core import kv_link
 from cadenza.node.core.cost_model import StepCostModel
 from cadenza.node.core.request import Request
-from cadenza.node.kv_transfer.threshold import FIXED_S
+from cadenza.node.kv_transfer.threshold import FIXED_S, Rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +50,10 @@ class KVLinkModel:
             raise ValueError(f"a KV link needs a positive bandwidth and a non-negative latency, got {self}")
 
 
-def threshold(cost: StepCostModel, link: KVLinkModel, bytes_per_token: int) -> int | None:
-    """The shortest prompt worth moving for a decode replica with step-time model ``cost``
-    (tokens), None before calibration or when no prompt is worth it."""
-    return kv_link.threshold(cost, bytes_per_token, link.bytes_per_s, FIXED_S + link.latency_s)
+def rule(cost: StepCostModel, link: KVLinkModel, bytes_per_token: int, block_size: int) -> Rule | None:
+    """The selective rule of a decode replica with step-time model ``cost`` (None before
+    calibration), the link's per-message latency added to its fixed cost."""
+    return kv_link.rule(cost, bytes_per_token, link.bytes_per_s, block_size, FIXED_S + link.latency_s)
 
 
 def ready_at(link: KVLinkModel, arrival_s: float, prefill_end_s: float, prompt_tokens: int, chunk_tokens: int,

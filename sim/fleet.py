@@ -26,7 +26,7 @@ from cadenza.node.core.request import RemoteKV
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream, Upstreams
 from cadenza.node.replay.trace import TraceRequest
-from cadenza.sim.disagg import KVLinkModel, SimConnector, ready_at, threshold
+from cadenza.sim.disagg import KVLinkModel, SimConnector, ready_at, rule
 from cadenza.sim.replica import RequestTimes, SimReplica, VirtualClock
 from cadenza.sim.roofline import Roofline
 from cadenza.sim.report import LatencySummary, meets_slo, summarize
@@ -62,8 +62,10 @@ class FleetResult:
             and ``peak`` (the highest any replica reached at a step's end).
         preemptions: requests preempted, by the victim's class.
         kv_transfer: with a ``prefill`` role, ``moved`` (prompts prefilled elsewhere), ``bytes``
-            (their KV), ``fallbacks`` (moves no prefill replica took) and ``min_prompt_tokens``
-            (the threshold last applied; None: nothing was worth moving).
+            (their KV), ``fallbacks`` (moves no prefill replica took), ``kept_queued`` (prompts
+            long enough for an idle prefill replica but not after the queue of the one they would
+            have gone to) and ``min_prompt_tokens`` (the threshold with an idle prefill replica
+            last computed; None: nothing was worth moving).
     """
 
     by_class: dict[str, LatencySummary]
@@ -120,8 +122,9 @@ class Fleet:
         self.link, self.min_prompt_tokens = link or KVLinkModel(), min_prompt_tokens
         self.bytes_per_token = roofline.kv_bytes_per_token()
         self._moves: dict[str, _Move] = {}
-        self.kv_transfer: dict[str, float | None] = {"moved": 0, "bytes": 0, "fallbacks": 0,
+        self.kv_transfer: dict[str, float | None] = {"moved": 0, "bytes": 0, "fallbacks": 0, "kept_queued": 0,
                                                      "min_prompt_tokens": min_prompt_tokens}
+        self.block_size = block_size
         self.upstreams = Upstreams({role: list(group) for role, group in roles.items()}, clock=self.clock)
         self.max_outstanding = max_outstanding
         self.classes: dict[str, str] = {}  # request id -> traffic class it was sent as
@@ -231,7 +234,9 @@ class Fleet:
                 for req in replica.end_step():
                     if req.request_id.endswith(PREFILL_SUFFIX):  # the prefill half of a moved prompt
                         if req.is_finished:
-                            self._served_by.pop(req.request_id).outstanding -= 1
+                            prefill = self._served_by.pop(req.request_id)
+                            prefill.outstanding -= 1
+                            prefill.unqueue_prompt(req.num_prompt_tokens)
                             self._prefilled(req.request_id.removesuffix(PREFILL_SUFFIX), replica.scheduler.config)
                         continue
                     self._observe(req, replica.times[req.request_id])
@@ -262,23 +267,34 @@ class Fleet:
     # -- disaggregated prefill ------------------------------------------------------------------
 
     def _worth_moving(self, decode: str, rid: str, prompt_tokens: int) -> RemoteKV | None:
-        """The remote source a prompt routed to ``decode`` gets, when the selective rule moves it."""
-        if not self.upstreams.of_role("prefill"):
+        """The remote source a prompt routed to ``decode`` gets, when the selective rule moves it:
+        the gateway's decision, with ``decode``'s own rule and the queue of the prefill replica
+        the prompt would go to."""
+        prefill = self.upstreams.of_role("prefill")
+        if not prefill:
             return None
         least = self.min_prompt_tokens
         if least is None:
-            least = self.kv_transfer["min_prompt_tokens"] = threshold(
-                self.replicas[decode].scheduler.cost_model, self.link, self.bytes_per_token)
-        if least is None or prompt_tokens < least:
+            found = rule(self.replicas[decode].scheduler.cost_model, self.link, self.bytes_per_token, self.block_size)
+            if found is None or (idle := found.min_prompt_tokens()) is None:
+                return None
+            self.kv_transfer["min_prompt_tokens"] = idle
+            target = self.upstreams.least_queued(prefill, self.max_outstanding)
+            if target is not None and prompt_tokens >= idle:
+                least = found.min_prompt_tokens(found.queue_s(target.queued_tokens, target.queued_pairs))
+                self.kv_transfer["kept_queued"] += prompt_tokens < least
+            else:
+                least = idle  # no prefill replica free: the move falls back (counted there)
+        if prompt_tokens < least:
             return None
         return RemoteKV("sim", 0, rid + PREFILL_SUFFIX, "sim", prompt_tokens)
 
     def _prefill_elsewhere(self, rid: str, i: int, req: TraceRequest, cls: str, decode: str) -> None:
-        """Send a moved prompt's prefill to the least outstanding prefill replica that takes it."""
+        """Send a moved prompt's prefill to the prefill replica with the fewest queued tokens that takes it."""
         move = self._moves[rid] = _Move(decode, req.input_len, self.clock.now)
         tried: list[Upstream] = []
-        while (upstream := self.upstreams.pick(self.upstreams.of_role("prefill"), self.max_outstanding,
-                                               exclude=tried)) is not None:
+        while (upstream := self.upstreams.least_queued(self.upstreams.of_role("prefill"), self.max_outstanding,
+                                                       exclude=tried)) is not None:
             tried.append(upstream)
             try:
                 self.replicas[upstream.url].add_request(rid + PREFILL_SUFFIX, i, req.input_len, 1, self.clock.now,
@@ -286,6 +302,7 @@ class Fleet:
             except AdmissionError:
                 continue
             upstream.outstanding += 1
+            upstream.queue_prompt(req.input_len)
             self._served_by[rid + PREFILL_SUFFIX] = upstream
             self.kv_transfer["moved"] += 1
             self.kv_transfer["bytes"] += req.input_len * self.bytes_per_token

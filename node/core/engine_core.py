@@ -224,5 +224,6 @@ class EngineCore:
             stats.kv_transfer_serve_failures = dict(served.failures)
             bandwidth = link.consumer.bandwidth
             stats.kv_transfer_bandwidth = None if bandwidth is None else round(bandwidth)
-            stats.kv_transfer_min_prompt_tokens = link.min_prompt_tokens(self.scheduler.cost_model)
+            if (rule := link.rule(self.scheduler.cost_model)) is not None:
+                stats.kv_transfer_rule, stats.kv_transfer_min_prompt_tokens = rule.header(), rule.min_prompt_tokens()
         return stats

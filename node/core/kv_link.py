@@ -40,7 +40,7 @@ from cadenza.node.core.step import SchedulerOutput
 from cadenza.node.kv_transfer.consumer import KVConsumer
 from cadenza.node.kv_transfer.producer import KVProducer
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
-from cadenza.node.kv_transfer.threshold import FIXED_S, min_prompt_tokens
+from cadenza.node.kv_transfer.threshold import FIXED_S, Rule
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +50,15 @@ RENEW_EVERY_S = 1.0  # how often the engine renews the leases of prompts it stil
 ASSUMED_LINK_BYTES_PER_S = 1.25e9  # 10 Gbit/s, a common pod network, until pulls have measured the link
 
 
-def threshold(cost: StepCostModel, bytes_per_token: int, link_bytes_per_s: float, fixed_s: float = FIXED_S
-              ) -> int | None:
-    """The shortest prompt worth prefilling elsewhere for an engine with step-time model ``cost``
-    (:func:`~cadenza.node.kv_transfer.threshold.min_prompt_tokens` on its prefill coefficients),
-    None before the model is calibrated or when no prompt is worth it."""
+def rule(cost: StepCostModel, bytes_per_token: int, link_bytes_per_s: float, local_tokens: int = 0,
+         fixed_s: float = FIXED_S) -> Rule | None:
+    """The selective rule (:class:`~cadenza.node.kv_transfer.threshold.Rule`) of an engine with
+    step-time model ``cost``, its prefill coefficients and the link's cost per token; None before
+    the model is calibrated."""
     if not cost.ready:
         return None
-    return min_prompt_tokens(float(cost.coef[1]), float(cost.coef[4]), bytes_per_token, link_bytes_per_s, fixed_s)
+    return Rule.of_link(max(0.0, float(cost.coef[1])), max(0.0, float(cost.coef[4])), bytes_per_token,
+                        link_bytes_per_s, local_tokens, fixed_s)
 
 
 @dataclass
@@ -118,12 +119,19 @@ class KVLink:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
+    def rule(self, cost: StepCostModel) -> Rule | None:
+        """This replica's selective rule (:mod:`~cadenza.node.kv_transfer.threshold`): its
+        step-time model, its KV bytes per token, the bandwidth its pulls measured
+        (:data:`ASSUMED_LINK_BYTES_PER_S` before any), and its last block prefilled locally. None
+        before the cost model is calibrated."""
+        return rule(cost, self.fingerprint.bytes_per_token, self.consumer.bandwidth or ASSUMED_LINK_BYTES_PER_S,
+                    self.fingerprint.block_size)
+
     def min_prompt_tokens(self, cost: StepCostModel) -> int | None:
-        """The shortest prompt worth prefilling on a prefill replica for this one
-        (:mod:`~cadenza.node.kv_transfer.threshold`): this engine's step-time model, its KV bytes
-        per token, and the bandwidth its pulls measured (:data:`ASSUMED_LINK_BYTES_PER_S` before
-        any). None before the cost model is calibrated, or when no prompt is worth it."""
-        return threshold(cost, self.fingerprint.bytes_per_token, self.consumer.bandwidth or ASSUMED_LINK_BYTES_PER_S)
+        """The shortest prompt worth prefilling on an idle prefill replica for this one, None
+        before calibration or when none is."""
+        found = self.rule(cost)
+        return None if found is None else found.min_prompt_tokens()
 
     @property
     def busy(self) -> bool:

@@ -117,7 +117,8 @@ class EngineStats:
     remote_kv_recomputed_tokens: int = 0
     # the replica's KV transfer endpoint (all 0 / None without one): both sides' traffic, failures
     # by kind (pulls made here: TransferError kinds; pulls served: the error codes sent), and the
-    # disaggregation threshold it computes (:meth:`KVLink.min_prompt_tokens`)
+    # disaggregation rule it computes (:meth:`KVLink.rule`: a header value) and its threshold
+    # with an idle prefill replica
     kv_transfer_published: int = 0  # prompts held for a decode replica
     kv_transfer_sent_bytes: int = 0
     kv_transfer_received_bytes: int = 0
@@ -126,6 +127,7 @@ class EngineStats:
     kv_transfer_serve_failures: dict[str, int] = field(default_factory=dict)
     kv_transfer_bandwidth: float | None = None  # bytes/s the pulls measured
     kv_transfer_min_prompt_tokens: int | None = None
+    kv_transfer_rule: str | None = None
     rejected: dict[str, int] = field(default_factory=dict)  # refused requests, by reason
     cost_model_error: float | None = None  # mean relative error of the step-time model
     classes: dict[str, ClassStats] = field(default_factory=dict)

@@ -4,7 +4,9 @@ A pool with replicas in the ``prefill`` role serves a completion in two calls wh
 rule says it pays:
 
 1. **Prefill.** The gateway sends the request's body to the least busy prefill replica as a
-   streamed call for one token, with ``x-cadenza-kv-publish: 1``. The replica answers at once
+   streamed call with ``x-cadenza-kv-publish: 1``; the replica validates it as the decode call
+   will be (a bad request is refused before anything is computed), computes one token, and
+   answers at once
    where the prompt's KV will be (``x-cadenza-kv-source``), then computes it, holding each block
    under a lease as soon as a step has written it. The gateway reads that call to its end in the
    background.
@@ -22,14 +24,21 @@ prefill replica stops computing a prompt nobody waits for. Both calls carry the
 pool's bearer token (``$CADENZA_ADMIN_TOKEN``), which replicas require before they move KV.
 
 The rule (:mod:`cadenza.node.kv_transfer.threshold`): a prompt goes through a prefill replica
-when it is at least ``--disagg-min-prompt-tokens`` long. Pinned, that is a number; ``auto`` takes
-the threshold the decode replicas compute from their step-time model and the bandwidth their
-pulls measured (they send it on every answer, ``x-cadenza-disagg-min-prompt-tokens``): the
-largest any reachable one reported, so a prompt moves only when it pays on each of them, and
-none until one has calibrated. The gateway counts a prompt's tokens exactly when they are token
-ids; for text it estimates one token per :data:`CHARS_PER_TOKEN` characters, because it has no
-tokenizer. It cannot see the decode replica's prefix cache, so it counts every token as
-uncached.
+when it is at least ``--disagg-min-prompt-tokens`` long. Pinned, that is a number. With ``auto``
+the decode replicas send the rule's coefficients on every answer (``x-cadenza-disagg-rule``:
+their step-time model, KV bytes per token over the bandwidth their pulls measured, their block
+size) and the gateway solves it for the prefill replica it would use, whose queue is the prompts
+this gateway has sent it that it is still computing (their predicted prefill seconds). It takes
+the largest threshold over the reachable decode replicas, so a prompt moves only when it pays on
+each of them, and none until one has calibrated. So a busy prefill replica is sent only the
+prompts that pay even after its queue, and the rest are prefilled where they decode. The prefill
+replica is the one with the fewest queued prompt tokens. No prompt is moved while none of the
+request's decode replicas could take it (all down, full, or loading: a 503 with
+``Retry-After``): its prefill would be thrown away.
+
+The gateway counts a prompt's tokens exactly when they are token ids; for text it estimates one
+token per :data:`CHARS_PER_TOKEN` characters, because it has no tokenizer. It cannot see the
+decode replica's prefix cache, so it counts every token as uncached.
 
 Sources: DistServe (Zhong et al., OSDI 2024) and Splitwise (Patel et al., ISCA 2024) for
 splitting the phases; llm-d's selective P/D threshold and Dynamo's prefill-length rule for
@@ -47,9 +56,10 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from cadenza.node.gateway.headers import request_headers
+from cadenza.node.gateway.headers import request_headers, retry_after_s
 from cadenza.node.gateway.state import METRICS, PREFILL_CALLS, SESSION, SETTINGS, UPSTREAMS
-from cadenza.node.gateway.upstreams import SERVING_ROLES
+from cadenza.node.gateway.upstreams import SERVING_ROLES, Upstream
+from cadenza.node.kv_transfer.threshold import Rule
 from cadenza.node.server.http import body_timeout
 from cadenza.node.server.auth import admin_token
 from cadenza.node.wire import KV_PUBLISH_HEADER, KV_SOURCE_HEADER
@@ -63,50 +73,73 @@ PREFILL_TASK = "cadenza_prefill_call"  # the request's prefill call being read, 
 DISAGG_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-def threshold(app: web.Application) -> int | None:
-    """The shortest prompt sent through a prefill replica now: pinned, or with ``auto`` the
-    largest the reachable serving replicas reported (None: never, or none reported yet)."""
+def threshold(app: web.Application, prefill: Upstream | None = None) -> int | None:
+    """The shortest prompt sent through ``prefill`` now (None: an idle prefill replica): pinned,
+    or with ``auto`` the largest the reachable serving replicas' rules give with ``prefill``'s
+    queue (None: never, or no rule reported yet)."""
     pinned = app[SETTINGS].disagg_min_prompt_tokens
     if pinned != "auto":
         return pinned
+    queued = (0, 0.0) if prefill is None else (prefill.queued_tokens, prefill.queued_pairs)
+    found = [rule.min_prompt_tokens(rule.queue_s(*queued)) for rule in _rules(app)]
+    return None if not found or None in found else max(found)
+
+
+def _rules(app: web.Application) -> list[Rule]:
     upstreams = app[UPSTREAMS]
-    reported = [u.disagg_min_prompt_tokens for role in SERVING_ROLES for u in upstreams.reachable(role)
-                if u.disagg_min_prompt_tokens is not None]
-    return max(reported, default=None)
+    return [u.disagg_rule for u in {id(u): u for role in SERVING_ROLES for u in upstreams.reachable(role)}.values()
+            if u.disagg_rule is not None]
 
 
 def prompt_tokens(body: object) -> int:
-    """The prompt's length in tokens: exact for token ids, estimated for text (0 when unreadable)."""
+    """The prompt's length in tokens: exact for token ids, estimated for text; of a batch of
+    prompts, the longest. 0 when unreadable (the replica answers the 400)."""
     if not isinstance(body, dict):
         return 0
     prompt = body.get("prompt")
     if prompt is None and isinstance(body.get("messages"), list):
         prompt = " ".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
-    if isinstance(prompt, list):
-        if all(isinstance(t, int) for t in prompt):
-            return len(prompt)
-        return max((prompt_tokens({"prompt": p}) for p in prompt), default=0)
+    prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    return max(map(_one_prompt_tokens, prompts), default=0)  # one level: the API nests no deeper
+
+
+def _one_prompt_tokens(prompt: object) -> int:
     if isinstance(prompt, str):
         return math.ceil(len(prompt) / CHARS_PER_TOKEN)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
     return 0
 
 
-async def route(request: web.Request) -> CIMultiDict[str] | None:
+async def route(request: web.Request, decode: list[Upstream]) -> CIMultiDict[str] | None:
     """The extra headers of the decode call when this request goes through a prefill replica
-    (the prefill call made), else None: no prefill replica, a short prompt, not a completion."""
-    if request.method != "POST" or request.path not in DISAGG_PATHS or not request.app[UPSTREAMS].of_role("prefill"):
+    (the prefill call made), else None: no prefill replica free, none of ``decode`` (the
+    request's decode replicas) able to take it, a short prompt, not a completion."""
+    app = request.app
+    if request.method != "POST" or request.path not in DISAGG_PATHS or not app[UPSTREAMS].of_role("prefill"):
         return None
-    if (least := threshold(request.app)) is None:
-        return None
+    now, limit = app[UPSTREAMS].clock(), app[SETTINGS].max_outstanding
+    if not any(not u.is_down and not u.is_full(limit, now) and now >= u.unready_until for u in decode):
+        return None  # the decode call fails or waits: a prefill now would be thrown away
     async with body_timeout(request):
         body = await request.read()  # read once: forward() gets the same bytes
     try:
         parsed = json.loads(body)
     except (ValueError, RecursionError):
         return None  # the decode replica answers the 400
-    if not isinstance(parsed, dict) or prompt_tokens(parsed) < least:
+    if not isinstance(parsed, dict):
         return None
-    source = await prefill(request, parsed)
+    tokens = prompt_tokens(parsed)
+    upstream = app[UPSTREAMS].least_queued(app[UPSTREAMS].of_role("prefill"), limit)
+    if upstream is None:
+        if (least := threshold(app)) is not None and tokens >= least:
+            app[METRICS].count_disagg("fallback_busy")
+        return None
+    if (least := threshold(app, upstream)) is None or tokens < least:
+        if least is not None and (idle := threshold(app)) is not None and tokens >= idle:
+            app[METRICS].count_disagg("kept_queued")
+        return None
+    source = await prefill(request, parsed, upstream, tokens)
     return None if source is None else CIMultiDict({**_auth(), KV_SOURCE_HEADER: source})
 
 
@@ -118,29 +151,24 @@ def cancel_prefill(request: web.Request) -> None:
         task.cancel()
 
 
-async def prefill(request: web.Request, parsed: dict) -> str | None:
-    """Run the prefill call; the ``x-cadenza-kv-source`` to hand the decode replica, or None to
-    fall back (no prefill replica free, or the call failed: logged and counted)."""
+async def prefill(request: web.Request, parsed: dict, upstream: Upstream, tokens: int) -> str | None:
+    """Run the prefill call of a ``tokens``-token prompt on ``upstream``; the
+    ``x-cadenza-kv-source`` to hand the decode replica, or None to fall back (the call failed:
+    logged and counted)."""
     app = request.app
-    upstreams, settings, metrics = app[UPSTREAMS], app[SETTINGS], app[METRICS]
-    live = [u for u in upstreams.of_role("prefill") if not u.is_down]  # never a down one: decoding here is better
-    upstream = upstreams.pick(live, settings.max_outstanding)
-    if upstream is None:
-        metrics.count_disagg("fallback_busy")
-        return None
-    body = {**parsed, "max_tokens": 1, "stream": True}
+    upstreams, metrics = app[UPSTREAMS], app[METRICS]
+    body = {**parsed, "stream": True}  # streamed: its headers come before the prefill
     body.pop("stream_options", None)
-    body.pop("max_completion_tokens", None)
     headers = request_headers(request.headers, request.remote)
     headers.update(_auth())
     headers[KV_PUBLISH_HEADER] = "1"
-    upstream.outstanding += 1
+    queued = _Queued(upstream, tokens)
     try:  # its headers come at once (before the prefill): a replica that sends none is hung
         resp = await asyncio.wait_for(app[SESSION].post(upstream.url + request.path, json=body, headers=headers,
                                                         timeout=aiohttp.ClientTimeout(total=PREFILL_TIMEOUT_S)),
                                       HEADERS_TIMEOUT_S)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        upstream.outstanding -= 1
+        queued.done()
         logger.warning("prefill replica %s failed: %r; prefilling on the decode replica", upstream.url, exc)
         upstreams.unreachable(upstream)
         metrics.count_disagg("fallback_failed")
@@ -155,22 +183,38 @@ async def prefill(request: web.Request, parsed: dict) -> str | None:
         metrics.count_disagg("fallback_failed")
     else:
         metrics.count_disagg("prefilled")
+    if resp.status == 429:
+        upstreams.back_off(upstream, retry_after_s(resp.headers.get("Retry-After")))
     # read the prefill call to its end while the decode call runs (closing it early would abort it)
-    task = asyncio.create_task(_finish(resp, upstream))
+    task = asyncio.create_task(_finish(resp, upstream, queued))
     request[PREFILL_TASK] = task
     app[PREFILL_CALLS].add(task)
     task.add_done_callback(app[PREFILL_CALLS].discard)
     return source if resp.status == 200 else None
 
 
-async def _finish(resp: aiohttp.ClientResponse, upstream) -> None:
+class _Queued:
+    """A prompt in a prefill replica's queue, as this gateway counts it: in flight and queued
+    from the call's start to its end."""
+
+    def __init__(self, upstream: Upstream, tokens: int) -> None:
+        self.upstream, self.tokens = upstream, tokens
+        upstream.outstanding += 1
+        upstream.queue_prompt(tokens)
+
+    def done(self) -> None:
+        self.upstream.outstanding -= 1
+        self.upstream.unqueue_prompt(self.tokens)
+
+
+async def _finish(resp: aiohttp.ClientResponse, upstream: Upstream, queued: _Queued) -> None:
     try:
         await resp.read()
     except (aiohttp.ClientError, TimeoutError) as exc:  # the decode side recomputes what it lacks
         logger.warning("prefill call on %s broke off: %r", upstream.url, exc)
     finally:
         resp.close()
-        upstream.outstanding -= 1
+        queued.done()
 
 
 def _auth() -> dict[str, str]:

@@ -7,7 +7,7 @@ header — ``authorization``, ``x-cadenza-class``, ``x-cadenza-tenant``, W3C ``t
 ``tracestate`` among them — is forwarded unchanged. ``Host`` and ``Content-Length`` are set anew by
 the client library for the upstream request. A client's ``x-cadenza-kv-*`` headers are dropped:
 only the gateway itself asks replicas to move KV (:mod:`.disagg`); and a replica's
-``x-cadenza-disagg-min-prompt-tokens`` is the gateway's to read, not the client's.
+``x-cadenza-disagg-rule`` is the gateway's to read, not the client's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import math
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from cadenza.node.wire import DISAGG_THRESHOLD_HEADER, KV_PUBLISH_HEADER, KV_SOURCE_HEADER
+from cadenza.node.kv_transfer.threshold import Rule
+from cadenza.node.wire import DISAGG_RULE_HEADER, KV_PUBLISH_HEADER, KV_SOURCE_HEADER
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
@@ -28,7 +29,7 @@ HOP_BY_HOP = frozenset({
 # Set by the client library from the upstream URL and the body it sends; the KV transfer headers
 # are the gateway's own.
 _RESET_ON_REQUEST = frozenset({"host", "content-length", KV_PUBLISH_HEADER, KV_SOURCE_HEADER})
-_GATEWAY_ONLY = frozenset({DISAGG_THRESHOLD_HEADER})  # replicas tell the gateway, not the client
+_GATEWAY_ONLY = frozenset({DISAGG_RULE_HEADER})  # replicas tell the gateway, not the client
 
 DEFAULT_RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 3600.0  # a longer (or absurd) back-off is read as this
@@ -60,12 +61,9 @@ def response_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMul
     return _end_to_end(headers, _GATEWAY_ONLY)
 
 
-def disagg_threshold(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> int | None:
-    """A replica's reported disaggregation threshold (tokens), None when absent or unreadable."""
-    value = headers.get(DISAGG_THRESHOLD_HEADER, "").strip()
-    if not (value.isascii() and value.isdigit() and len(value) <= 9):
-        return None
-    return int(value) or None
+def disagg_rule(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> Rule | None:
+    """A replica's reported selective disaggregation rule, None when absent or unreadable."""
+    return Rule.from_header(headers.get(DISAGG_RULE_HEADER))
 
 
 def retry_after_s(value: str | None, now: float | None = None) -> float:

@@ -13,9 +13,12 @@ Both carry ``cadenza.traffic_class``. Answers that are not streamed have no TTFT
 measure and are not recorded. A counter, ``cadenza.gateway.disagg.requests``, counts the requests
 the selective rule sent through a prefill replica, by ``cadenza.disagg.outcome``: ``prefilled``,
 ``fallback_busy`` (no prefill replica free), ``fallback_failed`` (its call failed; the decode
-replica prefilled) or ``fallback_refused`` (the prefill replica refused the request itself, a 4xx
-other than 429: the decode replica gives the client the same answer); a gauge, ``cadenza.gateway.disagg.min_prompt_tokens``, is the threshold the
-rule applies now (pinned or computed by the decode replicas; absent while there is none).
+replica prefilled), ``fallback_refused`` (the prefill replica refused the request itself, a 4xx
+other than 429: the decode replica gives the client the same answer) or ``kept_queued`` (long
+enough for an idle prefill replica, not after the chosen one's queue: prefilled where it decodes).
+A gauge, ``cadenza.gateway.disagg.min_prompt_tokens``, is the threshold the rule applies with an
+idle prefill replica (pinned or computed from the decode replicas' rules; absent while there is
+none).
 
 Bucket boundaries (:func:`latency_buckets`): the GenAI semantic conventions' TTFT buckets step
 0.25 -> 0.5 -> 0.75 s, too coarse to tell a 300 ms p99 from a 450 ms one. These are geometric
@@ -91,7 +94,7 @@ class GatewayMetrics:
         self.disagg_threshold: Callable[[], int | None] = lambda: None  # set by the app
         meter.create_observable_gauge(
             "cadenza.gateway.disagg.min_prompt_tokens", [self._threshold], "{token}",
-            "The shortest prompt sent through a prefill replica now")
+            "The shortest prompt sent through an idle prefill replica")
 
     def _threshold(self, _options: CallbackOptions) -> list[Observation]:
         least = self.disagg_threshold()

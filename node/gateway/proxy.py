@@ -37,7 +37,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from cadenza.node.gateway import disagg
-from cadenza.node.gateway.headers import disagg_threshold, request_headers, response_headers, retry_after_s
+from cadenza.node.gateway.headers import disagg_rule, request_headers, response_headers, retry_after_s
 from cadenza.node.gateway.state import METRICS, SESSION, SETTINGS, UPSTREAMS
 from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream
 from cadenza.node.core.policy import PolicyError, check_class
@@ -81,9 +81,10 @@ async def proxy_by_class(request: web.Request) -> web.StreamResponse:
     cls = request_class(request)
     request["cadenza_timed"] = (cls, started)  # the class and arrival, for the latency histograms
     role = ROLE_OF_CLASS[cls]
-    extra = await disagg.route(request)  # a long prompt is prefilled on a prefill replica first
+    candidates = request.app[UPSTREAMS].of_role(role)
+    extra = await disagg.route(request, candidates)  # a long prompt is prefilled on a prefill replica first
     try:
-        return await forward(request, request.app[UPSTREAMS].of_role(role), f"{role} replica", extra)
+        return await forward(request, candidates, f"{role} replica", extra)
     finally:
         disagg.cancel_prefill(request)
 
@@ -156,6 +157,8 @@ async def _attempt(request: web.Request, upstream: Upstream, headers: CIMultiDic
     try:
         if resp.status == 429:
             app[UPSTREAMS].back_off(upstream, retry_after_s(resp.headers.get("Retry-After")))
+        elif resp.status == 503 and "Retry-After" in resp.headers:  # loading or draining: no prefilling for it
+            upstream.unready_until = app[UPSTREAMS].clock() + retry_after_s(resp.headers["Retry-After"])
         if resp.status in RETRY_STATUSES and not last:
             logger.warning("%s answered %s %s with %d", upstream.url, request.method, request.path, resp.status)
             try:
@@ -196,8 +199,8 @@ async def _send_unless_down(send, upstream: Upstream) -> aiohttp.ClientResponse:
 
 async def _relay(request: web.Request, resp: aiohttp.ClientResponse, upstream: Upstream) -> web.StreamResponse:
     """Pass ``resp`` to the client: status, headers, then each chunk as soon as it arrives."""
-    if (least := disagg_threshold(resp.headers)) is not None:
-        upstream.disagg_min_prompt_tokens = least
+    if (rule := disagg_rule(resp.headers)) is not None:
+        upstream.disagg_rule = rule
     out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=response_headers(resp.headers))
     await out.prepare(request)
     timed = request.get("cadenza_timed")

@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from cadenza.node.kv_transfer.threshold import Rule
+
 SERVING_ROLES = ("interactive", "batch")  # the roles traffic classes are routed to
 ROLES = (*SERVING_ROLES, "prefill")  # prefill: replicas that only prefill prompts for others (optional)
 # Traffic class (x-cadenza-class) -> the role whose replicas serve it.
@@ -52,8 +54,13 @@ class Upstream:
             while this is above 0.
         went_down: set when it goes from up to down (requests still waiting for its answer give
             up on it then), cleared when it is up again.
-        disagg_min_prompt_tokens: the disaggregation threshold it last reported (a decode
-            replica's ``x-cadenza-disagg-min-prompt-tokens``), None before it has.
+        unready_until: monotonic time before which it said it cannot serve (a 503 with
+            ``Retry-After``: loading or draining); long prompts are not prefilled for it meanwhile.
+        disagg_rule: the selective disaggregation rule it last reported (a decode replica's
+            ``x-cadenza-disagg-rule``), None before it has.
+        queued_tokens, queued_pairs: as a prefill replica, the prompts this gateway has sent it
+            that it is still computing: their tokens, and the sum of ``n^2 / 2`` over them (the
+            terms of their predicted prefill time, :meth:`Rule.queue_s`).
     """
 
     url: str
@@ -61,7 +68,10 @@ class Upstream:
     blocked_until: float = 0.0
     failures: int = 0
     went_down: asyncio.Event = field(default_factory=asyncio.Event)
-    disagg_min_prompt_tokens: int | None = None
+    unready_until: float = 0.0
+    disagg_rule: Rule | None = None
+    queued_tokens: int = 0
+    queued_pairs: float = 0.0
 
     @property
     def is_down(self) -> bool:
@@ -69,6 +79,15 @@ class Upstream:
 
     def is_full(self, max_outstanding: int, now: float) -> bool:
         return self.outstanding >= max_outstanding or now < self.blocked_until
+
+    def queue_prompt(self, tokens: int) -> None:
+        """As a prefill replica: a prompt of ``tokens`` tokens sent to it (:meth:`unqueue_prompt` at its end)."""
+        self.queued_tokens += tokens
+        self.queued_pairs += tokens * tokens / 2
+
+    def unqueue_prompt(self, tokens: int) -> None:
+        self.queued_tokens -= tokens
+        self.queued_pairs = max(0.0, self.queued_pairs - tokens * tokens / 2)
 
     def wait_s(self, max_outstanding: int, now: float) -> float:
         """Seconds until this upstream may be tried again: its 429 back-off, or 1 s when only busy."""
@@ -147,6 +166,17 @@ class Upstreams:
         least = min(u.outstanding for u in free)
         tied = [u for u in free if u.outstanding == least]
         return tied[next(self._turn) % len(tied)]
+
+    def least_queued(self, candidates: list[Upstream], max_outstanding: int,
+                     exclude: Iterable[Upstream] = ()) -> Upstream | None:
+        """The prefill replica for the next prompt: of ``candidates`` up, not full nor excluded,
+        one with the fewest queued prompt tokens (ties: :meth:`pick`). None when there is none."""
+        now, skip = self.clock(), set(map(id, exclude))
+        free = [u for u in candidates if id(u) not in skip and not u.is_down and not u.is_full(max_outstanding, now)]
+        if not free:
+            return None
+        least = min(u.queued_tokens for u in free)
+        return self.pick([u for u in free if u.queued_tokens == least], max_outstanding)
 
     def retry_after_s(self, candidates: list[Upstream], max_outstanding: int) -> int:
         """Whole seconds (at least 1) until the first of ``candidates`` frees up, for ``Retry-After``."""

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from contextlib import aclosing, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
@@ -29,7 +29,7 @@ from cadenza.node.server.errors import APIError, error_body
 from cadenza.node.server.http import body_timeout, send
 from cadenza.node.server.kv_headers import format_source, kv_options
 from cadenza.node.server.protocol import ChatCompletionRequest, CompletionRequest, check_sizes, parse
-from cadenza.node.wire import (CLASS_HEADER, DISAGG_THRESHOLD_HEADER, KV_SOURCE_HEADER, REQUEST_ID_HEADER, TENANT_HEADER,
+from cadenza.node.wire import (CLASS_HEADER, DISAGG_RULE_HEADER, KV_SOURCE_HEADER, REQUEST_ID_HEADER, TENANT_HEADER,
                                TRACEPARENT_HEADER)
 
 ENGINE = web.AppKey("engine", EngineClient)
@@ -196,9 +196,11 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
     endpoint = client.info.kv_transfer if client.info is not None else None
     remote_kv, publish_kv = kv_options(request, endpoint)
     headers = {REQUEST_ID_HEADER: call.request_id}
-    if endpoint is not None and (least := client.stats().kv_transfer_min_prompt_tokens) is not None:
-        headers[DISAGG_THRESHOLD_HEADER] = str(least)  # for the gateway's selective rule
-    if publish_kv:  # where the decode replica pulls this prompt's KV from
+    if endpoint is not None and (rule := client.stats().kv_transfer_rule) is not None:
+        headers[DISAGG_RULE_HEADER] = rule  # for the gateway's selective rule
+    if publish_kv:  # validated as the decode call will be; computed for its KV: one token is enough
+        call.sampling = replace(call.sampling, max_tokens=1)
+        # where the decode replica pulls this prompt's KV from
         headers[KV_SOURCE_HEADER] = format_source(RemoteKV(endpoint["host"], endpoint["port"], call.request_id,
                                                            endpoint["boot_id"], len(call.prompt_ids)))
     stream = client.generate(call.request_id, call.prompt_ids, call.sampling, call.traffic_class, call.tenant,

@@ -19,7 +19,7 @@ from cadenza.node.kv_transfer.consumer import KVConsumer
 from cadenza.node.kv_transfer.leases import LeaseTable
 from cadenza.node.kv_transfer.producer import MAX_FRAME_BLOCKS, KVProducer
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
-from cadenza.node.kv_transfer.threshold import min_prompt_tokens
+from cadenza.node.kv_transfer.threshold import Rule, min_prompt_tokens
 
 FP = Fingerprint("tiny-llama", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 BLOCK = FP.num_layers * FP.block_layer_bytes  # bytes of one block, every layer
@@ -546,7 +546,7 @@ def test_the_threshold_refuses_nonsense():
         min_prompt_tokens(1e-4, 0.0, 1, 0.0)
 
 
-def test_an_engine_computes_its_threshold_once_its_cost_model_is_calibrated_and_from_its_measured_link():
+def test_an_engine_computes_its_rule_once_its_cost_model_is_calibrated_and_from_its_measured_link():
     from types import SimpleNamespace
 
     from cadenza.node.core.cost_model import StepCostModel, StepFeatures
@@ -554,12 +554,43 @@ def test_an_engine_computes_its_threshold_once_its_cost_model_is_calibrated_and_
 
     cost = StepCostModel()
     consumer = SimpleNamespace(bandwidth=None)
-    link = SimpleNamespace(consumer=consumer, fingerprint=FP)  # what min_prompt_tokens reads of a KVLink
-    assert KVLink.min_prompt_tokens(link, cost) is None  # not calibrated: the gateway moves nothing
+    link = SimpleNamespace(consumer=consumer, fingerprint=FP)  # what rule() reads of a KVLink
+    assert KVLink.rule(link, cost) is None  # not calibrated: the gateway moves nothing
     for i in range(16):  # 2 ms a step, 20 us a prefill token, 10 ns a prefill attention pair
         n, decode = 16 * (i % 5 + 1), i % 3
         cost.observe(StepFeatures(n, decode, 100 * decode, n * n / 2), 0.002 + 2e-5 * n + 1e-8 * n * n / 2)
+    rule = KVLink.rule(link, cost)
+    assert rule.local_tokens == FP.block_size
+    assert rule.transfer_s_per_token == FP.bytes_per_token / ASSUMED_LINK_BYTES_PER_S
     expected = min_prompt_tokens(float(cost.coef[1]), float(cost.coef[4]), FP.bytes_per_token, ASSUMED_LINK_BYTES_PER_S)
-    assert KVLink.min_prompt_tokens(link, cost) == expected and 300 < expected < 1000
+    assert rule.min_prompt_tokens() == expected + FP.block_size and 300 < expected < 1000
     consumer.bandwidth = 1e5  # a slow link measured: moving a token costs more; only far longer prompts pay
-    assert KVLink.min_prompt_tokens(link, cost) > expected
+    assert KVLink.rule(link, cost).min_prompt_tokens() > rule.min_prompt_tokens()
+
+
+def test_a_prefill_queue_raises_the_threshold_by_what_it_costs():
+    rule = Rule(1e-4, 1e-8, 2e-5, local_tokens=16, fixed_s=0.01)
+
+    def saved(n, queue_s):  # the interference avoided less what moving costs, for m = n - 16 tokens moved
+        m = n - 16
+        return 1e-4 * m + 1e-8 * m * m / 2 - 2e-5 * m - 0.01 - queue_s
+
+    queue_s = rule.queue_s(2000, 2000 * 2000 / 2)  # one 2,000-token prompt ahead: 0.2 + 0.02 s
+    assert queue_s == pytest.approx(0.22)
+    for q in (0.0, queue_s):
+        n = rule.min_prompt_tokens(q)
+        assert saved(n, q) >= 0 > saved(n - 1, q)
+    assert rule.min_prompt_tokens(queue_s) > rule.min_prompt_tokens() > 16
+    with pytest.raises(ValueError):
+        rule.min_prompt_tokens(-1.0)
+
+
+def test_a_rule_crosses_a_header_whole_and_a_bad_header_reads_as_none():
+    rule = Rule(1.25e-4, 3e-9, 2.1e-6, local_tokens=16, fixed_s=0.01)
+    assert Rule.from_header(rule.header()) == rule
+    for bad in (None, "", "c_p=1", rule.header() + ";c_p=1", rule.header().replace("l=16", "l=1.5"),
+                rule.header().replace("c_p=0.000125", "c_p=-1"), rule.header().replace("c_p=0.000125", "c_p=nan"),
+                "x" * 300, "junk"):
+        assert Rule.from_header(bad) is None, bad
+    with pytest.raises(ValueError):
+        Rule(-1.0, 0.0, 0.0)

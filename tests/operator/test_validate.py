@@ -14,6 +14,7 @@ from cadenza.operator.validate import (
     load_pools,
     validate_pool,
 )
+from cadenza.operator.pool import Pool, PoolSpecError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "examples"
 MINIMAL = {
@@ -431,10 +432,22 @@ def test_a_disaggregated_pool_is_defaulted_and_keeps_a_decode_replica():
 @pytest.mark.parametrize("key, value", [("blockSize", 32), ("maxModelLen", 4096)])
 def test_a_role_of_a_disaggregated_pool_may_not_change_the_kv_layout(role, key, value):
     problems = problems_of(pool(mode="disaggregated", replicas=2, disaggregated={role: {key: value}}))
-    assert problems == ["spec.disaggregated: disaggregated.prefillEngine and decodeEngine may not change the KV "
-                        "layout or the model length (blockSize, maxModelLen): a decode replica takes the prefill "
-                        "replica's KV blocks as they are"]
+    assert problems == ["spec.disaggregated: disaggregated.prefillEngine and decodeEngine take only tokenBudget, "
+                        "chunkSize, maxNumSeqs, prefixCaching, stepTimeTargetMs, kvCacheFraction, classes and tenants: "
+                        "a decode replica takes the prefill replica's KV blocks as they are, so the KV layout and the "
+                        "model length (blockSize, maxModelLen) stay the pool's"]
     validate_pool(pool(mode="disaggregated", replicas=2, disaggregated={role: {"chunkSize": 64}}))
+
+
+@pytest.mark.parametrize("role", ["prefillEngine", "decodeEngine"])
+def test_a_key_no_engine_has_is_named_as_undeclared_in_a_role_override(role):
+    problems = problems_of(pool(mode="disaggregated", replicas=2, disaggregated={role: {"numKvBlocks": 100}}))
+    assert f"spec.disaggregated.{role}.numKvBlocks: field not declared in schema" in problems
+    with pytest.raises(PoolSpecError, match=rf"spec.disaggregated.{role}.numKvBlocks: unknown engine setting "
+                                            r"\(allowed here: chunkSize, classes,"):
+        obj = apply_defaults(pool(mode="disaggregated", replicas=2, disaggregated={role: {"numKvBlocks": 100}}),
+                             load_crd_schema())
+        Pool("p", "default", obj["spec"]).roles()
 
 
 def test_the_crd_and_the_pool_allow_the_same_role_overrides_in_a_disaggregated_pool():

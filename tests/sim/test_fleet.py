@@ -120,6 +120,23 @@ def test_a_disaggregated_fleet_moves_long_prompts_off_the_decode_replica_over_a_
     assert colocated.kv_transfer == {}
 
 
+def test_a_prefill_replica_with_a_queue_is_sent_only_the_long_prompts_that_still_pay():
+    from cadenza.sim.disagg import KVLinkModel
+
+    # the streams and a first long prompt calibrate the decode replica, the second long prompt
+    # moves, then six more arrive together
+    requests = sorted([TraceRequest(0.02 * i, 200, 200) for i in range(40)]
+                      + [TraceRequest(0.1, 6000, 20), TraceRequest(0.35, 6000, 20)]
+                      + [TraceRequest(1.0 + 0.001 * i, 6000, 20) for i in range(6)], key=lambda r: r.arrival_s)
+    fleet = Fleet({"interactive": ["d"], "batch": ["d"], "prefill": ["p"]}, {"d": CONFIG, "p": CONFIG}, MODEL,
+                  link=KVLinkModel(5e10, 10e-6))
+    kv = fleet.run(requests).kv_transfer
+    # one prompt's prefill ahead costs about what moving saves: the first moves, most others stay
+    assert kv["moved"] >= 2 and kv["kept_queued"] >= 3 and kv["moved"] + kv["kept_queued"] == 7
+    (prefill,) = fleet.upstreams.of_role("prefill")
+    assert (prefill.queued_tokens, prefill.queued_pairs, prefill.outstanding) == (0, 0.0, 0)
+
+
 def test_over_a_slow_link_no_prompt_is_worth_moving_unless_the_threshold_is_pinned():
     from cadenza.sim.disagg import KVLinkModel, ready_at
 

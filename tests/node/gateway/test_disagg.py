@@ -4,6 +4,7 @@ decode replica; the client sees one ordinary answer, the same as a colocated one
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -11,12 +12,13 @@ import re
 import pytest
 
 from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from cadenza.node.gateway.state import METRICS, UPSTREAMS
+from cadenza.node.gateway.state import METRICS, PREFILL_CALLS, UPSTREAMS
 from cadenza.node.gateway.disagg import prompt_tokens
 from cadenza.node.server.app import create_app
 from cadenza.node.server.auth import TOKEN_ENV
 from cadenza.node.server.openai_api import ENGINE
-from cadenza.node.wire import DISAGG_THRESHOLD_HEADER, KV_SOURCE_HEADER
+from cadenza.node.kv_transfer.threshold import Rule
+from cadenza.node.wire import DISAGG_RULE_HEADER, KV_SOURCE_HEADER
 
 MODEL = "tiny"
 LONG, SHORT = list(range(5, 105)), list(range(5, 25))  # 100 and 20 token ids; the threshold is 32
@@ -36,8 +38,8 @@ async def pool(aiohttp_server, start_gateway, tiny_llama_dir, monkeypatch, dead_
         servers.append(server)
     prefill, decode = (str(s.make_url("")).rstrip("/") for s in servers)
 
-    async def gateway(prefill_url=prefill, threshold=32):
-        return await start_gateway({"interactive": [decode], "prefill": [prefill_url]},
+    async def gateway(prefill_url=prefill, threshold=32, decode_url=decode):
+        return await start_gateway({"interactive": [decode_url], "prefill": [prefill_url]},
                                    disagg_min_prompt_tokens=threshold)
 
     return gateway, servers[0].app, servers[1].app
@@ -114,24 +116,87 @@ def test_prompt_length_is_exact_for_token_ids_and_estimated_for_text():
     assert prompt_tokens({"prompt": "x" * 401}) == 101
     assert prompt_tokens({"messages": [{"role": "user", "content": "y" * 80}]}) == 20
     assert prompt_tokens({"prompt": [[1, 2, 3], [4]]}) == 3 and prompt_tokens("junk") == 0
+    assert prompt_tokens({"prompt": ["abcdefgh", [1, 2, 3]]}) == 3 and prompt_tokens({"prompt": []}) == 0
 
 
-async def test_with_auto_the_gateway_takes_the_threshold_the_decode_replica_reports(pool, monkeypatch):
+def test_a_prompt_nested_deeper_than_the_api_allows_is_read_as_nothing_not_recursed_into():
+    deep: list = [1]
+    for _ in range(5000):
+        deep = [deep]
+    assert prompt_tokens({"prompt": deep}) == 0
+
+
+async def test_a_deeply_nested_prompt_gets_the_replicas_400_through_the_gateway(pool):
+    gateway, prefill_app, _decode_app = pool
+    gw = await gateway()
+    resp = await gw.post("/v1/completions", data=json.dumps(body(0)).replace("0", "[" * 600 + "1" + "]" * 600, 1),
+                         headers={"Content-Type": "application/json"})
+    assert resp.status == 400 and (await resp.json())["error"]["type"] == "invalid_request_error"
+    assert prefill_app[ENGINE].core.scheduler.stats.prefill_tokens_admitted == 0
+
+
+async def test_a_request_the_decode_call_would_refuse_is_refused_before_the_prefill_replica_computes_it(pool):
+    gateway, prefill_app, _decode_app = pool
+    gw = await gateway()
+    resp = await gw.post("/v1/completions", json=body(LONG, max_tokens=10_000))  # past max_model_len
+    assert resp.status == 400 and "max_tokens" in (await resp.text())
+    assert gw.app[METRICS].disagg_outcomes == {"fallback_refused": 1}
+    assert prefill_app[ENGINE].core.scheduler.stats.prefill_tokens_admitted == 0
+
+
+async def test_no_prompt_is_prefilled_for_a_decode_replica_that_is_down_or_loading(pool, dead_url):
+    gateway, prefill_app, _decode_app = pool
+    gw = await gateway(decode_url=dead_url)
+    (decode,) = gw.app[UPSTREAMS].of_role("interactive")
+    gw.app[UPSTREAMS].unreachable(decode)
+    assert (await gw.post("/v1/completions", json=body(LONG))).status == 502
+    gw = await gateway()
+    (decode,) = gw.app[UPSTREAMS].of_role("interactive")
+    decode.unready_until = gw.app[UPSTREAMS].clock() + 60  # as a 503 with Retry-After: 60 leaves it
+    await text_of(await gw.post("/v1/completions", json=body(LONG)))  # it serves anyway, prefilling itself
+    assert gw.app[METRICS].disagg_outcomes == {}
+    assert prefill_app[ENGINE].core.scheduler.stats.prefill_tokens_admitted == 0
+
+
+def _rule(fixed_s: float) -> Rule:  # 1 ms a prompt token, a free link, the last 16 tokens local
+    return Rule(1e-3, 0.0, 0.0, local_tokens=16, fixed_s=fixed_s)
+
+
+async def test_with_auto_the_gateway_solves_the_rule_the_decode_replica_reports(pool, monkeypatch):
     gateway, prefill_app, decode_app = pool
     gw = await gateway(threshold="auto")
     # a decode replica whose cost model is not calibrated reports nothing: nothing moves
     await text_of(await gw.post("/v1/completions", json=body(LONG)))
     assert gw.app[METRICS].disagg_outcomes == {}
     client = decode_app[ENGINE]
-    computed = dataclasses.replace(client.stats(), kv_transfer_min_prompt_tokens=64)
+    computed = dataclasses.replace(client.stats(), kv_transfer_rule=_rule(0.048).header())
     monkeypatch.setattr(client, "stats", lambda: computed)
     resp = await gw.post("/v1/completions", json=body(SHORT))
-    assert DISAGG_THRESHOLD_HEADER not in resp.headers  # the gateway's to read, not the client's
+    assert DISAGG_RULE_HEADER not in resp.headers  # the gateway's to read, not the client's
     await text_of(resp)
     metrics = (await (await gw.get("/metrics")).text())
-    assert re.search(r"^cadenza_gateway_disagg_min_prompt_tokens(\{[^}]*\})? 64\.0$", metrics, re.M)
+    assert re.search(r"^cadenza_gateway_disagg_min_prompt_tokens(\{[^}]*\})? 64\.0$", metrics, re.M)  # 16 + 48
     await text_of(await gw.post("/v1/completions", json=body(LONG)))  # 100 >= 64 tokens: moved
     assert gw.app[METRICS].disagg_outcomes == {"prefilled": 1}
+
+
+async def test_with_auto_a_prefill_replica_with_a_queue_is_sent_only_prompts_that_pay_after_it(pool, monkeypatch):
+    gateway, prefill_app, decode_app = pool
+    gw = await gateway(threshold="auto")
+    client = decode_app[ENGINE]
+    computed = dataclasses.replace(client.stats(), kv_transfer_rule=_rule(0.048).header())
+    monkeypatch.setattr(client, "stats", lambda: computed)
+    await text_of(await gw.post("/v1/completions", json=body(SHORT)))  # learns the rule
+    (prefill,) = gw.app[UPSTREAMS].of_role("prefill")
+    prefill.queued_tokens = 40  # another gateway request's prompt: 40 ms more before this one's KV
+    await text_of(await gw.post("/v1/completions", json=body(LONG)))  # 100 < 16 + 48 + 40
+    assert gw.app[METRICS].disagg_outcomes == {"kept_queued": 1}
+    assert prefill_app[ENGINE].core.scheduler.stats.prefill_tokens_admitted == 0
+    prefill.queued_tokens = 0
+    await text_of(await gw.post("/v1/completions", json=body(LONG)))
+    assert gw.app[METRICS].disagg_outcomes == {"kept_queued": 1, "prefilled": 1}
+    await asyncio.gather(*gw.app[PREFILL_CALLS], return_exceptions=True)
+    assert (prefill.queued_tokens, prefill.queued_pairs, prefill.outstanding) == (0, 0.0, 0)  # its call ended
 
 
 def _greedy(n):
