@@ -50,10 +50,10 @@ class KVLinkModel:
             raise ValueError(f"a KV link needs a positive bandwidth and a non-negative latency, got {self}")
 
 
-def rule(cost: StepCostModel, link: KVLinkModel, bytes_per_token: int, block_size: int) -> Rule | None:
+def rule(cost: StepCostModel, link: KVLinkModel, bytes_per_token: int) -> Rule | None:
     """The selective rule of a decode replica with step-time model ``cost`` (None before
     calibration), the link's per-message latency added to its fixed cost."""
-    return kv_link.rule(cost, bytes_per_token, link.bytes_per_s, block_size, FIXED_S + link.latency_s)
+    return kv_link.rule(cost, bytes_per_token, link.bytes_per_s, fixed_s=FIXED_S + link.latency_s)
 
 
 def ready_at(link: KVLinkModel, arrival_s: float, prefill_end_s: float, prompt_tokens: int, chunk_tokens: int,

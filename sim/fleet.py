@@ -124,7 +124,6 @@ class Fleet:
         self._moves: dict[str, _Move] = {}
         self.kv_transfer: dict[str, float | None] = {"moved": 0, "bytes": 0, "fallbacks": 0, "kept_queued": 0,
                                                      "min_prompt_tokens": min_prompt_tokens}
-        self.block_size = block_size
         self.upstreams = Upstreams({role: list(group) for role, group in roles.items()}, clock=self.clock)
         self.max_outstanding = max_outstanding
         self.classes: dict[str, str] = {}  # request id -> traffic class it was sent as
@@ -275,7 +274,7 @@ class Fleet:
             return None
         least = self.min_prompt_tokens
         if least is None:
-            found = rule(self.replicas[decode].scheduler.cost_model, self.link, self.bytes_per_token, self.block_size)
+            found = rule(self.replicas[decode].scheduler.cost_model, self.link, self.bytes_per_token)
             if found is None or (idle := found.min_prompt_tokens()) is None:
                 return None
             self.kv_transfer["min_prompt_tokens"] = idle

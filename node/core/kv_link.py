@@ -47,10 +47,11 @@ log = logging.getLogger(__name__)
 HOLDER = "kv-lease:"  # the block-manager table holding a published request's blocks
 DRAIN_BYTES = 4 * 2**20  # received KV written between two steps at most (more waits for the next gap)
 RENEW_EVERY_S = 1.0  # how often the engine renews the leases of prompts it still computes
+LOCAL_TOKENS = 1  # of a moved prompt, computed where it decodes: its last token (remote_kv)
 ASSUMED_LINK_BYTES_PER_S = 1.25e9  # 10 Gbit/s, a common pod network, until pulls have measured the link
 
 
-def rule(cost: StepCostModel, bytes_per_token: int, link_bytes_per_s: float, local_tokens: int = 0,
+def rule(cost: StepCostModel, bytes_per_token: int, link_bytes_per_s: float, local_tokens: int = LOCAL_TOKENS,
          fixed_s: float = FIXED_S) -> Rule | None:
     """The selective rule (:class:`~cadenza.node.kv_transfer.threshold.Rule`) of an engine with
     step-time model ``cost``, its prefill coefficients and the link's cost per token; None before
@@ -122,10 +123,11 @@ class KVLink:
     def rule(self, cost: StepCostModel) -> Rule | None:
         """This replica's selective rule (:mod:`~cadenza.node.kv_transfer.threshold`): its
         step-time model, its KV bytes per token, the bandwidth its pulls measured
-        (:data:`ASSUMED_LINK_BYTES_PER_S` before any), and its last block prefilled locally. None
+        (:data:`ASSUMED_LINK_BYTES_PER_S` before any), and the prompt's last token computed here
+        (:mod:`~cadenza.node.core.remote_kv`: it samples the first token). None
         before the cost model is calibrated."""
         return rule(cost, self.fingerprint.bytes_per_token, self.consumer.bandwidth or ASSUMED_LINK_BYTES_PER_S,
-                    self.fingerprint.block_size)
+                    LOCAL_TOKENS)
 
     def min_prompt_tokens(self, cost: StepCostModel) -> int | None:
         """The shortest prompt worth prefilling on an idle prefill replica for this one, None

@@ -13,7 +13,7 @@ rule says it pays:
 2. **Decode.** Right after those headers, the gateway sends the original request to a decode
    replica of the request's class, naming that source. The decode replica pulls the prompt's
    blocks while they are being computed (the transfer overlaps the prefill), prefills only the
-   prompt's last block, and streams the answer to the client. From the client's side this is one
+   prompt's last token, and streams the answer to the client. From the client's side this is one
    ordinary stream.
 
 Any failure of the prefill call falls back to step 2 without a source: the decode replica then

@@ -4,8 +4,8 @@ A prompt of ``n`` uncached tokens prefilled on a decode replica takes its prefil
 replica's decode steps: with the engine's step-time model (:mod:`cadenza.node.core.cost_model`)
 that is ``c_p n + c_pa n^2 / 2`` seconds, however the prompt is chunked (the attention term sums
 ``n_i (start_i + n_i / 2)`` over the chunks, which is ``n^2 / 2``). Prefilled on a prefill replica
-instead, the prompt's last block (``l`` tokens, :attr:`Rule.local_tokens`) is still computed on the
-decode replica, so ``m = n - l`` tokens move. Their KV costs the request ``m t`` seconds on the
+instead, the prompt's last ``l`` tokens (:attr:`Rule.local_tokens`: its last token, whose row
+samples the first output token) are still computed on the decode replica, so ``m = n - l`` move. Their KV costs the request ``m t`` seconds on the
 link (``t = b / B`` for ``b`` KV bytes per token over ``B`` bytes per second), the prefill
 replica's queue ``q`` (the prompts it is computing before this one), and a fixed cost ``c`` (one
 more HTTP round trip). So move it when the interference avoided exceeds what the move costs,
@@ -45,7 +45,7 @@ class Rule:
         prefill_s_per_token_pair: ``c_pa``, seconds per query-key pair of prefill attention.
         transfer_s_per_token: ``t``, seconds one token's KV takes on the link.
         local_tokens: ``l``, the prompt's tokens prefilled on the decode replica anyway (its last
-            KV block).
+            token).
         fixed_s: ``c``, the fixed cost of going through a prefill replica.
 
     Raises:
