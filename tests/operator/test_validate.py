@@ -64,6 +64,7 @@ def test_defaults_land_where_the_crd_puts_them():
     assert spec["mode"] == "colocated"
     assert spec["replicas"] == 1
     assert spec["image"] == "ghcr.io/cadenza-serving/cadenza:0.1.0"
+    assert spec["gateway"] == {"image": "ghcr.io/cadenza-serving/cadenza-control-plane:0.1.0"}
     assert spec["model"]["source"] == {"embedded": True}
     assert spec["engine"] == {}
     assert spec["termination"] == {"gracePeriodSeconds": 600, "drainDelaySeconds": 10}
