@@ -36,6 +36,9 @@ _OVERRIDES = {"interactive": ("dedicated", "engine"), "prefill": ("disaggregated
 # replica's KV blocks as they are, so the KV layout and the model length stay the pool's.
 KV_ROLE_KEYS = frozenset({"tokenBudget", "chunkSize", "maxNumSeqs", "prefixCaching", "stepTimeTargetMs",
                           "kvCacheFraction", "classes", "tenants"})
+# Extended resources that give a replica GPUs (torch reaches both through its "cuda" device);
+# Kubernetes counts them in whole devices, and takes them from limits (requests must equal them).
+GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
 
 
 class PoolSpecError(ValueError):
@@ -110,6 +113,7 @@ class Pool:
                 split that leaves a role empty, or a prefill or decode override outside
                 :data:`KV_ROLE_KEYS` (the CRD refuses those too; ``cadenza up`` has no API server).
         """
+        self.gpus  # noqa: B018 - a GPU count that is not a whole number raises here
         replicas = int(self.spec.get("replicas", 1))
         if self.mode == "colocated":
             roles = [self.role_settings("colocated", replicas)]
@@ -144,7 +148,7 @@ class Pool:
         base = dict(self.spec.get("engine", {}))
         if name in _OVERRIDES:
             section, key = _OVERRIDES[name]
-            base = {**base, **self.spec.get(section, {}).get(key, {})}
+            base = _merged(base, self.spec.get(section, {}).get(key, {}))
         return Role(name, replicas, base)
 
     @property
@@ -178,5 +182,31 @@ class Pool:
 
     @property
     def gpus(self) -> int:
-        limits = self.spec.get("resources", {}).get("limits", {})
-        return int(limits.get("nvidia.com/gpu", 0) or 0)
+        """GPUs per replica (:data:`GPU_RESOURCES`, from limits, else requests; 0 without).
+
+        Raises:
+            PoolSpecError: a GPU count that is not a whole number, or GPUs of two vendors.
+        """
+        resources = self.spec.get("resources", {})
+        found = {}
+        for name in GPU_RESOURCES:
+            value = resources.get("limits", {}).get(name, resources.get("requests", {}).get(name))
+            if value is None:
+                continue
+            text = str(value).strip()
+            if not text.isdigit():
+                raise PoolSpecError(f"spec.resources: {name} must be a whole number of GPUs, got {value!r}")
+            if int(text):
+                found[name] = int(text)
+        if len(found) > 1:
+            raise PoolSpecError(f"spec.resources: GPUs of one vendor per replica, got {', '.join(found)}")
+        return next(iter(found.values()), 0)
+
+
+def _merged(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``overrides`` on top of ``base``, maps merged key by key (a role's ``classes.interactive``
+    changes that class only, keeping the base's other classes and that class's other fields)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = _merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+    return out

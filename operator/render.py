@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from cadenza.operator.pool import MODEL_MOUNT, Pool, Role
+from cadenza.operator.pool import GPU_RESOURCES, MODEL_MOUNT, Pool, Role
 
 GROUP, VERSION, KIND = "serving.cadenza.dev", "v1alpha1", "ServingPool"
 POOL_LABEL, ROLE_LABEL = "serving.cadenza.dev/pool", "serving.cadenza.dev/role"
@@ -115,9 +115,14 @@ def render_configmap(pool: Pool, roles: list[Role], owner=None) -> dict:
 
 def resources(pool: Pool) -> dict:
     """``spec.resources`` with every quantity a string, as the Kubernetes API types it (YAML lets a
-    user write ``nvidia.com/gpu: 1``; the CRD accepts int-or-string)."""
-    return {section: {name: str(value) for name, value in quantities.items()}
-            for section, quantities in pool.spec.get("resources", {}).items()}
+    user write ``nvidia.com/gpu: 1``; the CRD accepts int-or-string). GPUs asked for in requests
+    only are put in limits too: Kubernetes takes extended resources from limits."""
+    out = {section: {name: str(value) for name, value in quantities.items()}
+           for section, quantities in pool.spec.get("resources", {}).items()}
+    for name in GPU_RESOURCES:
+        if name in out.get("requests", {}) and name not in out.get("limits", {}):
+            out.setdefault("limits", {})[name] = out["requests"][name]
+    return out
 
 
 _DECIMAL = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}

@@ -111,6 +111,16 @@ def test_an_invalid_spec_is_a_degraded_condition_a_warning_and_a_permanent_error
     assert cluster["events"][-1][:2] == ("Warning", "InvalidSpec") and cluster["applied"] == []
 
 
+def test_a_gpu_count_the_schema_let_through_is_reported_once_not_retried(cluster):
+    bad = {**BODY, "spec": {**BODY["spec"], "resources": {"limits": {"nvidia.com/gpu": "1.5"}}}}
+    patch = kopf.Patch()
+    b = kopf.Body(bad)
+    with pytest.raises(kopf.PermanentError, match="GPU"):
+        handlers.reconcile(body=b, meta=b.metadata, patch=patch, logger=logging.getLogger("test"))
+    degraded = next(c for c in patch["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "InvalidSpec" and "GPU" in degraded["message"] and cluster["applied"] == []
+
+
 def test_a_schema_violation_the_api_server_would_refuse_is_caught_too(cluster):
     bad = {**BODY, "spec": {**BODY["spec"], "engine": {"tokenBudget": 128, "chunkSize": 256}}}
     b = kopf.Body(bad)

@@ -205,6 +205,37 @@ def test_torch_threads_follow_the_cpu_quantity(resources, threads):
     assert env.get("OMP_NUM_THREADS") == threads
 
 
+@pytest.mark.parametrize("resources", [{"requests": {"nvidia.com/gpu": 2}}, {"limits": {"amd.com/gpu": "2"}},
+                                       {"requests": {"amd.com/gpu": 2}, "limits": {"amd.com/gpu": 2}}])
+def test_gpus_in_requests_alone_or_from_amd_are_gpus_too(resources):
+    objs = by_name(render_all(pool(resources=resources), OWNER))
+    container = engine(objs, "colocated")
+    [name] = {n for section in resources.values() for n in section}
+    assert container["resources"]["limits"][name] == "2"  # Kubernetes takes extended resources from limits
+    assert container["args"][container["args"].index("--device") + 1] == "cuda"  # ROCm's torch too
+    strategy = objs[("Deployment", "chat-colocated")]["spec"]["strategy"]["rollingUpdate"]
+    assert strategy == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+@pytest.mark.parametrize("value", ["1.5", "500m", "1Gi", -1])
+def test_a_gpu_count_that_is_not_whole_is_a_spec_error_not_a_crash(value):
+    with pytest.raises(PoolSpecError, match="whole number of GPUs"):
+        pool(resources={"limits": {"nvidia.com/gpu": value}}).roles()
+    with pytest.raises(PoolSpecError, match="one vendor"):
+        pool(resources={"limits": {"nvidia.com/gpu": 1, "amd.com/gpu": 1}}).roles()
+
+
+def test_a_roles_engine_overrides_merge_into_the_base_class_by_class():
+    p = pool(mode="dedicated", engine={"classes": {"interactive": {"maxPrefillTokens": 64, "minShare": 0.2},
+                                                   "batch": {"minShare": 0.1}}, "chunkSize": 128},
+             dedicated={"interactiveReplicas": 1, "engine": {"classes": {"interactive": {"minShare": 0.5}}}})
+    interactive = p.role_settings("interactive").engine
+    assert interactive["classes"] == {"interactive": {"maxPrefillTokens": 64, "minShare": 0.5},
+                                      "batch": {"minShare": 0.1}}  # batch kept, interactive's other field kept
+    assert interactive["chunkSize"] == 128
+    assert p.spec["engine"]["classes"]["interactive"]["minShare"] == 0.2  # the spec itself untouched
+
+
 def test_gpu_pools_roll_without_a_spare_gpu_and_cpu_pools_surge():
     def rollout(p):
         return by_name(render_all(p, OWNER))[("Deployment", "chat-colocated")]["spec"]["strategy"]["rollingUpdate"]

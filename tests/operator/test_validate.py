@@ -173,11 +173,27 @@ def test_block_size_outside_the_enum_is_refused():
     assert "spec.engine.blockSize: Unsupported value: 12" in problems_of(pool(engine={"blockSize": 12}))[0]
 
 
-@pytest.mark.parametrize("mode", ["dedicated", "auto"])
 @pytest.mark.parametrize("interactive, replicas", [(1, 1), (2, 2), (3, 2)])
-def test_dedicated_needs_a_batch_replica(mode, interactive, replicas):
-    problems = problems_of(pool(mode=mode, replicas=replicas, dedicated={"interactiveReplicas": interactive}))
+def test_dedicated_needs_a_batch_replica(interactive, replicas):
+    problems = problems_of(pool(mode="dedicated", replicas=replicas, dedicated={"interactiveReplicas": interactive}))
     assert problems == ["spec: dedicated.interactiveReplicas must be less than replicas (the batch role needs at least one)"]
+
+
+def test_auto_with_one_replica_is_a_pool_it_starts_colocated():
+    validate_pool(pool(mode="auto", replicas=1))  # dedicated.interactiveReplicas is not auto's
+
+
+@pytest.mark.parametrize("resources, problem", [
+    ({"limits": {"nvidia.com/gpu": "1.5"}}, "whole devices"), ({"requests": {"amd.com/gpu": "500m"}}, "whole devices"),
+    ({"limits": {"nvidia.com/gpu": 1, "amd.com/gpu": 1}}, "one GPU vendor"),
+])
+def test_gpus_are_whole_devices_of_one_vendor(resources, problem):
+    [message] = problems_of(pool(resources=resources))
+    assert message.startswith("spec.resources: ") and problem in message
+
+
+def test_an_empty_image_is_refused():
+    assert any("spec.image" in p for p in problems_of(pool(image="")))
 
 
 @pytest.mark.parametrize(
