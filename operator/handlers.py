@@ -126,7 +126,7 @@ def _pool(body: kopf.Body) -> Pool:
                          "metadata": {"name": body.metadata.name, "namespace": body.metadata.namespace},
                          "spec": dict(body.spec)})
     pool = Pool(body.metadata.name, body.metadata.namespace, obj["spec"])
-    pool.roles()  # engine-level checks
+    render.render_all(pool)  # engine-level checks, and pod settings that clash with the operator's
     return pool
 
 

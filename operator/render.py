@@ -27,6 +27,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from cadenza.operator import pod_settings
 from cadenza.operator.pool import GPU_RESOURCES, MODEL_MOUNT, Pool, Role
 
 GROUP, VERSION, KIND = "serving.cadenza.dev", "v1alpha1", "ServingPool"
@@ -220,14 +221,14 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
             "replicas": role.replicas,
             "selector": {"matchLabels": selector},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": _rollout(pool)},
-            "template": {
+            "template": pod_settings.apply({
                 "metadata": {"labels": pod_labels, "annotations": {CONFIG_HASH: role.config_hash(model_args)}},
                 "spec": {
                     "containers": [container], "volumes": volumes,
                     "terminationGracePeriodSeconds": grace,  # the drain delay, then streams finish
                     "securityContext": {"runAsNonRoot": True, "fsGroup": 65532},
                 },
-            },
+            }, pool.spec.get("pod"), "spec.pod"),
         },
     }
 
@@ -318,10 +319,8 @@ def render_gateway(pool: Pool, owner=None) -> list[dict]:
         "spec": {
             "replicas": 2 if int(pool.spec.get("replicas", 1)) > 1 else 1,
             "selector": {"matchLabels": {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}},
-            "template": {
-                "metadata": {"labels": labels(pool, "gateway")},
-                "spec": pod,
-            },
+            "template": pod_settings.apply({"metadata": {"labels": labels(pool, "gateway")}, "spec": pod},
+                                           pool.spec.get("gateway", {}).get("pod"), "spec.gateway.pod", gateway=True),
         },
     }
     return [sa, role, binding, deployment]

@@ -121,6 +121,15 @@ def test_a_gpu_count_the_schema_let_through_is_reported_once_not_retried(cluster
     assert degraded["reason"] == "InvalidSpec" and "GPU" in degraded["message"] and cluster["applied"] == []
 
 
+def test_pod_settings_that_clash_with_the_operators_are_an_invalid_spec(cluster):
+    bad = {**BODY, "spec": {**BODY["spec"], "pod": {"env": [{"name": "CADENZA_POOL", "value": "other"}]}}}
+    patch = kopf.Patch()
+    b = kopf.Body(bad)
+    with pytest.raises(kopf.PermanentError, match="CADENZA_POOL"):
+        handlers.reconcile(body=b, meta=b.metadata, patch=patch, logger=logging.getLogger("test"))
+    assert cluster["applied"] == []
+
+
 def test_a_schema_violation_the_api_server_would_refuse_is_caught_too(cluster):
     bad = {**BODY, "spec": {**BODY["spec"], "engine": {"tokenBudget": 128, "chunkSize": 256}}}
     b = kopf.Body(bad)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 
@@ -319,3 +320,66 @@ def test_engine_pods_leave_the_routing_before_sigterm_and_streams_get_the_grace_
     assert args[args.index("--shutdown-timeout-s") + 1] == "883"  # 900 - 12 - 5
     spec = by_name(render_all(pool(), OWNER))[("Deployment", "chat-colocated")]["spec"]["template"]["spec"]
     assert spec["terminationGracePeriodSeconds"] == 600
+
+
+POD = {
+    "labels": {"team": "search"}, "annotations": {"cost-center": "42"},
+    "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}},
+    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                   "whenUnsatisfiable": "ScheduleAnyway"}],
+    "priorityClassName": "inference-high", "runtimeClassName": "nvidia", "schedulerName": "kai-scheduler",
+    "imagePullSecrets": [{"name": "registry"}], "serviceAccountName": "weights-reader",
+    "env": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel-collector:4318"}],
+    "envFrom": [{"configMapRef": {"name": "otel"}}],
+    "volumes": [{"name": "extra", "configMap": {"name": "prompts"}}],
+    "volumeMounts": [{"name": "extra", "mountPath": "/etc/prompts", "readOnly": True}],
+}
+
+
+@pytest.mark.parametrize("mode", ["colocated", "dedicated", "disaggregated", "auto"])
+def test_pod_settings_reach_every_engine_pod_and_only_them(mode):
+    objs = by_name(render_all(pool(mode=mode, replicas=3, pod=POD), OWNER))
+    engines = [o for (kind, _), o in objs.items() if kind == "Deployment" and not _.endswith("-gateway")]
+    assert engines
+    for deployment in engines:
+        template = deployment["spec"]["template"]
+        pod, [container] = template["spec"], template["spec"]["containers"]
+        assert template["metadata"]["labels"]["team"] == "search" and "serving.cadenza.dev/pool" in template["metadata"]["labels"]
+        assert template["metadata"]["annotations"]["cost-center"] == "42" and CONFIG_HASH in template["metadata"]["annotations"]
+        for key in ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "priorityClassName",
+                    "runtimeClassName", "schedulerName", "imagePullSecrets", "serviceAccountName"):
+            assert pod[key] == POD[key], key
+        assert container["env"][-1] == POD["env"][0] and {"name": "CADENZA_POOL", "value": "chat"} in container["env"]
+        assert container["envFrom"] == POD["envFrom"]
+        assert POD["volumes"][0] in pod["volumes"] and {v["name"] for v in pod["volumes"]} >= {"config", "cache"}
+        assert container["volumeMounts"][-1] == POD["volumeMounts"][0]
+    gateway = objs[("Deployment", "chat-gateway")]["spec"]["template"]
+    assert "team" not in gateway["metadata"]["labels"] and "tolerations" not in gateway["spec"]
+    assert gateway["spec"]["serviceAccountName"] == "chat-gateway"
+
+
+def test_the_gateway_has_pod_settings_of_its_own_but_keeps_its_service_account():
+    gw = {"nodeSelector": {"pool": "system"}, "priorityClassName": "gateway",
+          "env": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel:4318"}]}
+    objs = by_name(render_all(pool(gateway={"pod": gw}), OWNER))
+    template = objs[("Deployment", "chat-gateway")]["spec"]["template"]
+    assert template["spec"]["nodeSelector"] == {"pool": "system"} and template["spec"]["priorityClassName"] == "gateway"
+    assert template["spec"]["containers"][0]["env"] == gw["env"]
+    assert "nodeSelector" not in objs[("Deployment", "chat-colocated")]["spec"]["template"]["spec"]
+    with pytest.raises(PoolSpecError, match="spec.gateway.pod.serviceAccountName: the gateway runs as its own"):
+        render_all(pool(gateway={"pod": {"serviceAccountName": "other"}}), OWNER)
+
+
+@pytest.mark.parametrize("settings, problem", [
+    ({"labels": {"serving.cadenza.dev/pool": "x"}}, "spec.pod.labels: serving.cadenza.dev/pool set by the operator"),
+    ({"annotations": {CONFIG_HASH: "x"}}, f"spec.pod.annotations: {CONFIG_HASH} set by the operator"),
+    ({"env": [{"name": "HOME", "value": "/"}]}, "spec.pod.env: HOME set by the operator"),
+    ({"volumes": [{"name": "cache", "emptyDir": {}}]}, "spec.pod.volumes: cache set by the operator"),
+    ({"volumeMounts": [{"name": "x", "mountPath": "/cache/"}]}, "spec.pod.volumeMounts: /cache/ is the operator's"),
+])
+def test_pod_settings_never_override_what_the_operator_sets(settings, problem):
+    with pytest.raises(PoolSpecError, match=re.escape(problem)):
+        render_all(pool(pod=settings), OWNER)
