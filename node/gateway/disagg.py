@@ -3,11 +3,10 @@
 A pool with replicas in the ``prefill`` role serves a completion in two calls when the selective
 rule says it pays:
 
-1. **Prefill.** The gateway sends the request's body to the least busy prefill replica as a
-   streamed call with ``x-cadenza-kv-publish: 1``; the replica validates it as the decode call
-   will be (a bad request is refused before anything is computed), computes one token, and
-   answers at once
-   where the prompt's KV will be (``x-cadenza-kv-source``), then computes it, holding each block
+1. **Prefill.** The gateway sends the request's body as it is to the least busy prefill replica,
+   with ``x-cadenza-kv-publish: 1``. The replica validates it as the decode call will be (a bad
+   request is refused before anything is computed), and streams a one-token answer whose headers
+   say at once where the prompt's KV will be (``x-cadenza-kv-source``); then it computes it, holding each block
    under a lease as soon as a step has written it. The gateway reads that call to its end in the
    background.
 2. **Decode.** Right after those headers, the gateway sends the original request to a decode
@@ -157,14 +156,12 @@ async def prefill(request: web.Request, parsed: dict, upstream: Upstream, tokens
     logged and counted)."""
     app = request.app
     upstreams, metrics = app[UPSTREAMS], app[METRICS]
-    body = {**parsed, "stream": True}  # streamed: its headers come before the prefill
-    body.pop("stream_options", None)
     headers = request_headers(request.headers, request.remote)
     headers.update(_auth())
     headers[KV_PUBLISH_HEADER] = "1"
     queued = _Queued(upstream, tokens)
     try:  # its headers come at once (before the prefill): a replica that sends none is hung
-        resp = await asyncio.wait_for(app[SESSION].post(upstream.url + request.path, json=body, headers=headers,
+        resp = await asyncio.wait_for(app[SESSION].post(upstream.url + request.path, json=parsed, headers=headers,
                                                         timeout=aiohttp.ClientTimeout(total=PREFILL_TIMEOUT_S)),
                                       HEADERS_TIMEOUT_S)
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -173,6 +170,9 @@ async def prefill(request: web.Request, parsed: dict, upstream: Upstream, tokens
         upstreams.unreachable(upstream)
         metrics.count_disagg("fallback_failed")
         return None
+    except BaseException:  # cancelled: the client left; nobody will read this call
+        queued.done()
+        raise
     upstreams.answered(upstream)
     source = resp.headers.get(KV_SOURCE_HEADER)
     if 400 <= resp.status < 500 and resp.status != 429:  # the request's own fault: decode answers it alike

@@ -198,8 +198,9 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
     headers = {REQUEST_ID_HEADER: call.request_id}
     if endpoint is not None and (rule := client.stats().kv_transfer_rule) is not None:
         headers[DISAGG_RULE_HEADER] = rule  # for the gateway's selective rule
-    if publish_kv:  # validated as the decode call will be; computed for its KV: one token is enough
-        call.sampling = replace(call.sampling, max_tokens=1)
+    if publish_kv:  # validated as the decode call will be; computed for its KV: one token is enough,
+        call.sampling = replace(call.sampling, max_tokens=1)  # streamed so the headers go out at once
+        call.stream = True
         # where the decode replica pulls this prompt's KV from
         headers[KV_SOURCE_HEADER] = format_source(RemoteKV(endpoint["host"], endpoint["port"], call.request_id,
                                                            endpoint["boot_id"], len(call.prompt_ids)))

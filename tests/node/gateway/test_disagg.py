@@ -203,3 +203,38 @@ def _greedy(n):
     from cadenza.node.core.request import SamplingParams
 
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+async def test_a_client_that_leaves_while_the_prefill_replica_is_silent_leaves_no_queue_behind(
+        start_replica, aiohttp_server):
+    from aiohttp import ClientSession, ClientTimeout
+
+    from cadenza.node.gateway.app import create_gateway_app
+    from cadenza.node.gateway.upstreams import Upstreams
+
+    prefill, decode = await start_replica("prefill"), await start_replica("decode")
+    prefill.gate.clear()  # it sends no headers: hung, or slow to start
+    app = create_gateway_app(Upstreams({"interactive": [decode.url], "prefill": [prefill.url]}),
+                             health_interval_s=0, disagg_min_prompt_tokens=32)
+    server = await aiohttp_server(app)  # handler cancellation on, as `cadenza gateway` runs
+    async with ClientSession(timeout=ClientTimeout(total=0.5)) as session:
+        with pytest.raises(TimeoutError):
+            await session.post(server.make_url("/v1/completions"), json=body(LONG))  # leaves after 0.5 s
+    (upstream,) = app[UPSTREAMS].of_role("prefill")
+    for _ in range(100):
+        if upstream.outstanding == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert prefill.calls == 1 and (upstream.outstanding, upstream.queued_tokens, upstream.queued_pairs) == (0, 0, 0.0)
+    prefill.gate.set()
+
+
+@pytest.mark.parametrize("extra", [{"stream": False, "stream_options": {"include_usage": True}}, {"stream": "yes"},
+                                   {"stream": True, "stream_options": "garbage"}])
+async def test_a_request_invalid_only_in_how_it_streams_is_refused_before_any_prefill(pool, extra):
+    gateway, prefill_app, _decode_app = pool
+    gw = await gateway()
+    resp = await gw.post("/v1/completions", json=body(LONG, **extra))
+    assert resp.status == 400
+    assert gw.app[METRICS].disagg_outcomes == {"fallback_refused": 1}
+    assert prefill_app[ENGINE].core.scheduler.stats.prefill_tokens_admitted == 0
