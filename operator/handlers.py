@@ -146,7 +146,7 @@ def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: loggi
         raise kopf.PermanentError(f"invalid ServingPool: {message}") from None
     try:
         with _locks[_uid(meta)]:
-            _converge(body, meta, pool, roles, patch, logger)
+            _converge(body, meta, pool, roles, patch, logger, tidy=True)
     except kube.Transient as exc:
         raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
     except kube.Refused as exc:
@@ -202,8 +202,11 @@ def _control(body: kopf.Body, meta: kopf.Meta, pool: Pool, logger: logging.Logge
 
 
 def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.Patch,
-              logger: logging.Logger, slo: dict | None = None) -> None:
+              logger: logging.Logger, slo: dict | None = None, tidy: bool = False) -> None:
     """Apply every object, retire the Deployments of roles the mode no longer runs, report status.
+
+    With ``tidy`` (on create, update and resume, not every resync: it costs a call per name) it
+    also deletes every PodDisruptionBudget the pool no longer renders, a retiring role's aside.
 
     A mode shift is make-before-break: while an old role's Deployment still exists and a new
     role is not ready, the class Services keep selecting every engine pod (old and new) and the
@@ -231,10 +234,16 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
             if kube.delete("Deployment", name, pool.namespace):
                 logger.info("deleted Deployment %s (mode %s)", name, pool.mode)
                 kopf.info(body, reason="Deleted", message=f"Deployment {name}: role not run in mode {pool.mode}")
-        for name in render.stale_services(pool):
-            if kube.delete("Service", name, pool.namespace):
-                logger.info("deleted Service %s (mode %s)", name, pool.mode)
+        stale = [("PodDisruptionBudget", n) for n in retiring] + [("Service", n) for n in render.stale_services(pool)]
+        for kind, name in stale:
+            if kube.delete(kind, name, pool.namespace):
+                logger.info("deleted %s %s (mode %s)", kind, name, pool.mode)
         retiring = []
+    if tidy:
+        kept_pdbs = {f"{pool.name}-{role}" for role in kept}
+        for name in render.stale_pdbs(pool, roles):
+            if name not in kept_pdbs and kube.delete("PodDisruptionBudget", name, pool.namespace):
+                logger.info("deleted PodDisruptionBudget %s", name)
     patch.status.update(_status(body, pool, roles, shift=(waiting, retiring), slo=slo))
 
 

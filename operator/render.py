@@ -12,7 +12,9 @@ Every function returns plain dicts (testable without a cluster). For a pool name
   selectors, never the gateway; while a shift waits for the new roles, ``narrow=False`` keeps
   them on every engine pod, old and new; in disaggregated mode they select the decode pods, and
   ``p-prefill`` the prefill pods), and ``p-gateway`` (the pool's entry point);
-- a PodDisruptionBudget ``p-engine`` (one engine pod down at a time);
+- a PodDisruptionBudget per role, named like its Deployment (one pod of the role down at a time,
+  so a drain never takes a whole role, and a one-replica role can still be drained), and
+  ``p-gateway`` while the gateway runs two replicas;
 - the gateway: ServiceAccount, Role and RoleBinding ``p-gateway`` (read EndpointSlices) and a
   Deployment ``p-gateway`` running ``cadenza gateway --kubernetes`` (with the pool's token in
   disaggregated mode: it asks the replicas to move KV).
@@ -210,10 +212,9 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
         "securityContext": _SECURE_CONTAINER,
     }
     pod_labels = labels(pool, "engine", role.name)
-    selector = engine_selector(pool, role.name)
+    selector = _role_selector(pool, role.name)
     if auto:  # the role label changes on a live pod, so it cannot be in the selector
         pod_labels = {**labels(pool, "engine", "colocated"), WORKLOAD_LABEL: "auto"}
-        selector = {**engine_selector(pool), WORKLOAD_LABEL: "auto"}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(pool, f"{pool.name}-{role.name}", "engine", owner, role.name),
@@ -278,12 +279,27 @@ def render_services(pool: Pool, owner=None, narrow: bool = True) -> list[dict]:
     return services
 
 
-def render_pdb(pool: Pool, owner=None) -> dict:
-    return {
-        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-        "metadata": _meta(pool, f"{pool.name}-engine", "engine", owner),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": engine_selector(pool)}},
-    }
+def render_pdbs(pool: Pool, roles: list[str], owner=None) -> list[dict]:
+    """A PodDisruptionBudget per engine role in ``roles`` (running or retiring), selecting what
+    its Deployment selects, and one for the gateway when it runs two replicas."""
+    def pdb(name: str, component: str, selector: dict, role: str | None = None) -> dict:
+        return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+                "metadata": _meta(pool, name, component, owner, role),
+                "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}}}
+
+    out = [pdb(f"{pool.name}-{role}", "engine", _role_selector(pool, role), role) for role in roles]
+    if _gateway_replicas(pool) > 1:
+        out.append(pdb(f"{pool.name}-gateway", "gateway", {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}))
+    return out
+
+
+def _role_selector(pool: Pool, role: str) -> dict[str, str]:
+    """What the Deployment of engine role ``role`` selects (auto's pods change role label live)."""
+    return {**engine_selector(pool), WORKLOAD_LABEL: "auto"} if role == "auto" else engine_selector(pool, role)
+
+
+def _gateway_replicas(pool: Pool) -> int:
+    return 2 if int(pool.spec.get("replicas", 1)) > 1 else 1
 
 
 def render_gateway(pool: Pool, owner=None) -> list[dict]:
@@ -300,7 +316,8 @@ def render_gateway(pool: Pool, owner=None) -> list[dict]:
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}],
     }
     container = {
-        "name": "gateway", "image": pool.spec.get("gateway", {}).get("image") or pool.spec["image"], "command": ["cadenza"],
+        "name": "gateway", "image": pool.spec.get("gateway", {}).get("image") or pool.spec["image"],
+        "command": ["cadenza"],
         "args": ["gateway", "--kubernetes", "--namespace", pool.namespace, "--pool", pool.name,
                  "--host", "0.0.0.0", "--port", str(HTTP_PORT), *pool.gateway_args()],
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],
@@ -317,7 +334,7 @@ def render_gateway(pool: Pool, owner=None) -> list[dict]:
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(pool, name, "gateway", owner),
         "spec": {
-            "replicas": 2 if int(pool.spec.get("replicas", 1)) > 1 else 1,
+            "replicas": _gateway_replicas(pool),
             "selector": {"matchLabels": {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}},
             "template": pod_settings.apply({"metadata": {"labels": labels(pool, "gateway")}, "spec": pod},
                                            pool.spec.get("gateway", {}).get("pod"), "spec.gateway.pod", gateway=True),
@@ -343,7 +360,7 @@ def render_all(pool: Pool, owner: Mapping[str, str] | None = None, narrow: bool 
         render_configmap(pool, [*roles, *(pool.role_settings(name) for name in retiring)], owner),
         *[render_engine_deployment(pool, role, owner) for role in roles],
         *render_services(pool, owner, narrow),
-        render_pdb(pool, owner),
+        *render_pdbs(pool, [*(role.name for role in roles), *retiring], owner),
         *render_gateway(pool, owner),
     ]
 
@@ -352,6 +369,15 @@ def stale_deployments(pool: Pool, roles: list[Role]) -> list[str]:
     """Engine Deployments of roles the current mode does not run (to delete after a shift)."""
     running = {role.name for role in roles}
     return [f"{pool.name}-{role}" for role in ALL_ROLES if role not in running]
+
+
+def stale_pdbs(pool: Pool, roles: list[Role]) -> list[str]:
+    """PodDisruptionBudgets the pool no longer renders once a shift is done: those of roles the
+    mode does not run, the gateway's when it runs one replica, and ``p-engine`` (one for every
+    engine pod, before budgets were per role)."""
+    running = {role.name for role in roles}
+    stale = [f"{pool.name}-{role}" for role in ALL_ROLES if role not in running] + [f"{pool.name}-engine"]
+    return stale + ([f"{pool.name}-gateway"] if _gateway_replicas(pool) == 1 else [])
 
 
 def stale_services(pool: Pool) -> list[str]:
@@ -367,7 +393,8 @@ def every_child(pool: Pool) -> list[tuple[str, str, str]]:
         ("apps/v1", "Deployment", f"{n}-gateway"), *[("apps/v1", "Deployment", f"{n}-{r}") for r in ALL_ROLES],
         ("v1", "Service", n), ("v1", "Service", f"{n}-interactive"), ("v1", "Service", f"{n}-batch"),
         ("v1", "Service", f"{n}-prefill"), ("v1", "Service", f"{n}-gateway"), ("v1", "ConfigMap", f"{n}-engine"), ("v1", "Secret", f"{n}-admin"),
-        ("policy/v1", "PodDisruptionBudget", f"{n}-engine"),
+        ("policy/v1", "PodDisruptionBudget", f"{n}-engine"), ("policy/v1", "PodDisruptionBudget", f"{n}-gateway"),
+        *[("policy/v1", "PodDisruptionBudget", f"{n}-{r}") for r in ALL_ROLES],
         ("rbac.authorization.k8s.io/v1", "RoleBinding", f"{n}-gateway"),
         ("rbac.authorization.k8s.io/v1", "Role", f"{n}-gateway"), ("v1", "ServiceAccount", f"{n}-gateway"),
     ]

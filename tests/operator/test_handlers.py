@@ -52,7 +52,7 @@ def run(body: dict) -> kopf.Patch:
 def test_each_created_object_gets_an_event_and_a_second_reconcile_none(cluster):
     run(BODY)
     created = [e for e in cluster["events"] if e[1] == "Created"]
-    assert ("Normal", "Created", "Deployment chat-colocated") in created and len(created) == 11
+    assert ("Normal", "Created", "Deployment chat-colocated") in created and len(created) == 12  # a budget per role and the gateway's
     cluster["events"].clear()
     run(BODY)
     assert cluster["events"] == []  # nothing changed, nothing announced
@@ -203,3 +203,15 @@ def test_a_disaggregated_pool_reports_its_threshold_pinned_or_as_its_gateways_co
     assert run(body)["status"]["disaggregated"] == {"minPromptTokens": 900, "source": "pinned",
                                                     "message": "spec.disaggregated.minPromptTokens"}
     assert "disaggregated" not in run(BODY)["status"]
+
+
+def test_the_one_budget_for_every_engine_pod_an_older_operator_made_goes_on_reconcile(cluster, monkeypatch):
+    cluster["existing"].add(("PodDisruptionBudget", "chat-engine"))
+    run(BODY)
+    assert ("PodDisruptionBudget", "chat-engine") not in cluster["existing"]
+    assert ("PodDisruptionBudget", "chat-colocated") in cluster["existing"]
+    deletes = []
+    monkeypatch.setattr(kube, "delete", lambda kind, name, ns: deletes.append((kind, name)) and False)
+    b = kopf.Body(BODY)
+    handlers.resync(body=b, meta=b.metadata, patch=kopf.Patch(), logger=logging.getLogger("test"))
+    assert ("PodDisruptionBudget", "chat-engine") not in deletes  # the resync does not look for it again

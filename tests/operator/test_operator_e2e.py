@@ -110,7 +110,7 @@ def test_a_pool_becomes_its_objects_and_follows_every_change(api):
         wait_for(lambda: names(api, "apps/v1/deployments") == EXPECTED_COLOCATED, what="deployments")
         assert names(api, "v1/services") == {"chat", "chat-interactive", "chat-batch", "chat-gateway"}
         assert names(api, "v1/configmaps") == {"chat-engine"}
-        assert names(api, "policy/v1/poddisruptionbudgets") == {"chat-engine"}
+        assert names(api, "policy/v1/poddisruptionbudgets") == {"chat-colocated", "chat-gateway"}
         assert names(api, "rbac.authorization.k8s.io/v1/roles") == {"chat-gateway"}
         for resource in ("apps/v1/deployments", "v1/services", "v1/configmaps"):
             for obj in api.objects(resource).values():

@@ -43,7 +43,8 @@ def test_colocated_pool_runs_one_engine_deployment_behind_class_services_and_a_g
     assert set(objs) == {
         ("ConfigMap", "chat-engine"), ("Deployment", "chat-colocated"), ("Service", "chat"),
         ("Service", "chat-interactive"), ("Service", "chat-batch"), ("Service", "chat-gateway"),
-        ("PodDisruptionBudget", "chat-engine"), ("ServiceAccount", "chat-gateway"), ("Role", "chat-gateway"),
+        ("PodDisruptionBudget", "chat-colocated"), ("PodDisruptionBudget", "chat-gateway"),
+        ("ServiceAccount", "chat-gateway"), ("Role", "chat-gateway"),
         ("RoleBinding", "chat-gateway"), ("Deployment", "chat-gateway"),
     }
     assert objs[("Deployment", "chat-colocated")]["spec"]["replicas"] == 3
@@ -383,3 +384,29 @@ def test_the_gateway_has_pod_settings_of_its_own_but_keeps_its_service_account()
 def test_pod_settings_never_override_what_the_operator_sets(settings, problem):
     with pytest.raises(PoolSpecError, match=re.escape(problem)):
         render_all(pool(pod=settings), OWNER)
+
+
+@pytest.mark.parametrize("mode, roles", [("colocated", ["colocated"]), ("dedicated", ["interactive", "batch"]),
+                                         ("auto", ["auto"]), ("disaggregated", ["prefill", "decode"])])
+def test_each_role_has_a_disruption_budget_selecting_what_its_deployment_selects(mode, roles):
+    objs = by_name(render_all(pool(mode=mode, replicas=3), OWNER))
+    for role in roles:
+        pdb = objs[("PodDisruptionBudget", f"chat-{role}")]
+        deployment = objs[("Deployment", f"chat-{role}")]
+        assert pdb["spec"] == {"maxUnavailable": 1, "selector": deployment["spec"]["selector"]}
+        assert pdb["metadata"]["ownerReferences"][0]["uid"] == OWNER["uid"]
+    gateway = objs[("PodDisruptionBudget", "chat-gateway")]
+    assert gateway["spec"]["selector"] == objs[("Deployment", "chat-gateway")]["spec"]["selector"]
+    # one replica: one gateway pod, and no budget that would only get in a drain's way
+    assert ("PodDisruptionBudget", "chat-gateway") not in by_name(render_all(pool(replicas=1), OWNER))
+
+
+def test_a_retiring_role_keeps_its_budget_until_it_is_gone_and_stale_ones_are_named():
+    from cadenza.operator.render import stale_pdbs
+
+    p = pool(mode="dedicated", replicas=3)
+    objs = by_name(render_all(p, OWNER, narrow=False, retiring=("colocated",)))
+    assert ("PodDisruptionBudget", "chat-colocated") in objs
+    stale = stale_pdbs(p, p.roles())
+    assert "chat-engine" in stale and "chat-colocated" in stale and "chat-interactive" not in stale
+    assert "chat-gateway" not in stale and "chat-gateway" in stale_pdbs(pool(replicas=1), pool(replicas=1).roles())
