@@ -241,9 +241,12 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
         retiring = []
     if tidy:
         kept_pdbs = {f"{pool.name}-{role}" for role in kept}
-        for name in render.stale_pdbs(pool, roles):
-            if name not in kept_pdbs and kube.delete("PodDisruptionBudget", name, pool.namespace):
-                logger.info("deleted PodDisruptionBudget %s", name)
+        stale = [("PodDisruptionBudget", name) for name in render.stale_pdbs(pool, roles) if name not in kept_pdbs]
+        if not pool.spec.get("autoscaling"):  # autoscaling removed: the scaler goes, replicas are the spec's again
+            stale.append(("HorizontalPodAutoscaler", pool.name))
+        for kind, name in stale:
+            if kube.delete(kind, name, pool.namespace):
+                logger.info("deleted %s %s", kind, name)
     patch.status.update(_status(body, pool, roles, shift=(waiting, retiring), slo=slo))
 
 

@@ -39,6 +39,7 @@ def _apis(kind: str):
     """The client calls for a kind: (read, create, patch, delete), each taking (name, namespace, ...)."""
     core, apps = kubernetes.client.CoreV1Api(), kubernetes.client.AppsV1Api()
     policy, rbac = kubernetes.client.PolicyV1Api(), kubernetes.client.RbacAuthorizationV1Api()
+    autoscaling = kubernetes.client.AutoscalingV2Api()
     table = {
         "Deployment": (apps, "namespaced_deployment"),
         "Service": (core, "namespaced_service"),
@@ -48,6 +49,7 @@ def _apis(kind: str):
         "PodDisruptionBudget": (policy, "namespaced_pod_disruption_budget"),
         "Role": (rbac, "namespaced_role"),
         "RoleBinding": (rbac, "namespaced_role_binding"),
+        "HorizontalPodAutoscaler": (autoscaling, "namespaced_horizontal_pod_autoscaler"),
     }
     api, suffix = table[kind]
     return (getattr(api, f"read_{suffix}"), getattr(api, f"create_{suffix}"),

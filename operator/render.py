@@ -293,6 +293,23 @@ def render_pdbs(pool: Pool, roles: list[str], owner=None) -> list[dict]:
     return out
 
 
+def render_autoscaler(pool: Pool, owner=None) -> list[dict]:
+    """The pool's HorizontalPodAutoscaler (``spec.autoscaling``; none without it). It scales the
+    ServingPool's ``/scale`` subresource — ``spec.replicas``, read back from ``status.replicas``
+    and ``status.selector`` — so the operator splits whatever count it sets among the roles as
+    it would a hand-set one."""
+    spec = pool.spec.get("autoscaling")
+    if not spec:
+        return []
+    hpa: dict[str, Any] = {
+        "scaleTargetRef": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": pool.name},
+        "minReplicas": int(spec.get("minReplicas", 1)), "maxReplicas": int(spec["maxReplicas"]),
+    }
+    hpa.update({key: spec[key] for key in ("metrics", "behavior") if spec.get(key)})
+    return [{"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+             "metadata": _meta(pool, pool.name, "autoscaler", owner), "spec": hpa}]
+
+
 def _role_selector(pool: Pool, role: str) -> dict[str, str]:
     """What the Deployment of engine role ``role`` selects (auto's pods change role label live)."""
     return {**engine_selector(pool), WORKLOAD_LABEL: "auto"} if role == "auto" else engine_selector(pool, role)
@@ -361,6 +378,7 @@ def render_all(pool: Pool, owner: Mapping[str, str] | None = None, narrow: bool 
         *[render_engine_deployment(pool, role, owner) for role in roles],
         *render_services(pool, owner, narrow),
         *render_pdbs(pool, [*(role.name for role in roles), *retiring], owner),
+        *render_autoscaler(pool, owner),
         *render_gateway(pool, owner),
     ]
 
@@ -395,6 +413,7 @@ def every_child(pool: Pool) -> list[tuple[str, str, str]]:
         ("v1", "Service", f"{n}-prefill"), ("v1", "Service", f"{n}-gateway"), ("v1", "ConfigMap", f"{n}-engine"), ("v1", "Secret", f"{n}-admin"),
         ("policy/v1", "PodDisruptionBudget", f"{n}-engine"), ("policy/v1", "PodDisruptionBudget", f"{n}-gateway"),
         *[("policy/v1", "PodDisruptionBudget", f"{n}-{r}") for r in ALL_ROLES],
+        ("autoscaling/v2", "HorizontalPodAutoscaler", n),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", f"{n}-gateway"),
         ("rbac.authorization.k8s.io/v1", "Role", f"{n}-gateway"), ("v1", "ServiceAccount", f"{n}-gateway"),
     ]

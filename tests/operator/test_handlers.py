@@ -215,3 +215,10 @@ def test_the_one_budget_for_every_engine_pod_an_older_operator_made_goes_on_reco
     b = kopf.Body(BODY)
     handlers.resync(body=b, meta=b.metadata, patch=kopf.Patch(), logger=logging.getLogger("test"))
     assert ("PodDisruptionBudget", "chat-engine") not in deletes  # the resync does not look for it again
+
+
+def test_removing_autoscaling_deletes_the_scaler_on_reconcile(cluster):
+    run({**BODY, "spec": {**BODY["spec"], "autoscaling": {"minReplicas": 1, "maxReplicas": 4}}})
+    assert ("HorizontalPodAutoscaler", "chat") in cluster["existing"]
+    run(BODY)
+    assert ("HorizontalPodAutoscaler", "chat") not in cluster["existing"]

@@ -123,12 +123,14 @@ def test_a_refusal_is_permanent_and_carries_the_api_message(fake):
 def test_every_rendered_object_passes_the_clients_own_model_check(example, mode):
     """The client validates bodies before sending (a quantity written as a YAML number fails there)."""
     obj = load_pools(EXAMPLES / f"{example}.yaml")[0]
-    spec = {**obj["spec"], "mode": mode, "replicas": max(2, obj["spec"]["replicas"])}
+    spec = {**obj["spec"], "mode": mode, "replicas": max(2, obj["spec"]["replicas"]),
+            "autoscaling": {"minReplicas": 2, "maxReplicas": 8, "metrics": [
+                {"type": "Resource", "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}}]}}
     pool = Pool(obj["metadata"]["name"], "default", spec)
     client = kubernetes.client.ApiClient()
     models = {"Deployment": "V1Deployment", "Service": "V1Service", "ConfigMap": "V1ConfigMap",
               "PodDisruptionBudget": "V1PodDisruptionBudget", "ServiceAccount": "V1ServiceAccount",
-              "Role": "V1Role", "RoleBinding": "V1RoleBinding"}
+              "Role": "V1Role", "RoleBinding": "V1RoleBinding", "HorizontalPodAutoscaler": "V2HorizontalPodAutoscaler"}
     for obj in render.render_all(pool, owner={"name": pool.name, "uid": "u"}):
         model = getattr(kubernetes.client, models[obj["kind"]])
         model.from_dict(obj)  # raises on a wrong type

@@ -156,6 +156,7 @@ def granted(group: str, resource: str) -> set[str]:
         ("", "configmaps", set(RULE_VERBS)),
         ("", "serviceaccounts", set(RULE_VERBS)),
         ("policy", "poddisruptionbudgets", set(RULE_VERBS)),
+        ("autoscaling", "horizontalpodautoscalers", set(RULE_VERBS)),
         ("rbac.authorization.k8s.io", "roles", set(RULE_VERBS)),
         ("rbac.authorization.k8s.io", "rolebindings", set(RULE_VERBS)),
         ("discovery.k8s.io", "endpointslices", {"get", "list", "watch"}),

@@ -410,3 +410,17 @@ def test_a_retiring_role_keeps_its_budget_until_it_is_gone_and_stale_ones_are_na
     stale = stale_pdbs(p, p.roles())
     assert "chat-engine" in stale and "chat-colocated" in stale and "chat-interactive" not in stale
     assert "chat-gateway" not in stale and "chat-gateway" in stale_pdbs(pool(replicas=1), pool(replicas=1).roles())
+
+
+def test_autoscaling_renders_a_scaler_of_the_pools_own_scale_subresource():
+    metrics = [{"type": "Pods", "pods": {"metric": {"name": "cadenza_requests"},
+                                         "target": {"type": "AverageValue", "averageValue": "8"}}}]
+    objs = by_name(render_all(pool(autoscaling={"minReplicas": 2, "maxReplicas": 6, "metrics": metrics}), OWNER))
+    hpa = objs[("HorizontalPodAutoscaler", "chat")]
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"] == {"scaleTargetRef": {"apiVersion": "serving.cadenza.dev/v1alpha1", "kind": "ServingPool",
+                                              "name": "chat"}, "minReplicas": 2, "maxReplicas": 6, "metrics": metrics}
+    assert hpa["metadata"]["ownerReferences"][0]["uid"] == OWNER["uid"]
+    # what it scales is spec.replicas: the operator splits the count it sets like any other
+    assert objs[("Deployment", "chat-colocated")]["spec"]["replicas"] == 3
+    assert not [k for k in by_name(render_all(pool(), OWNER)) if k[0] == "HorizontalPodAutoscaler"]

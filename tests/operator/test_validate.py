@@ -475,3 +475,14 @@ def test_the_crd_and_the_pool_allow_the_same_role_overrides_in_a_disaggregated_p
     section = load_crd_schema()["properties"]["spec"]["properties"]["disaggregated"]
     (rule,) = [r["rule"] for r in section["x-kubernetes-validations"]]
     assert set(re.search(r"k in \[([^\]]*)\]", rule).group(1).replace("'", "").replace(" ", "").split(",")) == KV_ROLE_KEYS
+
+
+def test_autoscaling_bounds_keep_every_role_populated():
+    assert validate_pool(pool(autoscaling={"maxReplicas": 4}))["spec"]["autoscaling"]["minReplicas"] == 1
+    assert problems_of(pool(autoscaling={"minReplicas": 5, "maxReplicas": 4})) == [
+        "spec.autoscaling: autoscaling.minReplicas must not exceed maxReplicas"]
+    assert problems_of(pool(mode="dedicated", replicas=3, dedicated={"interactiveReplicas": 1},
+                            autoscaling={"minReplicas": 1, "maxReplicas": 4})) == [
+        "spec: autoscaling.minReplicas must exceed dedicated.interactiveReplicas (the batch role needs at least one "
+        "at the fewest)"]
+    assert any("maxReplicas" in p for p in problems_of(pool(autoscaling={"minReplicas": 1})))
