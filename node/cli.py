@@ -23,6 +23,7 @@ from cadenza.node.core.config import (
 )
 from cadenza.node.core.knobs import KNOBS, Knob
 from cadenza.node.core.policy import CLASSES, Policy
+from cadenza.node import hub
 from cadenza.node.embedded import EmbeddedModelError
 from cadenza.node.server.http import add_http_arguments
 
@@ -87,8 +88,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine knobs shared by every command that starts an engine (the flags of
     :data:`cadenza.node.core.knobs.KNOBS`, plus the model, device, threads and policy file)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", help="a local Hugging Face model folder (config.json, *.safetensors, tokenizer.json); "
-                                   "default: the embedded SmolLM2-135M-Instruct")
+    g.add_argument("--model", help="a local Hugging Face model folder (config.json, *.safetensors, tokenizer.json), "
+                                   "or hf://org/name[@revision] from the Hub (downloaded once into its cache; "
+                                   "HF_ENDPOINT, HF_TOKEN); default: the embedded SmolLM2-135M-Instruct")
     g.add_argument("--served-model-name", help="model id clients send (default: the folder name)")
     kv = g.add_mutually_exclusive_group()
     p = parser.add_argument_group("scheduling policy")
@@ -123,6 +125,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ConfigError: naming the invalid field.
     """
     model = args.model
+    if hub.is_hub(model):  # downloaded once into the Hub cache; served from the snapshot
+        args.served_model_name = args.served_model_name or hub.parse(model)[0]
+        model = str(hub.fetch(model))
     if model is None:
         from cadenza.node.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
 
@@ -195,17 +200,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _model_hint(model: str | None) -> str:
     """How to get a model folder, when ``--model`` looks like a Hugging Face repo id."""
-    if model is None or Path(model).exists():
+    if model is None or Path(model).exists() or hub.is_hub(model):
         return ""
     parts = model.split("/")
     if len(parts) == 2 and all(parts) and not model.startswith((".", "~")):
-        return (f". --model takes a local folder; {model!r} looks like a Hugging Face repo id: download it first, "
-                f"e.g. `hf download {model} --local-dir ~/models/{parts[1]}` (huggingface_hub), then serve "
-                f"`--model ~/models/{parts[1]}`")
+        return (f". --model takes a local folder or a Hub model: {model!r} looks like a Hugging Face repo id, "
+                f"serve `--model hf://{model}`")
     return ". --model takes a local Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
+    if args.model is not None:  # a Hub model, into its cache (an engine pod's init container)
+        print(hub.fetch(args.model))
+        return 0
     from cadenza.node.embedded import ensure_embedded_model
 
     print(ensure_embedded_model())
@@ -238,7 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_arguments(bench)
     bench.set_defaults(func=bench_cli.run)
 
-    fetch = sub.add_parser("fetch-model", help="convert the embedded SmolLM2 once and print its folder")
+    fetch = sub.add_parser("fetch-model", help="convert the embedded SmolLM2 once, or download hf://org/name[@rev], "
+                                               "and print its folder")
+    fetch.add_argument("model", nargs="?", metavar="hf://org/name[@revision]",
+                       help="a Hub model to download into the Hub cache (default: the embedded model)")
     fetch.set_defaults(func=_fetch_model)
 
     from cadenza.node.gateway import cli as gateway_cli

@@ -77,7 +77,7 @@ def test_a_busy_port_is_reported_before_the_model_is_even_looked_at(tmp_path):
 def test_a_hugging_face_repo_id_as_model_says_how_to_get_a_folder():
     result = serve("--model", "HuggingFaceTB/SmolLM2-360M-Instruct")
     assert result.returncode == 2 and "config.json not found" in result.stderr
-    assert "hf download HuggingFaceTB/SmolLM2-360M-Instruct --local-dir" in result.stderr
+    assert "serve `--model hf://HuggingFaceTB/SmolLM2-360M-Instruct`" in result.stderr
 
 
 def test_serve_help_shows_every_default_and_the_environment():
