@@ -4,8 +4,9 @@
 What passes through, unchanged: pod ``labels`` and ``annotations``; the scheduling fields
 ``nodeSelector``, ``tolerations``, ``affinity``, ``topologySpreadConstraints``,
 ``priorityClassName``, ``runtimeClassName`` and ``schedulerName``; ``imagePullSecrets`` and (engine
-pods only) ``serviceAccountName``; and for the pod's container, ``env``, ``envFrom`` (e.g.
-``OTEL_EXPORTER_OTLP_ENDPOINT`` from a ConfigMap) and ``volumeMounts`` of extra ``volumes``.
+pods only) ``serviceAccountName``; and for each of the pod's containers (init containers too),
+``env``, ``envFrom`` (e.g. ``OTEL_EXPORTER_OTLP_ENDPOINT`` from a ConfigMap) and ``volumeMounts``
+of extra ``volumes``.
 
 Invariants:
 - **The operator's own keys are not overridable.** A label, annotation, environment variable,
@@ -34,8 +35,8 @@ CONTAINER_FIELDS = ("env", "envFrom", "volumeMounts")
 
 
 def apply(template: dict, settings: Mapping[str, Any] | None, where: str, gateway: bool = False) -> dict:
-    """``template`` (a Deployment's ``spec.template``, whose first container is the operator's)
-    with ``settings`` added; ``template`` itself is not changed.
+    """``template`` (a Deployment's ``spec.template``) with ``settings`` added; ``template``
+    itself is not changed.
 
     Args:
         settings: ``spec.pod`` or ``spec.gateway.pod`` (None or empty: the template as it is).
@@ -49,7 +50,7 @@ def apply(template: dict, settings: Mapping[str, Any] | None, where: str, gatewa
         return template
     out = copy.deepcopy(template)
     meta, pod = out.setdefault("metadata", {}), out["spec"]
-    container = pod["containers"][0]
+    containers = [*pod.get("initContainers", []), *pod["containers"]]
     for key in ("labels", "annotations"):
         _add_map(meta, key, settings.get(key), f"{where}.{key}")
     if gateway and "serviceAccountName" in settings:
@@ -60,17 +61,18 @@ def apply(template: dict, settings: Mapping[str, Any] | None, where: str, gatewa
             if key in pod:
                 raise PoolSpecError(f"{where}.{key}: set by the operator ({pod[key]!r})")
             pod[key] = copy.deepcopy(settings[key])
-    _add_named(container, "env", settings.get("env"), f"{where}.env")
-    if settings.get("envFrom"):
-        container["envFrom"] = [*container.get("envFrom", []), *copy.deepcopy(settings["envFrom"])]
     _add_named(pod, "volumes", settings.get("volumes"), f"{where}.volumes")
-    mounts = settings.get("volumeMounts") or []
-    taken = {m["mountPath"].rstrip("/") for m in container.get("volumeMounts", [])}
-    for mount in mounts:
-        if mount.get("mountPath", "").rstrip("/") in taken:
-            raise PoolSpecError(f"{where}.volumeMounts: {mount.get('mountPath')} is the operator's mount")
-    if mounts:  # a volume may be mounted twice: only the paths must be new
-        container["volumeMounts"] = [*container.get("volumeMounts", []), *copy.deepcopy(list(mounts))]
+    for container in containers:  # an init container (the Hub download) gets them too: HF_ENDPOINT, a CA
+        _add_named(container, "env", settings.get("env"), f"{where}.env")
+        if settings.get("envFrom"):
+            container["envFrom"] = [*container.get("envFrom", []), *copy.deepcopy(settings["envFrom"])]
+        mounts = settings.get("volumeMounts") or []
+        taken = {m["mountPath"].rstrip("/") for m in container.get("volumeMounts", [])}
+        for mount in mounts:
+            if mount.get("mountPath", "").rstrip("/") in taken:
+                raise PoolSpecError(f"{where}.volumeMounts: {mount.get('mountPath')} is the operator's mount")
+        if mounts:  # a volume may be mounted twice: only the paths must be new
+            container["volumeMounts"] = [*container.get("volumeMounts", []), *copy.deepcopy(list(mounts))]
     return out
 
 

@@ -103,7 +103,15 @@ class Pool:
         if "pvc" in source:
             sub = source["pvc"].get("subPath", "").strip("/")
             return ["--model", f"{MODEL_MOUNT}/{sub}".rstrip("/"), *args]
+        if "hf" in source:
+            return ["--model", self.hub_model, *args]
         return args  # the embedded default
+
+    @property
+    def hub_model(self) -> str | None:
+        """``hf://org/name@revision`` of a Hub source, else None."""
+        hf = self.spec["model"].get("source", {}).get("hf")
+        return None if hf is None else f"hf://{hf['repo']}@{hf.get('revision', 'main')}"
 
     def roles(self) -> list[Role]:
         """The roles to run, validated against the engine's own rules.

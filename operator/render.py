@@ -163,8 +163,10 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
         args += ["--device", "cuda"]
     if role.kv_transfer:  # peers dial the pod IP ($(POD_IP) is expanded by the kubelet)
         args += ["--kv-transfer-port", str(KV_PORT), "--kv-transfer-host", "$(POD_IP)"]
+    claim = (pool.spec.get("cache") or {}).get("claimName")
+    cache = {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}
     volumes = [{"name": "config", "configMap": {"name": f"{pool.name}-engine"}},
-               {"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+               {"name": "cache", **cache}, {"name": "tmp", "emptyDir": {}}]
     # The root filesystem is read-only: the model cache and /tmp (torch needs a temp dir) are volumes.
     mounts = [{"name": "config", "mountPath": "/etc/cadenza", "readOnly": True},
               {"name": "cache", "mountPath": "/cache"}, {"name": "tmp", "mountPath": "/tmp"}]
@@ -186,6 +188,9 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
     ]
     if (threads := cpu_threads(pool)) is not None:
         env.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
+    init = _fetch_model_container(pool, env, mounts)
+    if init:  # the init container downloaded it into /cache: the engine reads the cache only
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
     if role.kv_transfer:
         env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     auto = role.name == "auto"
@@ -225,6 +230,7 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
             "template": pod_settings.apply({
                 "metadata": {"labels": pod_labels, "annotations": {CONFIG_HASH: role.config_hash(model_args)}},
                 "spec": {
+                    **({"initContainers": init} if init else {}),
                     "containers": [container], "volumes": volumes,
                     "terminationGracePeriodSeconds": grace,  # the drain delay, then streams finish
                     "securityContext": {"runAsNonRoot": True, "fsGroup": 65532},
@@ -232,6 +238,27 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
             }, pool.spec.get("pod"), "spec.pod"),
         },
     }
+
+
+def _fetch_model_container(pool: Pool, env: list[dict], mounts: list[dict]) -> list[dict]:
+    """The init container that downloads a Hub model (``model.source.hf``) into ``/cache``
+    before the engine starts (none for other sources). It has the engine's cache settings and
+    mounts, and the Hub token from ``tokenSecret``; the engine itself never sees the token."""
+    model = pool.hub_model
+    if model is None:
+        return []
+    hf = pool.spec["model"]["source"]["hf"]
+    init_env = [e for e in env if e["name"] in ("HOME", "XDG_CACHE_HOME")]
+    if secret := hf.get("tokenSecret"):
+        init_env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": secret["name"], "key": secret.get("key", "token")}}})
+    return [{
+        "name": "fetch-model", "image": pool.spec["image"], "command": ["cadenza"],
+        "args": ["fetch-model", model], "env": init_env,
+        "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")],
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+        "securityContext": _SECURE_CONTAINER,
+    }]
 
 
 def termination(pool: Pool) -> tuple[int, int]:

@@ -424,3 +424,24 @@ def test_autoscaling_renders_a_scaler_of_the_pools_own_scale_subresource():
     # what it scales is spec.replicas: the operator splits the count it sets like any other
     assert objs[("Deployment", "chat-colocated")]["spec"]["replicas"] == 3
     assert not [k for k in by_name(render_all(pool(), OWNER)) if k[0] == "HorizontalPodAutoscaler"]
+
+
+def test_a_hub_model_is_downloaded_by_an_init_container_and_served_offline_from_the_cache():
+    source = {"hf": {"repo": "meta-llama/Llama-3.1-8B-Instruct", "revision": "0e9e39f",
+                     "tokenSecret": {"name": "hf", "key": "token"}}}
+    p = pool(model={"name": "llama", "source": source}, cache={"claimName": "model-cache"},
+             pod={"env": [{"name": "HF_ENDPOINT", "value": "https://hub-mirror.internal"}]})
+    spec = by_name(render_all(p, OWNER))[("Deployment", "chat-colocated")]["spec"]["template"]["spec"]
+    [init], [container] = spec["initContainers"], spec["containers"]
+    assert init["args"] == ["fetch-model", "hf://meta-llama/Llama-3.1-8B-Instruct@0e9e39f"] and init["image"] == "cadenza:test"
+    init_env = {e["name"]: e for e in init["env"]}
+    assert init_env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert init_env["HF_ENDPOINT"]["value"] == "https://hub-mirror.internal"  # spec.pod.env reaches it too
+    assert {m["mountPath"] for m in init["volumeMounts"]} == {"/cache", "/tmp"}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["HF_HUB_OFFLINE"] == "1" and "HF_TOKEN" not in env  # the engine reads the cache, never the token
+    assert container["args"][container["args"].index("--model") + 1] == "hf://meta-llama/Llama-3.1-8B-Instruct@0e9e39f"
+    assert {"name": "cache", "persistentVolumeClaim": {"claimName": "model-cache"}} in spec["volumes"]
+    # other sources: no init container, and the cache is an emptyDir
+    plain = by_name(render_all(pool(), OWNER))[("Deployment", "chat-colocated")]["spec"]["template"]["spec"]
+    assert "initContainers" not in plain and {"name": "cache", "emptyDir": {}} in plain["volumes"]

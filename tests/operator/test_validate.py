@@ -207,7 +207,7 @@ def test_an_empty_image_is_refused():
 )
 def test_model_source_needs_exactly_one_source(source):
     problems = problems_of(pool(model={"name": "m", "source": source}))
-    assert problems == ["spec.model.source: model.source needs exactly one of path, pvc or embedded: true"]
+    assert problems == ["spec.model.source: model.source needs exactly one of path, pvc, hf or embedded: true"]
 
 
 def test_missing_model_name_is_refused():
@@ -486,3 +486,12 @@ def test_autoscaling_bounds_keep_every_role_populated():
         "spec: autoscaling.minReplicas must exceed dedicated.interactiveReplicas (the batch role needs at least one "
         "at the fewest)"]
     assert any("maxReplicas" in p for p in problems_of(pool(autoscaling={"minReplicas": 1})))
+
+
+def test_a_hub_source_names_a_repo_and_defaults_to_main():
+    spec = validate_pool(pool(model={"name": "m", "source": {"hf": {"repo": "org/name", "tokenSecret": {"name": "s"}}}}))
+    assert spec["spec"]["model"]["source"]["hf"] == {"repo": "org/name", "revision": "main",
+                                                     "tokenSecret": {"name": "s", "key": "token"}}
+    assert any("repo" in p for p in problems_of(pool(model={"name": "m", "source": {"hf": {"repo": "../etc"}}})))
+    assert problems_of(pool(model={"name": "m", "source": {"hf": {"repo": "a/b"}, "path": "/m"}})) == [
+        "spec.model.source: model.source needs exactly one of path, pvc, hf or embedded: true"]
