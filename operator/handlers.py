@@ -224,19 +224,24 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
     kept = tuple(name.removeprefix(f"{pool.name}-") for name in retiring) if waiting else ()
     objects = render.render_all(pool, owner={"name": meta["name"], "uid": meta["uid"]}, narrow=not waiting,
                                 retiring=kept)
+    conflicts = []
     for obj in objects:
-        outcome = kube.apply(obj)
+        try:
+            outcome = kube.apply(obj)
+        except kube.Conflict as exc:  # someone else's object under a child's name: left alone, reported
+            conflicts.append(str(exc))
+            continue
         if outcome != "unchanged":
             logger.info("%s %s %s", outcome, obj["kind"], obj["metadata"]["name"])
             kopf.info(body, reason=outcome.capitalize(), message=f"{obj['kind']} {obj['metadata']['name']}")
     if not waiting:
         for name in retiring:
-            if kube.delete("Deployment", name, pool.namespace):
+            if kube.delete("Deployment", name, pool.namespace, meta.get("uid")):
                 logger.info("deleted Deployment %s (mode %s)", name, pool.mode)
                 kopf.info(body, reason="Deleted", message=f"Deployment {name}: role not run in mode {pool.mode}")
         stale = [("PodDisruptionBudget", n) for n in retiring] + [("Service", n) for n in render.stale_services(pool)]
         for kind, name in stale:
-            if kube.delete(kind, name, pool.namespace):
+            if kube.delete(kind, name, pool.namespace, meta.get("uid")):
                 logger.info("deleted %s %s (mode %s)", kind, name, pool.mode)
         retiring = []
     if tidy:
@@ -245,9 +250,15 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
         if not pool.spec.get("autoscaling"):  # autoscaling removed: the scaler goes, replicas are the spec's again
             stale.append(("HorizontalPodAutoscaler", pool.name))
         for kind, name in stale:
-            if kube.delete(kind, name, pool.namespace):
+            if kube.delete(kind, name, pool.namespace, meta.get("uid")):
                 logger.info("deleted %s %s", kind, name)
     patch.status.update(_status(body, pool, roles, shift=(waiting, retiring), slo=slo))
+    if conflicts:
+        message = "; ".join(conflicts)
+        degraded = _condition(body, "Degraded", True, "Conflict", message[:1000])
+        patch.status["conditions"] = [c for c in patch.status["conditions"] if c["type"] != "Degraded"] + [degraded]
+        if message != _previous_message(body, "Degraded"):  # once per change, not every resync
+            kopf.warn(body, reason="Conflict", message=message[:1000])
 
 
 def _role_ready(pool: Pool, role) -> bool:
@@ -282,7 +293,7 @@ def cleanup(body: kopf.Body, logger: logging.Logger, retry: int = 0, **_: Any) -
     _actuators.pop(body.metadata.get("uid") or "", None)
     try:
         for _api_version, kind, name in render.every_child(pool):
-            if kube.delete(kind, name, pool.namespace):
+            if kube.delete(kind, name, pool.namespace, body.metadata.get("uid")):
                 logger.info("deleted %s %s", kind, name)
     except kube.Transient as exc:
         raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
@@ -295,6 +306,10 @@ def cleanup(body: kopf.Body, logger: logging.Logger, retry: int = 0, **_: Any) -
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _previous_message(body: kopf.Body, kind: str) -> str | None:
+    return next((c.get("message") for c in body.get("status", {}).get("conditions", []) if c.get("type") == kind), None)
 
 
 def _condition(body: kopf.Body, kind: str, status: bool | str, reason: str, message: str) -> dict:

@@ -35,6 +35,22 @@ class Refused(Exception):
     until something changes (the spec, RBAC, an admission policy)."""
 
 
+class Conflict(Refused):
+    """An object with a child's name exists and the pool does not control it: it is left alone."""
+
+
+def _controller(meta) -> tuple[str, str] | None:
+    """``(kind/name, uid)`` of the controller owner reference of a client model's metadata, if any."""
+    for ref in (getattr(meta, "owner_references", None) or []) if meta else []:
+        if ref.controller:
+            return f"{ref.kind}/{ref.name}", ref.uid
+    return None
+
+
+def _wanted_controller(obj: dict) -> str | None:
+    return next((ref["uid"] for ref in obj["metadata"].get("ownerReferences", []) if ref.get("controller")), None)
+
+
 def _apis(kind: str):
     """The client calls for a kind: (read, create, patch, delete), each taking (name, namespace, ...)."""
     core, apps = kubernetes.client.CoreV1Api(), kubernetes.client.AppsV1Api()
@@ -106,8 +122,12 @@ def _with_last_applied(obj: dict) -> dict:
 def apply(obj: dict) -> str:
     """Create or patch ``obj`` so the cluster holds it; ``created`` | ``updated`` | ``unchanged``.
 
+    An ``obj`` with a controller owner reference is only ever patched where the object in the
+    cluster has that same controller: a same-named object someone else made is never touched.
+
     Raises:
         Transient: the API failed in a way worth retrying.
+        Conflict: an object with this name exists and is not controlled by ``obj``'s owner.
         Refused: a permanent refusal (e.g. 403, 422, or a body the client's model rejects).
     """
     kind, meta = obj["kind"], obj["metadata"]
@@ -121,6 +141,11 @@ def apply(obj: dict) -> str:
                 raise
             create(meta["namespace"], desired)
             return "created"
+        owner, found = _wanted_controller(obj), _controller(current.metadata)
+        if owner is not None and (found is None or found[1] != owner):
+            held = f"controlled by {found[0]}" if found else "with no controller"
+            raise Conflict(f"{kind} {meta['name']} exists {held}, not by this pool: left alone "
+                           f"(rename or delete it, and the pool creates its own)")
         stored = ((current.metadata.annotations or {}) if current.metadata else {}).get(LAST_APPLIED)
         if stored == canonical(obj):
             return "unchanged"
@@ -131,19 +156,32 @@ def apply(obj: dict) -> str:
         body = merge_patch(_with_last_applied(last) if last else {}, desired)
         patch(meta["name"], meta["namespace"], body, _content_type=MERGE_PATCH)
         return "updated"
+    except Conflict:
+        raise
     except Exception as exc:
         raise _failure(kind, meta["name"], exc) from exc
 
 
-def delete(kind: str, name: str, namespace: str) -> bool:
-    """Delete an object if it exists; True if something was deleted.
+def delete(kind: str, name: str, namespace: str, owner_uid: str | None = None) -> bool:
+    """Delete an object if it exists — with ``owner_uid``, only if that owner controls it (read
+    first, then deleted on the condition that it is still the object read); True if something was
+    deleted.
 
     Raises:
         Transient, Refused: as :func:`apply`.
     """
-    _read, _create, _patch, remove = _apis(kind)
+    read, _create, _patch, remove = _apis(kind)
     try:
-        remove(name, namespace)
+        if owner_uid is None:
+            remove(name, namespace)
+            return True
+        current = read(name, namespace)
+        found = _controller(current.metadata)
+        if found is None or found[1] != owner_uid:
+            return False  # someone else's: left alone
+        uid = current.metadata.uid
+        remove(name, namespace, body=kubernetes.client.V1DeleteOptions(
+            preconditions=kubernetes.client.V1Preconditions(uid=uid) if uid else None))
         return True
     except ApiException as exc:
         if exc.status == 404:

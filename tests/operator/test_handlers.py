@@ -32,7 +32,7 @@ def cluster(monkeypatch):
         return "created"
 
     monkeypatch.setattr(kube, "apply", apply)
-    monkeypatch.setattr(kube, "delete", lambda kind, name, ns: (kind, name) in state["existing"]
+    monkeypatch.setattr(kube, "delete", lambda kind, name, ns, owner_uid=None: (kind, name) in state["existing"]
                         and not state["existing"].discard((kind, name)))
     monkeypatch.setattr(kube, "deployment_status", lambda name, ns: {
         "replicas": 2, "readyReplicas": state["ready"], "updatedReplicas": 2}
@@ -211,7 +211,7 @@ def test_the_one_budget_for_every_engine_pod_an_older_operator_made_goes_on_reco
     assert ("PodDisruptionBudget", "chat-engine") not in cluster["existing"]
     assert ("PodDisruptionBudget", "chat-colocated") in cluster["existing"]
     deletes = []
-    monkeypatch.setattr(kube, "delete", lambda kind, name, ns: deletes.append((kind, name)) and False)
+    monkeypatch.setattr(kube, "delete", lambda kind, name, ns, owner_uid=None: deletes.append((kind, name)) and False)
     b = kopf.Body(BODY)
     handlers.resync(body=b, meta=b.metadata, patch=kopf.Patch(), logger=logging.getLogger("test"))
     assert ("PodDisruptionBudget", "chat-engine") not in deletes  # the resync does not look for it again
@@ -222,3 +222,22 @@ def test_removing_autoscaling_deletes_the_scaler_on_reconcile(cluster):
     assert ("HorizontalPodAutoscaler", "chat") in cluster["existing"]
     run(BODY)
     assert ("HorizontalPodAutoscaler", "chat") not in cluster["existing"]
+
+
+def test_an_object_of_someone_elses_under_a_childs_name_is_left_alone_and_reported_once(cluster, monkeypatch):
+    applied = kube.apply
+
+    def apply(obj):
+        if (obj["kind"], obj["metadata"]["name"]) == ("Deployment", "chat-colocated"):
+            raise kube.Conflict("Deployment chat-colocated exists with no controller, not by this pool: left alone")
+        return applied(obj)
+
+    monkeypatch.setattr(kube, "apply", apply)
+    patch = run(BODY)
+    degraded = next(c for c in patch["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "Conflict" and "chat-colocated" in degraded["message"]
+    assert ("Deployment", "chat-gateway") in cluster["existing"]  # the rest is applied
+    assert [e for e in cluster["events"] if e[1] == "Conflict"] == [("Warning", "Conflict", degraded["message"])]
+    cluster["events"].clear()
+    run({**BODY, "status": {"conditions": [degraded]}})  # the resync after: already reported
+    assert not [e for e in cluster["events"] if e[1] == "Conflict"]

@@ -51,8 +51,8 @@ class FakeApi:
     def patch(self, name, namespace, body, _content_type=None):
         self.calls.append(("patch", body, _content_type))
 
-    def delete(self, name, namespace):
-        self.calls.append("delete")
+    def delete(self, name, namespace, body=None):
+        self.calls.append(("delete", body) if body is not None else "delete")
         if self.error:
             raise self.error
 
@@ -135,3 +135,39 @@ def test_every_rendered_object_passes_the_clients_own_model_check(example, mode)
         model = getattr(kubernetes.client, models[obj["kind"]])
         model.from_dict(obj)  # raises on a wrong type
         assert client.sanitize_for_serialization(model.from_dict(obj))["metadata"]["name"] == obj["metadata"]["name"]
+
+
+def owned(obj: dict, uid: str | None, kind: str = "ServingPool"):
+    """The client's read of ``obj`` stored with a controller owner reference to ``uid`` (None: none)."""
+    refs = [kubernetes.client.V1OwnerReference(api_version="serving.cadenza.dev/v1alpha1", kind=kind, name="p",
+                                               uid=uid, controller=True)] if uid else None
+    return kubernetes.client.V1Service(metadata=kubernetes.client.V1ObjectMeta(
+        name=obj["metadata"]["name"], uid="obj-uid", owner_references=refs, annotations=obj["metadata"].get("annotations")))
+
+
+def pool_service(selector: dict) -> dict:
+    obj = service(selector)
+    obj["metadata"]["ownerReferences"] = [{"apiVersion": "serving.cadenza.dev/v1alpha1", "kind": "ServingPool",
+                                           "name": "p", "uid": "pool-uid", "controller": True}]
+    return obj
+
+
+@pytest.mark.parametrize("controller", [None, "another-pool-uid"])
+def test_an_object_the_pool_does_not_control_is_never_patched(fake, controller):
+    fake.current = owned(service({"team": "theirs"}), controller)
+    with pytest.raises(kube.Conflict, match="p-batch exists .*not by this pool: left alone"):
+        kube.apply(pool_service({"pool": "p"}))
+    assert fake.calls == ["read"]
+    fake.current = owned(pool_service({"pool": "p"}), "pool-uid")
+    assert kube.apply(pool_service({"pool": "p"})) == "updated"
+
+
+def test_a_child_is_deleted_only_when_the_pool_controls_it_and_only_that_very_object(fake):
+    fake.current = owned(service({}), None)
+    assert kube.delete("Service", "p-batch", "ns", owner_uid="pool-uid") is False and fake.calls == ["read"]
+    fake.current, fake.calls = owned(service({}), "pool-uid"), []
+    assert kube.delete("Service", "p-batch", "ns", owner_uid="pool-uid") is True
+    (_, options) = fake.calls[-1]
+    assert options.preconditions.uid == "obj-uid"  # not a same-named object created since the read
+    fake.current, fake.calls = None, []
+    assert kube.delete("Service", "p-batch", "ns", owner_uid="pool-uid") is False

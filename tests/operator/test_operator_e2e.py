@@ -166,6 +166,28 @@ def test_a_pool_becomes_its_objects_and_follows_every_change(api):
 
 
 @pytest.mark.slow
+def test_a_teams_own_deployment_named_like_a_role_survives_the_pool(api):
+    theirs = {"apiVersion": "apps/v1", "kind": "Deployment",
+              "metadata": {"name": "chat-colocated", "namespace": "default", "labels": {"team": "search"}},
+              "spec": {"replicas": 7, "selector": {"matchLabels": {"app": "theirs"}},
+                       "template": {"metadata": {"labels": {"app": "theirs"}},
+                                    "spec": {"containers": [{"name": "app", "image": "theirs:1"}]}}}}
+    kubernetes.client.AppsV1Api().create_namespaced_deployment("default", theirs)
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        operator_watching(api)
+        custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, pool_body())
+        wait_for(lambda: (condition(get_pool(), "Degraded") or {}).get("reason") == "Conflict", what="Conflict")
+        assert "Deployment chat-colocated exists with no controller" in condition(get_pool(), "Degraded")["message"]
+        assert deployment(api, "chat-gateway") is not None  # the rest of the pool is applied
+        assert deployment(api, "chat-colocated")["spec"]["replicas"] == 7
+        assert "ownerReferences" not in deployment(api, "chat-colocated")["metadata"]
+        custom().delete_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "chat")
+        wait_for(lambda: not api.objects(POOLS), what="pool gone")
+        assert deployment(api, "chat-colocated")["spec"]["template"]["spec"]["containers"][0]["image"] == "theirs:1"
+    assert runner.exit_code == 0, runner.output
+
+
+@pytest.mark.slow
 def test_fields_a_new_rendering_drops_are_removed_not_merged(api):
     """Back from dedicated to colocated, without a CPU limit: the class services must select the
     colocated pods again (a merge would keep the role key and route to no pod), the limit and the
