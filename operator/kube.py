@@ -1,12 +1,14 @@
 """Idempotent apply and delete of the objects a pool renders, with the ``kubernetes`` client.
 
 ``apply`` is a three-way merge like ``kubectl apply``'s: the rendered object is stored, as JSON,
-in an annotation on the object it creates. When the rendering is the stored one, nothing is sent
-(no patch, no event, no rollout). Otherwise a JSON merge patch (RFC 7386) carries the whole new
+in an annotation on the object it creates. When the rendering is the stored one and the live
+object still holds every field it sets (:func:`contains`), nothing is sent (no patch, no event,
+no rollout). Otherwise — a new rendering, or drift: a hand edit to replicas, an image, a selector
+or the ConfigMap — a JSON merge patch (RFC 7386) carries the whole new
 rendering, with ``null`` for every field the last rendering set and this one drops — a selector
 key, a resource limit, an annotation — so removed fields are removed, while fields other
 controllers and the API server own (status, defaults, ``clusterIP``) are left alone. Lists are
-replaced whole, as JSON merge patch does. A missing object is created.
+replaced whole, as JSON merge patch does. A missing object is created; one the pool does not control is never touched (:class:`Conflict`).
 
 Transient API failures (429, 5xx, 409 conflicts, connection errors) become :class:`Transient` so
 the caller retries with backoff; anything else the API refuses is :class:`Refused`.
@@ -51,6 +53,17 @@ def _wanted_controller(obj: dict) -> str | None:
     return next((ref["uid"] for ref in obj["metadata"].get("ownerReferences", []) if ref.get("controller")), None)
 
 
+def _client() -> kubernetes.client.ApiClient:
+    """For turning the client's models back into API dicts (no request is made)."""
+    global _CLIENT
+    if _CLIENT is None:
+        _CLIENT = kubernetes.client.ApiClient()
+    return _CLIENT
+
+
+_CLIENT: kubernetes.client.ApiClient | None = None
+
+
 def _apis(kind: str):
     """The client calls for a kind: (read, create, patch, delete), each taking (name, namespace, ...)."""
     core, apps = kubernetes.client.CoreV1Api(), kubernetes.client.AppsV1Api()
@@ -90,6 +103,18 @@ def merge_patch(last: Any, desired: Any) -> Any:
     for key, value in desired.items():
         patch[key] = merge_patch(last[key], value) if key in last else value
     return patch
+
+
+def contains(live: Any, desired: Any) -> bool:
+    """Whether ``live`` (an object as the API server returns it) still holds everything
+    ``desired`` sets: maps key by key (the server adds defaults; those are not ours), lists item
+    by item at the same length, scalars equal (a quantity may come back as a number or a string).
+    False after a hand edit to a field the operator renders: the next apply sets it back."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(k in live and contains(live[k], v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(live) == len(desired) and all(map(contains, live, desired))
+    return live == desired or (isinstance(live, (int, float, str)) and str(live) == str(desired))
 
 
 def _transient(exc: Exception) -> bool:
@@ -147,8 +172,8 @@ def apply(obj: dict) -> str:
             raise Conflict(f"{kind} {meta['name']} exists {held}, not by this pool: left alone "
                            f"(rename or delete it, and the pool creates its own)")
         stored = ((current.metadata.annotations or {}) if current.metadata else {}).get(LAST_APPLIED)
-        if stored == canonical(obj):
-            return "unchanged"
+        if stored == canonical(obj) and contains(_client().sanitize_for_serialization(current), desired):
+            return "unchanged"  # rendered the same, and nobody changed what we set: no write
         try:
             last = json.loads(stored) if stored else {}
         except ValueError:

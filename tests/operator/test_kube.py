@@ -64,10 +64,15 @@ def fake(monkeypatch):
     return api
 
 
-def live(obj: dict):
-    """What the client's read returns for an object stored from ``obj``."""
-    return kubernetes.client.V1Service(metadata=kubernetes.client.V1ObjectMeta(
-        name=obj["metadata"]["name"], annotations=obj["metadata"].get("annotations")))
+def live(obj: dict, **server_defaults):
+    """What the client's read returns for an object stored from ``obj`` (with fields the API
+    server adds, such as ``cluster_ip``)."""
+    spec = obj.get("spec", {})
+    return kubernetes.client.V1Service(
+        api_version=obj.get("apiVersion"), kind=obj.get("kind"),
+        metadata=kubernetes.client.V1ObjectMeta(name=obj["metadata"]["name"], namespace=obj["metadata"].get("namespace"),
+                                                annotations=obj["metadata"].get("annotations"), uid="server-set"),
+        spec=kubernetes.client.V1ServiceSpec(selector=spec.get("selector"), **server_defaults))
 
 
 def service(selector: dict) -> dict:
@@ -171,3 +176,22 @@ def test_a_child_is_deleted_only_when_the_pool_controls_it_and_only_that_very_ob
     assert options.preconditions.uid == "obj-uid"  # not a same-named object created since the read
     fake.current, fake.calls = None, []
     assert kube.delete("Service", "p-batch", "ns", owner_uid="pool-uid") is False
+
+
+def test_a_hand_edit_to_a_field_the_operator_sets_is_reverted_and_server_defaults_are_not_drift(fake):
+    first = service({"pool": "p", "role": "batch"})
+    kube.apply(first)
+    stored = fake.calls[-1][1]
+    fake.current, fake.calls = live(stored, cluster_ip="10.0.0.7", session_affinity="None"), []
+    assert kube.apply(first) == "unchanged" and fake.calls == ["read"]  # what the server added is not ours
+    edited = {**stored, "spec": {"selector": {"pool": "p", "role": "interactive"}}}  # kubectl edit
+    fake.current = live(edited, cluster_ip="10.0.0.7")
+    assert kube.apply(first) == "updated"
+    assert fake.calls[-1][1]["spec"]["selector"] == {"pool": "p", "role": "batch"}  # set back
+
+
+def test_containment_reads_maps_by_key_lists_by_item_and_quantities_as_strings():
+    assert kube.contains({"a": 1, "b": {"c": [{"x": 1, "y": 2}]}}, {"b": {"c": [{"x": 1}]}})
+    assert not kube.contains({"b": {"c": [{"x": 1}, {"x": 2}]}}, {"b": {"c": [{"x": 1}]}})  # a list grew
+    assert not kube.contains({"replicas": 5}, {"replicas": 3}) and not kube.contains({}, {"replicas": 3})
+    assert kube.contains({"limits": {"nvidia.com/gpu": "1"}}, {"limits": {"nvidia.com/gpu": 1}})

@@ -165,6 +165,35 @@ def test_a_pool_becomes_its_objects_and_follows_every_change(api):
     assert "Traceback" not in runner.output
 
 
+@pytest.mark.slow  # waits for a resync
+def test_a_hand_edit_is_reverted_within_a_resync_and_an_unchanged_pool_writes_nothing(api):
+    from cadenza.operator import kube, render
+    from cadenza.operator.pool import Pool
+    from cadenza.operator.validate import validate_pool
+
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        operator_watching(api)
+        custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, pool_body())
+        wait_for(lambda: names(api, "apps/v1/deployments") == EXPECTED_COLOCATED, what="deployments")
+        body = get_pool()
+        pool = Pool("chat", "default", validate_pool({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec")})["spec"])
+        owner = {"name": "chat", "uid": body["metadata"]["uid"]}
+        # converged: every child as the API holds it contains its rendering, so applying sends nothing
+        assert {kube.apply(obj) for obj in render.render_all(pool, owner)} == {"unchanged"}
+        kubernetes.client.AppsV1Api().patch_namespaced_deployment(  # kubectl scale --replicas=9
+            "chat-colocated", "default", {"spec": {"replicas": 9}})
+        kubernetes.client.CoreV1Api().patch_namespaced_service(  # a selector pointed elsewhere by hand
+            "chat-batch", "default", {"spec": {"selector": {"app.kubernetes.io/component": "gateway"}}})
+        assert deployment(api, "chat-colocated")["spec"]["replicas"] == 9
+        def selector():
+            return api.objects("v1/services")[("default", "chat-batch")]["spec"]["selector"]
+
+        wait_for(lambda: deployment(api, "chat-colocated")["spec"]["replicas"] == 2
+                 and selector() == {"serving.cadenza.dev/pool": "chat", "app.kubernetes.io/component": "engine"},
+                 timeout=40, what="replicas and the selector set back by the resync")
+    assert runner.exit_code == 0, runner.output
+
+
 @pytest.mark.slow
 def test_a_teams_own_deployment_named_like_a_role_survives_the_pool(api):
     theirs = {"apiVersion": "apps/v1", "kind": "Deployment",
