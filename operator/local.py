@@ -127,10 +127,10 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int, admin_token: str |
         raise PoolSpecError("spec.model.source.pvc needs a cluster; use source.path for cadenza up")
     roles = pool.roles()
     if pool.hub_model:  # once here, not once per replica: they start from the cache
-        from cadenza.node import hub
+        from cadenza.node.hub import fetch
 
         try:
-            hub.fetch(pool.hub_model)
+            fetch(pool.hub_model)
         except (FileNotFoundError, ValueError) as exc:
             raise PoolSpecError(f"spec.model.source.hf: {exc}") from None
     total = sum(role.replicas for role in roles)

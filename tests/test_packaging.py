@@ -87,8 +87,9 @@ def test_kernels_import_nothing_of_cadenza_outside_kernels():
 
 def test_operator_imports_only_the_node_config_and_policy():
     # config, policy and the knob registry: the engine's own checks and knob names; otel: how
-    # every cadenza process reads OTEL_*.
-    allowed = {"cadenza.node.core.config", "cadenza.node.core.policy", "cadenza.node.core.knobs", "cadenza.node.otel"}
+    # every cadenza process reads OTEL_*; hub: `cadenza up` downloads a Hub model once.
+    allowed = {"cadenza.node.core.config", "cadenza.node.core.policy", "cadenza.node.core.knobs", "cadenza.node.otel",
+               "cadenza.node.hub"}
     for py in (ROOT / "operator").rglob("*.py"):
         for name in imports_of(py):
             if name.startswith("cadenza.node"):
