@@ -42,6 +42,7 @@ from cadenza.node.otel import make_resource, otlp_enabled
 from cadenza.operator import kube, render
 from cadenza.operator.actuator import Actuator, AdminClient, State, spec_knobs
 from cadenza.operator.k8s_roles import PodBackend, scrape_pool
+from cadenza.operator import workload_status
 from cadenza.operator.observe import PoolObserver, disaggregation_status, latency_status, slo_condition
 from cadenza.operator.pool import Pool, PoolSpecError
 from cadenza.operator.validate import PoolValidationError, validate_pool
@@ -308,6 +309,23 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _readiness(is_ready: bool, ready: int, desired: int, problems: list[tuple[str, str]]) -> tuple[str, str]:
+    counts = f"{ready}/{desired} engine replicas ready"
+    if ready == desired:
+        return "AllReplicasReady", counts
+    why = "; ".join(message for _reason, message in problems)
+    if is_ready:
+        return "Serving", f"{counts}; every role serves" + (f" ({why})" if why else "")
+    return (problems[0][0] if problems else "ReplicasNotReady"), counts + (f": {why}" if why else "")
+
+
+def _degraded(body: kopf.Body, problems: list[tuple[str, str]]) -> dict:
+    stuck = [(reason, message) for reason, message in problems if reason in workload_status.DEGRADING]
+    if not stuck:
+        return _condition(body, "Degraded", False, "AsExpected", "the spec is valid and applied")
+    return _condition(body, "Degraded", True, stuck[0][0], "; ".join(m for _r, m in stuck)[:1000])
+
+
 def _previous_message(body: kopf.Body, kind: str) -> str | None:
     return next((c.get("message") for c in body.get("status", {}).get("conditions", []) if c.get("type") == kind), None)
 
@@ -330,15 +348,23 @@ def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str
     """Status from the Deployments; ``shift``: (new roles not ready yet, old Deployments kept);
     ``slo``: what :mod:`.observe` read this time (else the last ``SLOMet`` condition is kept)."""
     per_role, desired, ready, updated = {}, 0, 0, 0
+    serving, unobserved, problems = True, False, []
     for role in roles:
         state = kube.deployment_status(f"{pool.name}-{role.name}", pool.namespace) or {}
         per_role[role.name] = {"replicas": role.replicas, "readyReplicas": state.get("readyReplicas", 0)}
+        role_ready = min(state.get("readyReplicas", 0), role.replicas)
         desired += role.replicas
-        ready += min(state.get("readyReplicas", 0), role.replicas)
+        ready += role_ready
         updated += min(state.get("updatedReplicas", 0), role.replicas)
-    is_ready = ready == desired
-    rolling = updated < desired or not is_ready
+        serving = serving and (role_ready > 0 or role.replicas == 0)
+        unobserved = unobserved or not workload_status.observed(state)
+        if state and role_ready < role.replicas:  # why: its pods first (one list, only while short)
+            pods = kube.list_pods(pool.namespace, render.role_selector(pool, role.name))
+            if found := workload_status.pod_problem(pods) or workload_status.deployment_problem(state):
+                problems.append((found[0], f"{role.name}: {found[1]}"))
     waiting, retiring = shift
+    is_ready = serving or bool(retiring)  # every role serves (in a shift, the old one until the new are ready)
+    rolling = updated < desired or ready < desired or unobserved
     progress = ("RolloutInProgress" if rolling else "RolloutComplete",
                 f"{updated}/{desired} replicas updated, {ready}/{desired} ready")
     if retiring:
@@ -353,10 +379,9 @@ def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str
         "selector": render.selector_string(pool),
         "roles": per_role,
         "conditions": [
-            _condition(body, "Ready", is_ready, "AllReplicasReady" if is_ready else "ReplicasNotReady",
-                       f"{ready}/{desired} engine replicas ready"),
+            _condition(body, "Ready", is_ready, *_readiness(is_ready, ready, desired, problems)),
             _condition(body, "Progressing", rolling, *progress),
-            _condition(body, "Degraded", False, "AsExpected", "the spec is valid and applied"),
+            _degraded(body, problems),
         ],
     }
     if pool.mode == "disaggregated":

@@ -217,7 +217,9 @@ def delete(kind: str, name: str, namespace: str, owner_uid: str | None = None) -
 
 
 def deployment_status(name: str, namespace: str) -> dict[str, Any] | None:
-    """``{"replicas", "readyReplicas", "updatedReplicas"}`` of a Deployment, None if it is missing."""
+    """``{"replicas", "readyReplicas", "updatedReplicas", "generation", "observedGeneration",
+    "conditions"}`` of a Deployment (conditions as ``{type, status, reason, message}``), None if
+    it is missing."""
     read = _apis("Deployment")[0]
     try:
         dep = read(name, namespace)
@@ -232,12 +234,17 @@ def deployment_status(name: str, namespace: str) -> dict[str, Any] | None:
         "replicas": (status.replicas if status else None) or 0,
         "readyReplicas": (status.ready_replicas if status else None) or 0,
         "updatedReplicas": (status.updated_replicas if status else None) or 0,
+        "generation": dep.metadata.generation if dep.metadata else None,
+        "observedGeneration": status.observed_generation if status else None,
+        "conditions": [{"type": c.type, "status": c.status, "reason": c.reason, "message": c.message}
+                       for c in (status.conditions or [])] if status else [],
     }
 
 
 def list_pods(namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
     """Pods of ``namespace`` carrying every label in ``labels``: name, labels, pod IP, the port
-    named ``http`` of their first container (8000 when none is named), and whether they are Ready.
+    named ``http`` of their first container (8000 when none is named), whether they are Ready,
+    and ``problem`` (:func:`_pod_problem`), the reason one is stuck, or None.
 
     The selector is also applied here, on the answer: a server that ignores it returns no stranger.
 
@@ -260,8 +267,27 @@ def list_pods(namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
         status = pod.status
         ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or [])) if status else False
         out.append({"name": pod.metadata.name, "labels": have, "ip": status.pod_ip if status else None,
-                    "port": port, "ready": ready})
+                    "port": port, "ready": ready, "problem": _pod_problem(status)})
     return out
+
+
+def _pod_problem(status) -> dict[str, str] | None:
+    """``{reason, message}`` of a pod that cannot run: unschedulable, a container waiting in a
+    back-off or a config error, or last killed for memory; None otherwise."""
+    if status is None:
+        return None
+    for cond in status.conditions or []:
+        if cond.type == "PodScheduled" and cond.status == "False" and cond.reason == "Unschedulable":
+            return {"reason": "Unschedulable", "message": cond.message or ""}
+    for c in [*(status.init_container_statuses or []), *(status.container_statuses or [])]:
+        waiting = c.state.waiting if c.state else None
+        if waiting and waiting.reason in ("ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff",
+                                          "CreateContainerConfigError", "InvalidImageName"):
+            last = c.last_state.terminated if c.last_state else None
+            if waiting.reason == "CrashLoopBackOff" and last is not None and last.reason == "OOMKilled":
+                return {"reason": "OOMKilled", "message": f"container {c.name} was killed for memory (OOMKilled)"}
+            return {"reason": waiting.reason, "message": f"container {c.name}: {waiting.message or waiting.reason}"}
+    return None
 
 
 def ensure_secret_token(meta: dict[str, Any], new_token: str) -> str:

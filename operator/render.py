@@ -217,7 +217,7 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
         "securityContext": _SECURE_CONTAINER,
     }
     pod_labels = labels(pool, "engine", role.name)
-    selector = _role_selector(pool, role.name)
+    selector = role_selector(pool, role.name)
     if auto:  # the role label changes on a live pod, so it cannot be in the selector
         pod_labels = {**labels(pool, "engine", "colocated"), WORKLOAD_LABEL: "auto"}
     return {
@@ -314,7 +314,7 @@ def render_pdbs(pool: Pool, roles: list[str], owner=None) -> list[dict]:
                 "metadata": _meta(pool, name, component, owner, role),
                 "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}}}
 
-    out = [pdb(f"{pool.name}-{role}", "engine", _role_selector(pool, role), role) for role in roles]
+    out = [pdb(f"{pool.name}-{role}", "engine", role_selector(pool, role), role) for role in roles]
     if _gateway_replicas(pool) > 1:
         out.append(pdb(f"{pool.name}-gateway", "gateway", {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}))
     return out
@@ -337,7 +337,7 @@ def render_autoscaler(pool: Pool, owner=None) -> list[dict]:
              "metadata": _meta(pool, pool.name, "autoscaler", owner), "spec": hpa}]
 
 
-def _role_selector(pool: Pool, role: str) -> dict[str, str]:
+def role_selector(pool: Pool, role: str) -> dict[str, str]:
     """What the Deployment of engine role ``role`` selects (auto's pods change role label live)."""
     return {**engine_selector(pool), WORKLOAD_LABEL: "auto"} if role == "auto" else engine_selector(pool, role)
 

@@ -20,7 +20,7 @@ BODY = {
 @pytest.fixture
 def cluster(monkeypatch):
     """A fake cluster: records applies/deletes and the events the handlers post."""
-    state = {"applied": [], "existing": set(), "events": [], "ready": 0, "objects": {}}
+    state = {"applied": [], "existing": set(), "events": [], "ready": 0, "objects": {}, "pods": [], "conditions": []}
 
     def apply(obj):
         key = (obj["kind"], obj["metadata"]["name"])
@@ -35,8 +35,9 @@ def cluster(monkeypatch):
     monkeypatch.setattr(kube, "delete", lambda kind, name, ns, owner_uid=None: (kind, name) in state["existing"]
                         and not state["existing"].discard((kind, name)))
     monkeypatch.setattr(kube, "deployment_status", lambda name, ns: {
-        "replicas": 2, "readyReplicas": state["ready"], "updatedReplicas": 2}
+        "replicas": 2, "readyReplicas": state["ready"], "updatedReplicas": 2, "conditions": state["conditions"]}
         if ("Deployment", name) in state["existing"] else None)
+    monkeypatch.setattr(kube, "list_pods", lambda ns, labels: state["pods"])
     monkeypatch.setattr(handlers.kopf, "info", lambda body, reason, message: state["events"].append(("Normal", reason, message)))
     monkeypatch.setattr(handlers.kopf, "warn", lambda body, reason, message: state["events"].append(("Warning", reason, message)))
     return state
@@ -241,3 +242,37 @@ def test_an_object_of_someone_elses_under_a_childs_name_is_left_alone_and_report
     cluster["events"].clear()
     run({**BODY, "status": {"conditions": [degraded]}})  # the resync after: already reported
     assert not [e for e in cluster["events"] if e[1] == "Conflict"]
+
+
+def conditions_of(patch) -> dict[str, dict]:
+    return {c["type"]: c for c in patch["status"]["conditions"]}
+
+
+def test_a_pod_the_scheduler_cannot_place_says_so_in_ready_and_is_not_degraded(cluster):
+    run(BODY)
+    cluster["pods"] = [{"name": "chat-colocated-abc", "problem": {
+        "reason": "Unschedulable", "message": "0/8 nodes are available: 8 Insufficient nvidia.com/gpu."}}]
+    conds = conditions_of(run(BODY))
+    assert conds["Ready"]["status"] == "False" and conds["Ready"]["reason"] == "Unschedulable"
+    assert "colocated: pod chat-colocated-abc: 0/8 nodes are available" in conds["Ready"]["message"]
+    assert conds["Degraded"]["status"] == "False"  # an autoscaler may yet add a node
+
+
+@pytest.mark.parametrize("reason", ["ImagePullBackOff", "CrashLoopBackOff", "OOMKilled"])
+def test_a_pod_that_cannot_run_makes_the_pool_degraded_with_its_reason(cluster, reason):
+    run(BODY)
+    cluster["pods"] = [{"name": "chat-colocated-abc", "problem": {"reason": reason, "message": "container engine: x"}}]
+    conds = conditions_of(run(BODY))
+    assert conds["Degraded"]["status"] == "True" and conds["Degraded"]["reason"] == reason
+    assert conds["Degraded"]["message"] == "colocated: pod chat-colocated-abc: container engine: x"
+
+
+def test_a_rollout_past_its_deadline_is_degraded_and_a_role_that_still_serves_is_ready(cluster):
+    run(BODY)
+    cluster["ready"] = 1  # one of two replicas: the role serves while the other is replaced
+    cluster["conditions"] = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+                              "message": 'ReplicaSet "chat-colocated-7d" has timed out progressing.'}]
+    conds = conditions_of(run(BODY))
+    assert conds["Ready"]["status"] == "True" and conds["Ready"]["reason"] == "Serving"
+    assert conds["Degraded"]["reason"] == "ProgressDeadlineExceeded" and "timed out" in conds["Degraded"]["message"]
+    assert conds["Progressing"]["status"] == "True"

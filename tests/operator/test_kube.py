@@ -195,3 +195,30 @@ def test_containment_reads_maps_by_key_lists_by_item_and_quantities_as_strings()
     assert not kube.contains({"b": {"c": [{"x": 1}, {"x": 2}]}}, {"b": {"c": [{"x": 1}]}})  # a list grew
     assert not kube.contains({"replicas": 5}, {"replicas": 3}) and not kube.contains({}, {"replicas": 3})
     assert kube.contains({"limits": {"nvidia.com/gpu": "1"}}, {"limits": {"nvidia.com/gpu": 1}})
+
+
+def test_a_stuck_pod_is_read_as_its_reason():
+    c = kubernetes.client
+
+    def container(waiting=None, last=None):
+        return c.V1ContainerStatus(name="engine", image="i", image_id="", ready=False, restart_count=3,
+                                   state=c.V1ContainerState(waiting=waiting),
+                                   last_state=c.V1ContainerState(terminated=last))
+
+    unschedulable = c.V1PodStatus(conditions=[c.V1PodCondition(type="PodScheduled", status="False", reason="Unschedulable",
+                                                               message="0/3 nodes are available")])
+    assert kube._pod_problem(unschedulable) == {"reason": "Unschedulable", "message": "0/3 nodes are available"}
+    pull = c.V1PodStatus(container_statuses=[container(c.V1ContainerStateWaiting(reason="ImagePullBackOff",
+                                                                                 message="Back-off pulling x"))])
+    assert kube._pod_problem(pull) == {"reason": "ImagePullBackOff", "message": "container engine: Back-off pulling x"}
+    oom = c.V1PodStatus(container_statuses=[container(c.V1ContainerStateWaiting(reason="CrashLoopBackOff"),
+                                                      c.V1ContainerStateTerminated(exit_code=137, reason="OOMKilled"))])
+    assert kube._pod_problem(oom)["reason"] == "OOMKilled"
+    assert kube._pod_problem(c.V1PodStatus(container_statuses=[container()])) is None
+
+
+def test_a_deployment_not_yet_observed_is_still_progressing():
+    from cadenza.operator.workload_status import observed
+
+    assert not observed({"generation": 4, "observedGeneration": 3}) and observed({"generation": 4, "observedGeneration": 4})
+    assert observed({})  # a server that reports neither
