@@ -253,13 +253,10 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
         for kind, name in stale:
             if kube.delete(kind, name, pool.namespace, meta.get("uid")):
                 logger.info("deleted %s %s", kind, name)
-    patch.status.update(_status(body, pool, roles, shift=(waiting, retiring), slo=slo))
-    if conflicts:
-        message = "; ".join(conflicts)
-        degraded = _condition(body, "Degraded", True, "Conflict", message[:1000])
-        patch.status["conditions"] = [c for c in patch.status["conditions"] if c["type"] != "Degraded"] + [degraded]
-        if message != _previous_message(body, "Degraded"):  # once per change, not every resync
-            kopf.warn(body, reason="Conflict", message=message[:1000])
+    patch.status.update(_status(body, pool, roles, shift=(waiting, retiring), slo=slo, conflicts=conflicts))
+    message = "; ".join(conflicts)[:1000]
+    if conflicts and message != _previous_message(body, "Degraded"):  # once per change, not every resync
+        kopf.warn(body, reason="Conflict", message=message)
 
 
 def _role_ready(pool: Pool, role) -> bool:
@@ -319,8 +316,9 @@ def _readiness(is_ready: bool, ready: int, desired: int, problems: list[tuple[st
     return (problems[0][0] if problems else "ReplicasNotReady"), counts + (f": {why}" if why else "")
 
 
-def _degraded(body: kopf.Body, problems: list[tuple[str, str]]) -> dict:
-    stuck = [(reason, message) for reason, message in problems if reason in workload_status.DEGRADING]
+def _degraded(body: kopf.Body, problems: list[tuple[str, str]], conflicts) -> dict:
+    stuck = [("Conflict", message) for message in conflicts]
+    stuck += [(reason, message) for reason, message in problems if reason in workload_status.DEGRADING]
     if not stuck:
         return _condition(body, "Degraded", False, "AsExpected", "the spec is valid and applied")
     return _condition(body, "Degraded", True, stuck[0][0], "; ".join(m for _r, m in stuck)[:1000])
@@ -344,9 +342,10 @@ def _condition(body: kopf.Body, kind: str, status: bool | str, reason: str, mess
 
 
 def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str]] = ([], []),
-            slo: dict | None = None) -> dict:
+            slo: dict | None = None, conflicts: list[str] = ()) -> dict:
     """Status from the Deployments; ``shift``: (new roles not ready yet, old Deployments kept);
-    ``slo``: what :mod:`.observe` read this time (else the last ``SLOMet`` condition is kept)."""
+    ``slo``: what :mod:`.observe` read this time (else the last ``SLOMet`` condition is kept);
+    ``conflicts``: objects left alone (:class:`kube.Conflict`), which make the pool degraded."""
     per_role, desired, ready, updated = {}, 0, 0, 0
     serving, unobserved, problems = True, False, []
     for role in roles:
@@ -381,7 +380,7 @@ def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str
         "conditions": [
             _condition(body, "Ready", is_ready, *_readiness(is_ready, ready, desired, problems)),
             _condition(body, "Progressing", rolling, *progress),
-            _degraded(body, problems),
+            _degraded(body, problems, conflicts),
         ],
     }
     if pool.mode == "disaggregated":

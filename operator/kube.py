@@ -17,6 +17,7 @@ the caller retries with backoff; anything else the API refuses is :class:`Refuse
 from __future__ import annotations
 
 import base64
+import functools
 import json
 from typing import Any
 
@@ -53,15 +54,10 @@ def _wanted_controller(obj: dict) -> str | None:
     return next((ref["uid"] for ref in obj["metadata"].get("ownerReferences", []) if ref.get("controller")), None)
 
 
+@functools.cache
 def _client() -> kubernetes.client.ApiClient:
     """For turning the client's models back into API dicts (no request is made)."""
-    global _CLIENT
-    if _CLIENT is None:
-        _CLIENT = kubernetes.client.ApiClient()
-    return _CLIENT
-
-
-_CLIENT: kubernetes.client.ApiClient | None = None
+    return kubernetes.client.ApiClient()
 
 
 def _apis(kind: str):

@@ -126,8 +126,7 @@ class KVLink:
         (:data:`ASSUMED_LINK_BYTES_PER_S` before any), and the prompt's last token computed here
         (:mod:`~cadenza.node.core.remote_kv`: it samples the first token). None
         before the cost model is calibrated."""
-        return rule(cost, self.fingerprint.bytes_per_token, self.consumer.bandwidth or ASSUMED_LINK_BYTES_PER_S,
-                    LOCAL_TOKENS)
+        return rule(cost, self.fingerprint.bytes_per_token, self.consumer.bandwidth or ASSUMED_LINK_BYTES_PER_S)
 
     def min_prompt_tokens(self, cost: StepCostModel) -> int | None:
         """The shortest prompt worth prefilling on an idle prefill replica for this one, None

@@ -25,8 +25,8 @@ pool's bearer token (``$CADENZA_ADMIN_TOKEN``), which replicas require before th
 The rule (:mod:`cadenza.node.kv_transfer.threshold`): a prompt goes through a prefill replica
 when it is at least ``--disagg-min-prompt-tokens`` long. Pinned, that is a number. With ``auto``
 the decode replicas send the rule's coefficients on every answer (``x-cadenza-disagg-rule``:
-their step-time model, KV bytes per token over the bandwidth their pulls measured, their block
-size) and the gateway solves it for the prefill replica it would use, whose queue is the prompts
+their step-time model, KV bytes per token over the bandwidth their pulls measured, the prompt's
+last token computed where it decodes) and the gateway solves it for the prefill replica it would use, whose queue is the prompts
 this gateway has sent it that it is still computing (their predicted prefill seconds). It takes
 the largest threshold over the reachable decode replicas, so a prompt moves only when it pays on
 each of them, and none until one has calibrated. So a busy prefill replica is sent only the
@@ -129,14 +129,14 @@ async def route(request: web.Request, decode: list[Upstream]) -> CIMultiDict[str
     if not isinstance(parsed, dict):
         return None
     tokens = prompt_tokens(parsed)
+    if (idle := threshold(app)) is None or tokens < idle:
+        return None  # not worth moving even to an idle prefill replica
     upstream = app[UPSTREAMS].least_queued(app[UPSTREAMS].of_role("prefill"), limit)
     if upstream is None:
-        if (least := threshold(app)) is not None and tokens >= least:
-            app[METRICS].count_disagg("fallback_busy")
+        app[METRICS].count_disagg("fallback_busy")
         return None
-    if (least := threshold(app, upstream)) is None or tokens < least:
-        if least is not None and (idle := threshold(app)) is not None and tokens >= idle:
-            app[METRICS].count_disagg("kept_queued")
+    if tokens < threshold(app, upstream):  # a queue only raises the threshold (never to None)
+        app[METRICS].count_disagg("kept_queued")
         return None
     source = await prefill(request, parsed, upstream, tokens)
     return None if source is None else CIMultiDict({**_auth(), KV_SOURCE_HEADER: source})
