@@ -4,14 +4,17 @@
   render, apply every object idempotently, retire the Deployments of roles the mode no longer runs
   (once the new roles are ready), and report status (``observedGeneration``, ``mode``, replicas per role, ``Ready`` /
   ``Progressing`` / ``Degraded`` conditions) with an Event for each change;
-- a timer refreshes status as rollouts progress, finishes mode shifts (make-before-break: the old
-  role's Deployment is retired once the new roles are ready), repairs drift (a deleted child
-  comes back) and, for a pool with SLOs, scrapes its gateways' latency histograms into
+- a resync loop (every ``RESYNC_S``, one task for the whole operator) refreshes status as
+  rollouts progress, finishes mode shifts (make-before-break: the old role's Deployment is
+  retired once the new roles are ready), repairs drift (a child deleted or edited by hand is
+  applied again) and, for a pool with SLOs, scrapes its gateways' latency histograms into
   ``status.latency``, the ``SLOMet`` condition and the controller's advisory decision
-  (:mod:`.observe`);
-- the handlers of one pool never run at the same time (a lock per pool): a timer tick holding
-  the old spec cannot undo what an update handler just applied;
-- delete removes every child by name (owner references let a real cluster collect them too).
+  (:mod:`.observe`). It reads the children from kopf's label-selected watches (indexes), not
+  from the API, and patches status only where it changed: an unchanged pool costs no API call;
+- the handlers of one pool never run at the same time (a lock per pool): a resync holding the
+  old spec cannot undo what an update handler just applied;
+- no finalizer: the children carry owner references, so the garbage collector deletes them with
+  the pool, and a pool (or the CRD) can be deleted while no operator runs.
 
 An invalid spec is a ``Degraded`` condition and a Warning event, then ``kopf.PermanentError``: no
 crash loop, no retries until the spec changes. A transient API failure is a
@@ -22,6 +25,8 @@ too, retried slowly: the fix usually lies outside the pool.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import datetime
 import logging
 import os
@@ -52,6 +57,9 @@ RETRY_DELAY_S = 10  # the first retry after a transient API failure; doubles eac
 MAX_RETRY_DELAY_S = 300
 REFUSED_RETRY_DELAY_S = 60
 RESYNC_S = float(os.environ.get("CADENZA_OPERATOR_RESYNC_S", "15"))
+RESYNC_CONCURRENCY = 8  # pools resynced at once (each blocks a thread on the API and on scrapes)
+EVENTS = os.environ.get("CADENZA_OPERATOR_EVENTS", "true").lower() != "false"
+_tokens: dict[str, str] = {}  # pool uid -> its admin token (the Secret is read once)
 _actuators: dict[str, Actuator] = {}  # pool uid -> the controller loop of a mode auto pool
 _locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)  # pool uid -> its handlers' lock
 _observer = PoolObserver()
@@ -94,12 +102,15 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         kubernetes.config.load_incluster_config()
     else:
         kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    kube.connect()  # one client, one connection pool, for every call from here on
+    # No handler needs a finalizer (owner references garbage-collect the children); naming the
+    # one earlier operators added lets kopf remove it from the pools that still carry it.
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.watching.reconnect_backoff = 1.0
     settings.posting.level = logging.INFO
-    settings.posting.enabled = os.environ.get("CADENZA_OPERATOR_EVENTS", "true").lower() != "false"
+    settings.posting.enabled = EVENTS
     _tracing()
 
 
@@ -137,6 +148,7 @@ def _pool(body: kopf.Body) -> Pool:
 def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: logging.Logger, retry: int = 0,
               **_: Any) -> None:
     """Converge the cluster on the pool's spec (idempotent: a second run changes nothing)."""
+    _reconciled.add(_uid(meta))
     try:
         pool = _pool(body)
         roles = pool.roles()
@@ -167,8 +179,13 @@ def _observe(body: kopf.Body, meta: kopf.Meta, pool: Pool) -> dict:
 
 
 def _admin_token(meta: kopf.Meta, pool: Pool) -> str:
-    owner = {"name": meta["name"], "uid": meta["uid"]} if meta.get("uid") else None
-    return kube.ensure_secret_token(render.admin_secret_meta(pool, owner), secrets.token_hex(16))
+    """The pool's admin token: its Secret read (or created) once, then remembered (replicas read
+    it at start-up, so it is never rewritten)."""
+    uid = _uid(meta)
+    if uid not in _tokens:
+        owner = {"name": meta["name"], "uid": meta["uid"]} if meta.get("uid") else None
+        _tokens[uid] = kube.ensure_secret_token(render.admin_secret_meta(pool, owner), secrets.token_hex(16))
+    return _tokens[uid]
 
 
 def _control(body: kopf.Body, meta: kopf.Meta, pool: Pool, logger: logging.Logger) -> dict:
@@ -188,7 +205,7 @@ def _control(body: kopf.Body, meta: kopf.Meta, pool: Pool, logger: logging.Logge
         logger.warning("controller: %s", exc)
         decision = None
     if decision is not None and decision.act:
-        kopf.info(body, reason=decision.action.capitalize(), message=decision.reason[:1000])
+        _event(body, "Normal", decision.action.capitalize(), decision.reason[:1000])
     signals = actuator.signals(actuator.clock())
     shape = actuator.last_shape if decision is not None else None
     out = {"latency": latency_status(signals, actuator.spec), "controller": actuator.status(),
@@ -219,8 +236,7 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
     """
     if render.needs_admin_token(pool):
         _admin_token(meta, pool)  # before the pods that mount it
-    retiring = [name for name in render.stale_deployments(pool, roles)
-                if kube.deployment_status(name, pool.namespace) is not None]
+    retiring = [name for name in render.stale_deployments(pool, roles) if _deployment(pool, name) is not None]
     waiting = [role.name for role in roles if not _role_ready(pool, role)] if retiring else []
     kept = tuple(name.removeprefix(f"{pool.name}-") for name in retiring) if waiting else ()
     objects = render.render_all(pool, owner={"name": meta["name"], "uid": meta["uid"]}, narrow=not waiting,
@@ -228,21 +244,21 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
     conflicts = []
     for obj in objects:
         try:
-            outcome = kube.apply(obj)
+            outcome = _apply(obj)
         except kube.Conflict as exc:  # someone else's object under a child's name: left alone, reported
             conflicts.append(str(exc))
             continue
         if outcome != "unchanged":
             logger.info("%s %s %s", outcome, obj["kind"], obj["metadata"]["name"])
-            kopf.info(body, reason=outcome.capitalize(), message=f"{obj['kind']} {obj['metadata']['name']}")
+            _event(body, "Normal", outcome.capitalize(), f"{obj['kind']} {obj['metadata']['name']}")
     if not waiting:
         for name in retiring:
-            if kube.delete("Deployment", name, pool.namespace, meta.get("uid")):
+            if _delete("Deployment", pool, name, meta.get("uid")):
                 logger.info("deleted Deployment %s (mode %s)", name, pool.mode)
-                kopf.info(body, reason="Deleted", message=f"Deployment {name}: role not run in mode {pool.mode}")
+                _event(body, "Normal", "Deleted", f"Deployment {name}: role not run in mode {pool.mode}")
         stale = [("PodDisruptionBudget", n) for n in retiring] + [("Service", n) for n in render.stale_services(pool)]
         for kind, name in stale:
-            if kube.delete(kind, name, pool.namespace, meta.get("uid")):
+            if _delete(kind, pool, name, meta.get("uid")):
                 logger.info("deleted %s %s (mode %s)", kind, name, pool.mode)
         retiring = []
     if tidy:
@@ -251,24 +267,154 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
         if not pool.spec.get("autoscaling"):  # autoscaling removed: the scaler goes, replicas are the spec's again
             stale.append(("HorizontalPodAutoscaler", pool.name))
         for kind, name in stale:
-            if kube.delete(kind, name, pool.namespace, meta.get("uid")):
+            if _delete(kind, pool, name, meta.get("uid")):
                 logger.info("deleted %s %s", kind, name)
     patch.status.update(_status(body, pool, roles, shift=(waiting, retiring), slo=slo, conflicts=conflicts))
     message = "; ".join(conflicts)[:1000]
     if conflicts and message != _previous_message(body, "Degraded"):  # once per change, not every resync
-        kopf.warn(body, reason="Conflict", message=message)
+        _event(body, "Warning", "Conflict", message)
 
 
 def _role_ready(pool: Pool, role) -> bool:
-    state = kube.deployment_status(f"{pool.name}-{role.name}", pool.namespace)
+    state = _deployment(pool, f"{pool.name}-{role.name}")
     return state is not None and min(state["readyReplicas"], state["updatedReplicas"]) >= role.replicas
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_S, initial_delay=RESYNC_S / 2, idle=5.0)
-def resync(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-    """Every ``RESYNC_S``: follow rollouts (replicas and conditions from the Deployments), finish
-    a mode shift whose new roles became ready, and repair drift — a child deleted by hand is
-    created again (an unchanged one costs a read, no write)."""
+# -- the children, as the operator's watches see them -------------------------------------------
+
+# kind -> (kopf's resource selector) of every child kind the pool renders; kopf watches each,
+# label-selected, into an in-memory index, so a resync reads no child from the API.
+CHILD_KINDS = {
+    "Deployment": ("apps", "v1", "deployments"), "Service": ("v1", "services"),
+    "ConfigMap": ("v1", "configmaps"), "ServiceAccount": ("v1", "serviceaccounts"),
+    "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+    "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    "HorizontalPodAutoscaler": ("autoscaling", "v2", "horizontalpodautoscalers"),
+}
+_MANAGED = {"app.kubernetes.io/managed-by": "cadenza-operator"}
+_children: dict[str, Any] = {}  # kind -> kopf.Index of (namespace, name) -> the object; empty: not watching
+
+
+def _index_child(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, name): dict(body)}
+
+
+for _kind, _resource in CHILD_KINDS.items():
+    kopf.index(*_resource, id=f"children_{_kind}", labels=_MANAGED)(_index_child)
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def pools(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    """Every ServingPool, for the resync loop."""
+    return {(namespace, name): body}
+
+
+def _live(kind: str, namespace: str, name: str) -> dict | None:
+    """A child as the watch last saw it (None: no such child of a pool), or read from the API
+    when the operator is not watching (a reconcile run outside ``kopf run``)."""
+    index = _children.get(kind)
+    if index is None:
+        return kube.read(kind, name, namespace)
+    return next(iter(index.get((namespace, name)) or ()), None)
+
+
+def _apply(obj: dict) -> str:
+    if not _children:
+        return kube.apply(obj)
+    meta = obj["metadata"]
+    return kube.apply(obj, live=_live(obj["kind"], meta["namespace"], meta["name"]))
+
+
+def _delete(kind: str, pool: Pool, name: str, owner_uid: str | None) -> bool:
+    if not _children:
+        return kube.delete(kind, name, pool.namespace, owner_uid)
+    live = _live(kind, pool.namespace, name)
+    return live is not None and kube.delete(kind, name, pool.namespace, owner_uid, live=live)
+
+
+def _deployment(pool: Pool, name: str) -> dict | None:
+    if not _children:
+        return kube.deployment_status(name, pool.namespace)
+    return kube.deployment_state(_live("Deployment", pool.namespace, name))
+
+
+def _event(body: kopf.Body, kind: str, reason: str, message: str) -> None:
+    """A Kubernetes Event on the pool: kopf's poster inside kopf's handlers, the API directly from
+    the resync loop (kopf's poster belongs to its per-object tasks)."""
+    try:
+        (kopf.warn if kind == "Warning" else kopf.info)(body, reason=reason, message=message)
+    except LookupError:
+        if EVENTS:
+            kube.post_event(body, kind, reason, message)
+
+
+# -- the resync loop ------------------------------------------------------------------------------
+
+_reconciled: set[str] = set()  # pools reconciled since this operator started (the indexes are full)
+_resync_task: asyncio.Task | None = None
+_log = logging.getLogger("cadenza.operator")
+
+
+@kopf.on.startup()
+async def start_resync(**indices: Any) -> None:
+    """Start the resync loop over kopf's indexes (an operator-level task, not a per-pool timer:
+    kopf gives every object with a timer a finalizer, which would leave pools stuck terminating
+    once the operator is uninstalled)."""
+    global _resync_task
+    _reconciled.clear()  # resynced again once reconciled by this operator: its indexes are full then
+    _children.update({kind: indices[f"children_{kind}"] for kind in CHILD_KINDS})
+    _resync_task = asyncio.get_running_loop().create_task(_resync_forever(indices["pools"]), name="cadenza resync")
+
+
+@kopf.on.cleanup()
+async def stop_resync(**_: Any) -> None:
+    if _resync_task is not None:
+        _resync_task.cancel()
+    _children.clear()
+
+
+async def _resync_forever(index: Any) -> None:
+    """Every ``RESYNC_S``, :func:`resync` each pool reconciled since start-up, a few at a time (in
+    threads: the API client blocks); forget the pools that are gone."""
+    loop, gate = asyncio.get_running_loop(), asyncio.Semaphore(RESYNC_CONCURRENCY)
+
+    async def one(body: kopf.Body) -> None:
+        async with gate:
+            await loop.run_in_executor(None, contextvars.copy_context().run, resync, body)
+
+    while True:
+        await asyncio.sleep(RESYNC_S)
+        bodies = [body for store in list(index.values()) for body in store]
+        present = {_uid(body.metadata) for body in bodies}
+        for uid in set(_reconciled) - present:
+            _forget(uid)
+        await asyncio.gather(*(one(body) for body in bodies if _uid(body.metadata) in _reconciled))
+
+
+def _forget(uid: str) -> None:
+    """Drop what the operator keeps in memory for a pool that is gone (its children go with it:
+    owner references let the garbage collector delete them)."""
+    _reconciled.discard(uid)
+    _observer.forget(uid)
+    _actuators.pop(uid, None)
+    _tokens.pop(uid, None)
+    _locks.pop(uid, None)
+
+
+class _PoolLogger(logging.LoggerAdapter):
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"{self.extra['pool']} {msg}", kwargs
+
+
+def resync(body: kopf.Body) -> None:
+    """One resync of a pool: follow rollouts (replicas and conditions from the Deployments),
+    finish a mode shift whose new roles became ready, repair drift — a child deleted or edited
+    by hand is applied again — and, for a pool with SLOs, read its latency and advance its
+    controller. Status is patched only where it changed, so an unchanged pool costs no API call.
+    Never raises: a failure is logged and retried at the next resync."""
+    meta, patch = body.metadata, kopf.Patch()
+    logger = _PoolLogger(_log, {"pool": f"[{meta.get('namespace')}/{meta.get('name')}]"})
     try:
         pool = _pool(body)
         with _locks[_uid(meta)]:
@@ -276,27 +422,16 @@ def resync(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: logging.
                 slo = _control(body, meta, pool, logger)
             else:
                 slo = _observe(body, meta, pool) if pool.spec.get("slo") else None
-            _converge(body, meta, pool, pool.roles(), patch, logger, slo)
+            _converge(body, meta, pool, pool.roles(), patch, logger, slo, tidy=True)
+        status = patch.get("status")
+        if status and not kube.patch_is_noop(body.get("status") or {}, status):
+            kube.patch_status(GROUP, VERSION, PLURAL, pool.namespace, pool.name, status)
     except (PoolValidationError, PoolSpecError, kube.Refused):
         return  # reported by reconcile (which retries a refusal); nothing to follow
     except kube.Transient as exc:
-        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
-
-
-@kopf.on.delete(GROUP, VERSION, PLURAL)
-def cleanup(body: kopf.Body, logger: logging.Logger, retry: int = 0, **_: Any) -> None:
-    """Delete every object the pool may own (garbage collection would, but not every server has it)."""
-    pool = Pool(body.metadata.name, body.metadata.namespace, dict(body.spec))
-    _observer.forget(body.metadata.get("uid") or "")
-    _actuators.pop(body.metadata.get("uid") or "", None)
-    try:
-        for _api_version, kind, name in render.every_child(pool):
-            if kube.delete(kind, name, pool.namespace, body.metadata.get("uid")):
-                logger.info("deleted %s %s", kind, name)
-    except kube.Transient as exc:
-        raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
-    except kube.Refused as exc:
-        raise kopf.TemporaryError(str(exc), delay=REFUSED_RETRY_DELAY_S) from None
+        logger.warning("resync: %s (retried at the next resync)", exc)
+    except Exception:  # never the loop's end, whatever one pool does
+        logger.exception("resync failed")
 
 
 # -- status -------------------------------------------------------------------------------------
@@ -349,7 +484,7 @@ def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str
     per_role, desired, ready, updated = {}, 0, 0, 0
     serving, unobserved, problems = True, False, []
     for role in roles:
-        state = kube.deployment_status(f"{pool.name}-{role.name}", pool.namespace) or {}
+        state = _deployment(pool, f"{pool.name}-{role.name}") or {}
         per_role[role.name] = {"replicas": role.replicas, "readyReplicas": state.get("readyReplicas", 0)}
         role_ready = min(state.get("readyReplicas", 0), role.replicas)
         desired += role.replicas

@@ -1,32 +1,49 @@
 """Idempotent apply and delete of the objects a pool renders, with the ``kubernetes`` client.
 
-``apply`` is a three-way merge like ``kubectl apply``'s: the rendered object is stored, as JSON,
-in an annotation on the object it creates. When the rendering is the stored one and the live
-object still holds every field it sets (:func:`contains`), nothing is sent (no patch, no event,
-no rollout). Otherwise — a new rendering, or drift: a hand edit to replicas, an image, a selector
-or the ConfigMap — a JSON merge patch (RFC 7386) carries the whole new
-rendering, with ``null`` for every field the last rendering set and this one drops — a selector
-key, a resource limit, an annotation — so removed fields are removed, while fields other
-controllers and the API server own (status, defaults, ``clusterIP``) are left alone. Lists are
-replaced whole, as JSON merge patch does. A missing object is created; one the pool does not control is never touched (:class:`Conflict`).
+``apply`` is server-side apply (field manager ``cadenza-operator``, forced): the API server
+records which fields the operator set (``metadata.managedFields``), so a field a new rendering
+drops — a selector key, a resource limit, an annotation — is removed, while fields other
+controllers, people and the API server own (status, defaults, ``clusterIP``, a label a team
+added) stay theirs. The rendering's digest is kept in an annotation: when it is unchanged and the
+live object still holds every field it sets (:func:`contains`), nothing is sent (no patch, no
+event, no rollout); a hand edit to a field the operator renders — replicas, an image, a selector,
+the ConfigMap — is applied back over. A missing object is created; one the pool does not control
+is never touched (:class:`Conflict`).
 
-Transient API failures (429, 5xx, 409 conflicts, connection errors) become :class:`Transient` so
-the caller retries with backoff; anything else the API refuses is :class:`Refused`.
+Objects an older operator wrote with its client-side three-way merge carry the rendering, as
+JSON, in a ``last-applied`` annotation: the first apply moves that manager's fields to
+``cadenza-operator`` (:func:`upgrade_managed_fields`, as ``kubectl``'s ``csaupgrade`` does) and
+drops the annotation, so those fields can be removed later too.
+
+Every call goes through one shared API client (:func:`connect`: one connection pool). Transient
+API failures (429, 5xx, 409 conflicts, connection errors) become :class:`Transient` so the caller
+retries with backoff; anything else the API refuses is :class:`Refused`.
+
+Source: Kubernetes server-side apply, https://kubernetes.io/docs/reference/using-api/server-side-apply/
 """
 
 from __future__ import annotations
 
 import base64
-import functools
+import copy
+import datetime
+import hashlib
 import json
+import logging
 from typing import Any
 
 import kubernetes
 import urllib3
 from kubernetes.client.rest import ApiException
 
-LAST_APPLIED = "serving.cadenza.dev/last-applied"
+FIELD_MANAGER = "cadenza-operator"
+RENDERED = "serving.cadenza.dev/rendered"  # digest of the rendering last applied
+LAST_APPLIED = "serving.cadenza.dev/last-applied"  # client-side apply of operators before 0.x: migrated away
+APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"
+# Fields whose live value must equal the rendering, extra keys included: atomic in the API's
+# schema, so server-side apply replaces them whole (a key added by hand is drift, not another's).
+_ATOMIC = {"Service": (("spec", "selector"),)}
 
 
 class Transient(Exception):
@@ -42,29 +59,36 @@ class Conflict(Refused):
     """An object with a child's name exists and the pool does not control it: it is left alone."""
 
 
-def _controller(meta) -> tuple[str, str] | None:
-    """``(kind/name, uid)`` of the controller owner reference of a client model's metadata, if any."""
-    for ref in (getattr(meta, "owner_references", None) or []) if meta else []:
-        if ref.controller:
-            return f"{ref.kind}/{ref.name}", ref.uid
+_shared: kubernetes.client.ApiClient | None = None
+
+
+def connect(client: kubernetes.client.ApiClient | None = None) -> kubernetes.client.ApiClient:
+    """Use one API client (one connection pool) for every call from now on: ``client``, or a new
+    one from the configuration loaded last (``load_incluster_config`` / ``load_kube_config``)."""
+    global _shared
+    _shared = client or kubernetes.client.ApiClient()
+    return _shared
+
+
+def api_client() -> kubernetes.client.ApiClient:
+    """The shared client (:func:`connect`, made on first use)."""
+    return _shared or connect()
+
+
+def controller_uid(obj: dict | None) -> tuple[str, str] | None:
+    """``(kind/name, uid)`` of the controller owner reference of an API object (a dict), if any."""
+    for ref in ((obj or {}).get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return f"{ref.get('kind')}/{ref.get('name')}", ref.get("uid")
     return None
-
-
-def _wanted_controller(obj: dict) -> str | None:
-    return next((ref["uid"] for ref in obj["metadata"].get("ownerReferences", []) if ref.get("controller")), None)
-
-
-@functools.cache
-def _client() -> kubernetes.client.ApiClient:
-    """For turning the client's models back into API dicts (no request is made)."""
-    return kubernetes.client.ApiClient()
 
 
 def _apis(kind: str):
     """The client calls for a kind: (read, create, patch, delete), each taking (name, namespace, ...)."""
-    core, apps = kubernetes.client.CoreV1Api(), kubernetes.client.AppsV1Api()
-    policy, rbac = kubernetes.client.PolicyV1Api(), kubernetes.client.RbacAuthorizationV1Api()
-    autoscaling = kubernetes.client.AutoscalingV2Api()
+    client = api_client()
+    core, apps = kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client)
+    policy, rbac = kubernetes.client.PolicyV1Api(client), kubernetes.client.RbacAuthorizationV1Api(client)
+    autoscaling = kubernetes.client.AutoscalingV2Api(client)
     table = {
         "Deployment": (apps, "namespaced_deployment"),
         "Service": (core, "namespaced_service"),
@@ -81,24 +105,9 @@ def _apis(kind: str):
             getattr(api, f"patch_{suffix}"), getattr(api, f"delete_{suffix}"))
 
 
-def canonical(obj: dict) -> str:
-    """The form stored in :data:`LAST_APPLIED` (key order does not matter)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
-
-
-def merge_patch(last: Any, desired: Any) -> Any:
-    """The JSON merge patch (RFC 7386) that applies ``desired`` over an object ``last`` was applied to.
-
-    It is ``desired`` whole (so fields someone edited by hand are set back), plus ``None`` — delete —
-    for every map key ``last`` set that ``desired`` no longer has, at any depth. Lists are not
-    merged: ``desired``'s replace them.
-    """
-    if not isinstance(last, dict) or not isinstance(desired, dict):
-        return desired
-    patch = {key: None for key in last if key not in desired}
-    for key, value in desired.items():
-        patch[key] = merge_patch(last[key], value) if key in last else value
-    return patch
+def digest(obj: dict) -> str:
+    """The form stored in :data:`RENDERED`: a short hash of the rendering (key order does not matter)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
 def contains(live: Any, desired: Any) -> bool:
@@ -111,6 +120,84 @@ def contains(live: Any, desired: Any) -> bool:
     if isinstance(desired, list):
         return isinstance(live, list) and len(live) == len(desired) and all(map(contains, live, desired))
     return live == desired or (isinstance(live, (int, float, str)) and str(live) == str(desired))
+
+
+def _holds(live: dict, desired: dict) -> bool:
+    """:func:`contains`, and every atomic field of the kind (:data:`_ATOMIC`) exactly as rendered."""
+    def at(obj: Any, path: tuple[str, ...]) -> Any:
+        for key in path:
+            obj = obj.get(key) if isinstance(obj, dict) else None
+        return obj
+    return contains(live, desired) and all(at(live, path) == at(desired, path)
+                                           for path in _ATOMIC.get(desired["kind"], ()))
+
+
+def patch_is_noop(live: Any, patch: Any) -> bool:
+    """Whether the JSON merge patch (RFC 7386) ``patch`` would leave ``live`` as it is (``None``
+    deletes a key; maps merge; anything else replaces)."""
+    if not isinstance(patch, dict):
+        return live == patch
+    if not isinstance(live, dict):
+        return False
+    return all((key not in live) if value is None else (key in live and patch_is_noop(live[key], value))
+               for key, value in patch.items())
+
+
+def _without(fields: dict, path: tuple[str, ...]) -> dict:
+    """``fields`` (a managedFields ``fieldsV1`` tree) without the leaf at ``path``, and without
+    the maps that leaves empty (an empty map is a field owned whole)."""
+    if not path:
+        return fields
+    head, rest = path[0], path[1:]
+    if head not in fields:
+        return fields
+    out = dict(fields)
+    if rest:
+        inner = _without(fields[head], rest)
+        if inner == {} or set(inner) == {"."}:
+            del out[head]
+        else:
+            out[head] = inner
+    else:
+        del out[head]
+    return out
+
+
+def _union(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = _union(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, dict) else value
+    return out
+
+
+def upgrade_managed_fields(entries: list[dict] | None) -> list[dict] | None:
+    """``metadata.managedFields`` with the client-side manager's entry — the ``Update`` entry
+    that owns the :data:`LAST_APPLIED` annotation — turned into :data:`FIELD_MANAGER`'s ``Apply``
+    entry (merged into one already there), less that annotation; None when there is none.
+
+    After this, fields only that manager set are the operator's applied fields, so a rendering
+    that drops one removes it (they would otherwise stay, co-owned by the old ``Update`` entry).
+    Source: client-go ``csaupgrade.UpgradeManagedFields``.
+    """
+    path = ("f:metadata", "f:annotations", f"f:{LAST_APPLIED}")
+    legacy = [e for e in entries or [] if e.get("operation") == "Update" and not e.get("subresource")
+              and path[2] in ((e.get("fieldsV1") or {}).get("f:metadata", {}).get("f:annotations") or {})]
+    if not legacy:
+        return None
+    fields: dict = {}
+    for entry in legacy:
+        fields = _union(fields, _without(entry.get("fieldsV1") or {}, path))
+    kept, applied = [], None
+    for entry in entries or []:
+        if entry in legacy:
+            continue
+        if entry.get("manager") == FIELD_MANAGER and entry.get("operation") == "Apply":
+            applied = entry
+            continue
+        kept.append(entry)
+    merged = {**(applied or legacy[0]), "manager": FIELD_MANAGER, "operation": "Apply", "fieldsType": "FieldsV1",
+              "fieldsV1": _union((applied or {}).get("fieldsV1") or {}, fields)}
+    return [merged, *kept]
 
 
 def _transient(exc: Exception) -> bool:
@@ -135,72 +222,120 @@ def _api_message(exc: ApiException) -> str:
         return str(exc.body or "")[:500]
 
 
-def _with_last_applied(obj: dict) -> dict:
+def _stamped(obj: dict) -> dict:
     meta = obj["metadata"]
-    return {**obj, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), LAST_APPLIED: canonical(obj)}}}
+    return {**obj, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), RENDERED: digest(obj)}}}
 
 
-def apply(obj: dict) -> str:
-    """Create or patch ``obj`` so the cluster holds it; ``created`` | ``updated`` | ``unchanged``.
-
-    An ``obj`` with a controller owner reference is only ever patched where the object in the
-    cluster has that same controller: a same-named object someone else made is never touched.
-
-    Raises:
-        Transient: the API failed in a way worth retrying.
-        Conflict: an object with this name exists and is not controlled by ``obj``'s owner.
-        Refused: a permanent refusal (e.g. 403, 422, or a body the client's model rejects).
-    """
-    kind, meta = obj["kind"], obj["metadata"]
-    read, create, patch, _delete = _apis(kind)
-    desired = _with_last_applied(obj)
-    try:
-        try:
-            current = read(meta["name"], meta["namespace"])
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-            create(meta["namespace"], desired)
-            return "created"
-        owner, found = _wanted_controller(obj), _controller(current.metadata)
-        if owner is not None and (found is None or found[1] != owner):
-            held = f"controlled by {found[0]}" if found else "with no controller"
-            raise Conflict(f"{kind} {meta['name']} exists {held}, not by this pool: left alone "
-                           f"(rename or delete it, and the pool creates its own)")
-        stored = ((current.metadata.annotations or {}) if current.metadata else {}).get(LAST_APPLIED)
-        if stored == canonical(obj) and contains(_client().sanitize_for_serialization(current), desired):
-            return "unchanged"  # rendered the same, and nobody changed what we set: no write
-        try:
-            last = json.loads(stored) if stored else {}
-        except ValueError:
-            last = {}  # edited by hand: patch everything we render, delete nothing
-        body = merge_patch(_with_last_applied(last) if last else {}, desired)
-        patch(meta["name"], meta["namespace"], body, _content_type=MERGE_PATCH)
-        return "updated"
-    except Conflict:
-        raise
-    except Exception as exc:
-        raise _failure(kind, meta["name"], exc) from exc
-
-
-def delete(kind: str, name: str, namespace: str, owner_uid: str | None = None) -> bool:
-    """Delete an object if it exists — with ``owner_uid``, only if that owner controls it (read
-    first, then deleted on the condition that it is still the object read); True if something was
-    deleted.
+def read(kind: str, name: str, namespace: str) -> dict | None:
+    """The object as the API holds it (an API dict, camelCase keys), None if there is none.
 
     Raises:
         Transient, Refused: as :func:`apply`.
     """
-    read, _create, _patch, remove = _apis(kind)
+    try:
+        return api_client().sanitize_for_serialization(_apis(kind)[0](name, namespace))
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise _failure(kind, name, exc) from exc
+    except Exception as exc:
+        raise _failure(kind, name, exc) from exc
+
+
+def _recreate(kind: str, current: dict, desired: dict) -> bool:
+    """Whether ``current`` must be deleted before ``desired`` can be applied: a Service turning
+    headless (``clusterIP: None``) cannot change its ``clusterIP`` in place."""
+    want = (desired.get("spec") or {}).get("clusterIP")
+    have = (current.get("spec") or {}).get("clusterIP")
+    return kind == "Service" and want == "None" and have not in (None, "None")
+
+
+def apply(obj: dict, live: dict | None = None) -> str:
+    """Server-side apply ``obj`` as :data:`FIELD_MANAGER`, forced; ``created`` | ``updated`` |
+    ``unchanged``.
+
+    ``live`` is the object as the caller last saw it (e.g. from a watch of the pool's
+    children); without it (or when the caller saw none, which may be an object someone else made)
+    it is read first. An ``obj`` with a controller owner reference is only applied where the
+    object in the cluster has that same controller: a same-named object someone else made is
+    never touched.
+
+    Raises:
+        Transient: the API failed in a way worth retrying.
+        Conflict: an object with this name exists and is not controlled by ``obj``'s owner.
+        Refused: a permanent refusal (e.g. 403, 422, or a body the API rejects).
+    """
+    kind, meta = obj["kind"], obj["metadata"]
+    _read, create, patch, remove = _apis(kind)
+    name, namespace = meta["name"], meta["namespace"]
+    desired = _stamped(obj)
+    current = live if live is not None else read(kind, name, namespace)
+    try:
+        outcome = "created"
+        if current is not None:
+            owner, found = controller_uid(obj), controller_uid(current)
+            if owner is not None and (found is None or found[1] != owner[1]):
+                held = f"controlled by {found[0]}" if found else "with no controller"
+                raise Conflict(f"{kind} {name} exists {held}, not by this pool: left alone "
+                               f"(rename or delete it, and the pool creates its own)")
+            current_meta = current.get("metadata") or {}
+            annotations = current_meta.get("annotations") or {}
+            if LAST_APPLIED in annotations:
+                _migrate(kind, current, patch)
+            elif annotations.get(RENDERED) == desired["metadata"]["annotations"][RENDERED] and _holds(current, desired):
+                return "unchanged"  # rendered the same, and nobody changed what we set: no write
+            if _recreate(kind, current, desired):
+                uid = current_meta.get("uid")
+                remove(name, namespace, body=kubernetes.client.V1DeleteOptions(
+                    preconditions=kubernetes.client.V1Preconditions(uid=uid) if uid else None))
+            else:
+                outcome = "updated"
+        try:
+            patch(name, namespace, desired, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH)
+        except ApiException as exc:
+            if exc.status != 404 or outcome != "created":
+                raise
+            create(namespace, desired, field_manager=FIELD_MANAGER)  # a server that cannot create on apply (kmock)
+        return outcome
+    except Conflict:
+        raise
+    except Exception as exc:
+        raise _failure(kind, name, exc) from exc
+
+
+def _migrate(kind: str, current: dict, patch) -> None:
+    """Hand an object an older operator applied client-side over to server-side apply: drop its
+    :data:`LAST_APPLIED` annotation and give the fields it recorded to :data:`FIELD_MANAGER`, on
+    the condition that the object is still the version read."""
+    meta = current["metadata"]
+    body: dict[str, Any] = {"metadata": {"annotations": {LAST_APPLIED: None}}}
+    upgraded = upgrade_managed_fields(meta.get("managedFields"))
+    if upgraded is not None:
+        body["metadata"]["managedFields"] = copy.deepcopy(upgraded)
+    if meta.get("resourceVersion"):
+        body["metadata"]["resourceVersion"] = meta["resourceVersion"]
+    patch(meta["name"], meta["namespace"], body, _content_type=MERGE_PATCH)
+
+
+def delete(kind: str, name: str, namespace: str, owner_uid: str | None = None, live: dict | None = None) -> bool:
+    """Delete an object if it exists — with ``owner_uid``, only if that owner controls it (read
+    first, unless the caller passes what it saw as ``live``; then deleted on the condition that
+    it is still that very object); True if something was deleted.
+
+    Raises:
+        Transient, Refused: as :func:`apply`.
+    """
+    _read, _create, _patch, remove = _apis(kind)
     try:
         if owner_uid is None:
             remove(name, namespace)
             return True
-        current = read(name, namespace)
-        found = _controller(current.metadata)
-        if found is None or found[1] != owner_uid:
-            return False  # someone else's: left alone
-        uid = current.metadata.uid
+        current = live if live is not None else read(kind, name, namespace)
+        found = controller_uid(current)
+        if current is None or found is None or found[1] != owner_uid:
+            return False  # gone, or someone else's: left alone
+        uid = (current.get("metadata") or {}).get("uid")
         remove(name, namespace, body=kubernetes.client.V1DeleteOptions(
             preconditions=kubernetes.client.V1Preconditions(uid=uid) if uid else None))
         return True
@@ -208,32 +343,36 @@ def delete(kind: str, name: str, namespace: str, owner_uid: str | None = None) -
         if exc.status == 404:
             return False
         raise _failure(kind, name, exc) from exc
+    except (Transient, Refused):
+        raise
     except Exception as exc:
         raise _failure(kind, name, exc) from exc
 
 
 def deployment_status(name: str, namespace: str) -> dict[str, Any] | None:
+    """:func:`deployment_state` of the Deployment read now, None if it is missing.
+
+    Raises:
+        Transient, Refused: as :func:`apply`.
+    """
+    return deployment_state(read("Deployment", name, namespace))
+
+
+def deployment_state(dep: dict | None) -> dict[str, Any] | None:
     """``{"replicas", "readyReplicas", "updatedReplicas", "generation", "observedGeneration",
-    "conditions"}`` of a Deployment (conditions as ``{type, status, reason, message}``), None if
-    it is missing."""
-    read = _apis("Deployment")[0]
-    try:
-        dep = read(name, namespace)
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise _failure("Deployment", name, exc) from exc
-    except Exception as exc:
-        raise _failure("Deployment", name, exc) from exc
-    status = dep.status
+    "conditions"}`` of a Deployment (an API dict; conditions as ``{type, status, reason,
+    message}``), None for None."""
+    if dep is None:
+        return None
+    status = dep.get("status") or {}
     return {
-        "replicas": (status.replicas if status else None) or 0,
-        "readyReplicas": (status.ready_replicas if status else None) or 0,
-        "updatedReplicas": (status.updated_replicas if status else None) or 0,
-        "generation": dep.metadata.generation if dep.metadata else None,
-        "observedGeneration": status.observed_generation if status else None,
-        "conditions": [{"type": c.type, "status": c.status, "reason": c.reason, "message": c.message}
-                       for c in (status.conditions or [])] if status else [],
+        "replicas": status.get("replicas") or 0,
+        "readyReplicas": status.get("readyReplicas") or 0,
+        "updatedReplicas": status.get("updatedReplicas") or 0,
+        "generation": (dep.get("metadata") or {}).get("generation"),
+        "observedGeneration": status.get("observedGeneration"),
+        "conditions": [{key: c.get(key) for key in ("type", "status", "reason", "message")}
+                       for c in status.get("conditions") or []],
     }
 
 
@@ -249,7 +388,7 @@ def list_pods(namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
     """
     selector = ",".join(f"{k}={v}" for k, v in labels.items())
     try:
-        pods = kubernetes.client.CoreV1Api().list_namespaced_pod(namespace, label_selector=selector).items
+        pods = kubernetes.client.CoreV1Api(api_client()).list_namespaced_pod(namespace, label_selector=selector).items
     except Exception as exc:
         raise _failure("Pod", selector, exc) from exc
     out = []
@@ -293,7 +432,7 @@ def ensure_secret_token(meta: dict[str, Any], new_token: str) -> str:
     Raises:
         Transient, Refused: as :func:`apply`; Refused also for a Secret without a ``token`` key.
     """
-    core = kubernetes.client.CoreV1Api()
+    core = kubernetes.client.CoreV1Api(api_client())
     name, namespace = meta["name"], meta["namespace"]
     try:
         try:
@@ -320,7 +459,40 @@ def patch_pod_labels(name: str, namespace: str, labels: dict[str, str | None]) -
         Transient, Refused: as :func:`apply` (a pod that is gone is Refused).
     """
     try:
-        kubernetes.client.CoreV1Api().patch_namespaced_pod(name, namespace, {"metadata": {"labels": labels}},
+        kubernetes.client.CoreV1Api(api_client()).patch_namespaced_pod(name, namespace, {"metadata": {"labels": labels}},
                                                            _content_type=MERGE_PATCH)
     except Exception as exc:
         raise _failure("Pod", name, exc) from exc
+
+
+def patch_status(group: str, version: str, plural: str, namespace: str, name: str, status: dict) -> None:
+    """A JSON merge patch of a custom object's ``status`` (its ``/status`` subresource).
+
+    Raises:
+        Transient, Refused: as :func:`apply` (a pool that is gone is Refused).
+    """
+    try:
+        kubernetes.client.CustomObjectsApi(api_client()).patch_namespaced_custom_object_status(
+            group, version, namespace, plural, name, {"status": status}, _content_type=MERGE_PATCH)
+    except Exception as exc:
+        raise _failure(plural, name, exc) from exc
+
+
+def post_event(obj: Any, kind: str, reason: str, message: str) -> None:
+    """Post a core/v1 Event about ``obj`` (a pool's body) — best effort: a failure is logged,
+    never raised (an Event is a courtesy to whoever reads ``kubectl describe``)."""
+    meta = obj["metadata"]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    event = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta.get("uid")},
+        "type": kind, "reason": reason, "message": message[:1024], "count": 1,
+        "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
+        "firstTimestamp": now.isoformat(), "lastTimestamp": now.isoformat(),
+    }
+    try:
+        kubernetes.client.CoreV1Api(api_client()).create_namespaced_event(meta["namespace"], event)
+    except Exception as exc:  # noqa: BLE001 - see above
+        logging.getLogger(__name__).warning("could not post the Event %s %s: %s", reason, message[:200], exc)

@@ -7,11 +7,12 @@ Every function returns plain dicts (testable without a cluster). For a pool name
   ``p-prefill`` and ``p-decode``; the pod template carries a hash of the role's configuration, so a
   changed knob rolls only that role; prefill and decode pods also listen for KV transfers (port
   ``kv``, bound to the pod IP) and hold the pool's token;
-- Services: ``p`` (every engine pod), ``p-interactive`` and ``p-batch`` (what the gateway routes
-  each class to — in colocated mode both select every engine pod, so a mode shift changes
-  selectors, never the gateway; while a shift waits for the new roles, ``narrow=False`` keeps
-  them on every engine pod, old and new; in disaggregated mode they select the decode pods, and
-  ``p-prefill`` the prefill pods), and ``p-gateway`` (the pool's entry point);
+- Services: ``p-interactive`` and ``p-batch`` (what the gateway routes each class to — in
+  colocated mode both select every engine pod, so a mode shift changes selectors, never the
+  gateway; while a shift waits for the new roles, ``narrow=False`` keeps them on every engine
+  pod, old and new; in disaggregated mode they select the decode pods, and ``p-prefill`` the
+  prefill pods), all headless (the gateway dials the pods its EndpointSlices list, so a virtual
+  IP would only be a second, unused load balancer), and ``p-gateway`` (the pool's entry point);
 - a PodDisruptionBudget per role, named like its Deployment (one pod of the role down at a time,
   so a drain never takes a whole role, and a one-replica role can still be drained), and
   ``p-gateway`` while the gateway runs two replicas;
@@ -276,15 +277,15 @@ def _rollout(pool: Pool) -> dict:
     return {"maxSurge": 1, "maxUnavailable": 0}
 
 
-def _service(pool: Pool, name: str, component: str, selector: dict, owner=None) -> dict:
-    return {
-        "apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, name, component, owner),
-        "spec": {"selector": selector, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
-    }
+def _service(pool: Pool, name: str, component: str, selector: dict, owner=None, headless: bool = False) -> dict:
+    spec: dict[str, Any] = {"selector": selector, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}
+    if headless:  # endpoints only, no virtual IP: the gateway picks the pods itself
+        spec = {"clusterIP": "None", **spec}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, name, component, owner), "spec": spec}
 
 
 def render_services(pool: Pool, owner=None, narrow: bool = True) -> list[dict]:
-    """The engine-wide, per-class and gateway Services, and ``p-prefill`` in disaggregated mode
+    """The per-class (headless) and gateway Services, and ``p-prefill`` in disaggregated mode
     (selectors follow the mode; with ``narrow=False`` the class Services select every engine
     pod, whatever the mode)."""
     interactive = batch = engine_selector(pool)
@@ -296,13 +297,13 @@ def render_services(pool: Pool, owner=None, narrow: bool = True) -> list[dict]:
         interactive = {**engine_selector(pool), SERVES_INTERACTIVE: "true"}
         batch = {**engine_selector(pool), SERVES_BATCH: "true"}
     services = [
-        _service(pool, pool.name, "engine", engine_selector(pool), owner),
-        _service(pool, f"{pool.name}-interactive", "engine", interactive, owner),
-        _service(pool, f"{pool.name}-batch", "engine", batch, owner),
+        _service(pool, f"{pool.name}-interactive", "engine", interactive, owner, headless=True),
+        _service(pool, f"{pool.name}-batch", "engine", batch, owner, headless=True),
         _service(pool, f"{pool.name}-gateway", "gateway", {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}, owner),
     ]
     if pool.mode == "disaggregated":
-        services.insert(3, _service(pool, f"{pool.name}-prefill", "engine", engine_selector(pool, "prefill"), owner))
+        services.insert(2, _service(pool, f"{pool.name}-prefill", "engine", engine_selector(pool, "prefill"), owner,
+                                    headless=True))
     return services
 
 
@@ -426,21 +427,6 @@ def stale_pdbs(pool: Pool, roles: list[Role]) -> list[str]:
 
 
 def stale_services(pool: Pool) -> list[str]:
-    """Services the current mode does not render (to delete after a shift)."""
-    return [] if pool.mode == "disaggregated" else [f"{pool.name}-prefill"]
-
-
-def every_child(pool: Pool) -> list[tuple[str, str, str]]:
-    """``(apiVersion, kind, name)`` of every object a pool may own, whatever its mode (for cleanup;
-    some test API servers have no garbage collector)."""
-    n = pool.name
-    return [
-        ("apps/v1", "Deployment", f"{n}-gateway"), *[("apps/v1", "Deployment", f"{n}-{r}") for r in ALL_ROLES],
-        ("v1", "Service", n), ("v1", "Service", f"{n}-interactive"), ("v1", "Service", f"{n}-batch"),
-        ("v1", "Service", f"{n}-prefill"), ("v1", "Service", f"{n}-gateway"), ("v1", "ConfigMap", f"{n}-engine"), ("v1", "Secret", f"{n}-admin"),
-        ("policy/v1", "PodDisruptionBudget", f"{n}-engine"), ("policy/v1", "PodDisruptionBudget", f"{n}-gateway"),
-        *[("policy/v1", "PodDisruptionBudget", f"{n}-{r}") for r in ALL_ROLES],
-        ("autoscaling/v2", "HorizontalPodAutoscaler", n),
-        ("rbac.authorization.k8s.io/v1", "RoleBinding", f"{n}-gateway"),
-        ("rbac.authorization.k8s.io/v1", "Role", f"{n}-gateway"), ("v1", "ServiceAccount", f"{n}-gateway"),
-    ]
+    """Services the current mode does not render (to delete after a shift), and ``p``, which
+    selected every engine pod before the class Services went headless and nothing used."""
+    return [pool.name] + ([] if pool.mode == "disaggregated" else [f"{pool.name}-prefill"])

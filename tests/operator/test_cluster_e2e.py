@@ -100,3 +100,60 @@ def test_quickstart_pool_in_a_real_cluster(namespace):
         custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
         wait_for(lambda: not apps.list_namespaced_deployment(namespace).items, 120, "cleanup")
     assert runner.exit_code == 0, runner.output
+
+
+def test_server_side_apply_migrates_old_objects_and_removes_what_a_rendering_drops(namespace):
+    """What kmock cannot show: fields a new rendering drops are removed by server-side apply, an
+    object an older operator applied client-side (its ``last-applied`` annotation) is migrated so
+    its stale fields go too, and a pool deleted while no operator runs is gone at once, its
+    children garbage-collected."""
+    import json
+
+    import kubernetes
+    from kopf.testing import KopfRunner
+
+    from cadenza.operator import kube
+
+    pool = yaml.safe_load((ROOT / "manifests/examples/quickstart-cpu.yaml").read_text())
+    name = pool["metadata"]["name"] = "ssa"
+    pool["metadata"]["namespace"] = namespace
+    pool["spec"]["resources"] = {"limits": {"cpu": "2", "memory": "4Gi"}}
+    custom, apps, core = (kubernetes.client.CustomObjectsApi(), kubernetes.client.AppsV1Api(),
+                          kubernetes.client.CoreV1Api())
+    uid = custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, pool)["metadata"]["uid"]
+    # What an older operator left: its rendering in the annotation, with a label this one drops.
+    old = {"apiVersion": "v1", "kind": "Service", "metadata": {
+        "name": f"{name}-batch", "namespace": namespace,
+        "labels": {"serving.cadenza.dev/pool": name, "app.kubernetes.io/managed-by": "cadenza-operator", "legacy": "yes"},
+        "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "ServingPool", "name": name, "uid": uid,
+                             "controller": True, "blockOwnerDeletion": True}]},
+        "spec": {"selector": {"serving.cadenza.dev/pool": name}, "ports": [{"name": "http", "port": 80}]}}
+    old["metadata"]["annotations"] = {kube.LAST_APPLIED: json.dumps(old, sort_keys=True)}
+    core.create_namespaced_service(namespace, old)
+
+    def engine_limits():
+        dep = apps.read_namespaced_deployment(f"{name}-colocated", namespace)
+        return dep.spec.template.spec.containers[0].resources.limits
+
+    with KopfRunner(["run", "--standalone", "--namespace", namespace, "-m", "cadenza.operator.handlers"],
+                    timeout=300) as runner:
+        svc = wait_for(lambda: (s := core.read_namespaced_service(f"{name}-batch", namespace)).spec.cluster_ip == "None"
+                       and s, 60, "the class Service migrated (and headless)")
+        assert "legacy" not in svc.metadata.labels and kube.LAST_APPLIED not in (svc.metadata.annotations or {})
+        managers = {(f.manager, f.operation) for f in svc.metadata.managed_fields}
+        assert (kube.FIELD_MANAGER, "Apply") in managers
+        assert wait_for(lambda: engine_limits(), 60, "the engine Deployment") == {"cpu": "2", "memory": "4Gi"}
+        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                              {"spec": {"resources": {"limits": {"cpu": None, "memory": "4Gi"}}}})
+        wait_for(lambda: engine_limits() == {"memory": "4Gi"}, 60, "the dropped CPU limit removed")
+        apps.patch_namespaced_deployment(f"{name}-colocated", namespace, {"spec": {"replicas": 5}})  # kubectl scale
+        wait_for(lambda: apps.read_namespaced_deployment(f"{name}-colocated", namespace).spec.replicas
+                 == pool["spec"]["replicas"], 60, "replicas set back")
+        body = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        assert not body["metadata"].get("finalizers")
+    assert runner.exit_code == 0, runner.output
+    custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)  # no operator runs
+    wait_for(lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"], 30,
+             "the pool gone without an operator")
+    wait_for(lambda: not apps.list_namespaced_deployment(namespace, label_selector=f"serving.cadenza.dev/pool={name}")
+             .items, 120, "its children garbage-collected")

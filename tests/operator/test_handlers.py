@@ -20,9 +20,10 @@ BODY = {
 @pytest.fixture
 def cluster(monkeypatch):
     """A fake cluster: records applies/deletes and the events the handlers post."""
-    state = {"applied": [], "existing": set(), "events": [], "ready": 0, "objects": {}, "pods": [], "conditions": []}
+    state = {"applied": [], "existing": set(), "events": [], "ready": 0, "objects": {}, "pods": [], "conditions": [],
+             "status": []}
 
-    def apply(obj):
+    def apply(obj, live=None):
         key = (obj["kind"], obj["metadata"]["name"])
         state["applied"].append(key)
         state["objects"][key] = obj
@@ -32,15 +33,23 @@ def cluster(monkeypatch):
         return "created"
 
     monkeypatch.setattr(kube, "apply", apply)
-    monkeypatch.setattr(kube, "delete", lambda kind, name, ns, owner_uid=None: (kind, name) in state["existing"]
+    monkeypatch.setattr(kube, "delete", lambda kind, name, ns, owner_uid=None, live=None: (kind, name) in state["existing"]
                         and not state["existing"].discard((kind, name)))
     monkeypatch.setattr(kube, "deployment_status", lambda name, ns: {
         "replicas": 2, "readyReplicas": state["ready"], "updatedReplicas": 2, "conditions": state["conditions"]}
         if ("Deployment", name) in state["existing"] else None)
     monkeypatch.setattr(kube, "list_pods", lambda ns, labels: state["pods"])
+    monkeypatch.setattr(kube, "patch_status", lambda group, version, plural, ns, name, status: state["status"].append(status))
     monkeypatch.setattr(handlers.kopf, "info", lambda body, reason, message: state["events"].append(("Normal", reason, message)))
     monkeypatch.setattr(handlers.kopf, "warn", lambda body, reason, message: state["events"].append(("Warning", reason, message)))
     return state
+
+
+def resync(body: dict, cluster: dict) -> dict | None:
+    """One pass of the resync loop; the status it patched (None: nothing changed)."""
+    cluster["status"].clear()
+    handlers.resync(kopf.Body(body))
+    return cluster["status"][-1] if cluster["status"] else None
 
 
 def run(body: dict) -> kopf.Patch:
@@ -53,7 +62,7 @@ def run(body: dict) -> kopf.Patch:
 def test_each_created_object_gets_an_event_and_a_second_reconcile_none(cluster):
     run(BODY)
     created = [e for e in cluster["events"] if e[1] == "Created"]
-    assert ("Normal", "Created", "Deployment chat-colocated") in created and len(created) == 12  # a budget per role and the gateway's
+    assert ("Normal", "Created", "Deployment chat-colocated") in created and len(created) == 11  # a budget per role and the gateway's
     cluster["events"].clear()
     run(BODY)
     assert cluster["events"] == []  # nothing changed, nothing announced
@@ -89,14 +98,13 @@ def test_a_mode_shift_makes_the_new_roles_before_it_breaks_the_old_one(cluster):
     assert policies == {"colocated.policy.json", "interactive.policy.json", "batch.policy.json"}  # old pods' file too
 
     cluster["ready"] = 2  # the new roles are ready: the resync timer finishes the shift
-    patch, b = kopf.Patch(), kopf.Body(dedicated)
-    handlers.resync(body=b, meta=b.metadata, patch=patch, logger=logging.getLogger("test"))
+    status = resync(dedicated, cluster)
     assert deleted in cluster["events"] and ("Deployment", "chat-colocated") not in cluster["existing"]
     selector = cluster["objects"][("Service", "chat-interactive")]["spec"]["selector"]
     assert selector["serving.cadenza.dev/role"] == "interactive"
     assert set(cluster["objects"][("ConfigMap", "chat-engine")]["data"]) == {
         "interactive.policy.json", "batch.policy.json"}
-    progressing = next(c for c in patch["status"]["conditions"] if c["type"] == "Progressing")
+    progressing = next(c for c in status["conditions"] if c["type"] == "Progressing")
     assert progressing["reason"] == "RolloutComplete"
 
 
@@ -172,16 +180,14 @@ def test_the_resync_timer_recreates_a_child_deleted_by_hand_and_leaves_the_rest(
     run(BODY)
     cluster["existing"].discard(("Deployment", "chat-gateway"))  # kubectl delete deploy chat-gateway
     cluster["events"].clear()
-    patch, b = kopf.Patch(), kopf.Body(BODY)
-    handlers.resync(body=b, meta=b.metadata, patch=patch, logger=logging.getLogger("test"))
+    status = resync(BODY, cluster)
     assert cluster["events"] == [("Normal", "Created", "Deployment chat-gateway")]
-    assert patch["status"]["mode"] == "colocated"
+    assert status["mode"] == "colocated"
 
 
 def test_the_resync_timer_is_quiet_about_an_invalid_spec(cluster):
     bad = {**BODY, "spec": {**BODY["spec"], "engine": {"tokenBudget": 128, "chunkSize": 256}}}
-    b = kopf.Body(bad)
-    handlers.resync(body=b, meta=b.metadata, patch=kopf.Patch(), logger=logging.getLogger("test"))
+    assert resync(bad, cluster) is None
     assert cluster["applied"] == [] and cluster["events"] == []
 
 
@@ -211,11 +217,23 @@ def test_the_one_budget_for_every_engine_pod_an_older_operator_made_goes_on_reco
     run(BODY)
     assert ("PodDisruptionBudget", "chat-engine") not in cluster["existing"]
     assert ("PodDisruptionBudget", "chat-colocated") in cluster["existing"]
-    deletes = []
-    monkeypatch.setattr(kube, "delete", lambda kind, name, ns, owner_uid=None: deletes.append((kind, name)) and False)
-    b = kopf.Body(BODY)
-    handlers.resync(body=b, meta=b.metadata, patch=kopf.Patch(), logger=logging.getLogger("test"))
-    assert ("PodDisruptionBudget", "chat-engine") not in deletes  # the resync does not look for it again
+
+    # Under kopf the children come from its watches: a resync neither deletes what is not there
+    # nor reads a child it has, and a pool whose status is as reported is not patched at all.
+    calls = []
+    monkeypatch.setattr(kube, "delete", lambda *a, **k: calls.append(("delete", a)))
+    monkeypatch.setattr(kube, "read", lambda *a: calls.append(("read", a)))
+    applied = []
+    monkeypatch.setattr(kube, "apply", lambda obj, live=None: applied.append(live) or "unchanged")
+    ready = {"status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 1},
+             "metadata": {"generation": 1}}
+    index = {kind: {} for kind in handlers.CHILD_KINDS}
+    for kind, name in cluster["existing"]:
+        index[kind][("prod", name)] = [{"kind": kind, "metadata": {"name": name}, **(ready if kind == "Deployment" else {})}]
+    monkeypatch.setattr(handlers, "_children", index)
+    status = resync(BODY, cluster)
+    assert calls == [] and all(live is not None for live in applied)
+    assert resync({**BODY, "status": status}, cluster) is None
 
 
 def test_removing_autoscaling_deletes_the_scaler_on_reconcile(cluster):

@@ -108,7 +108,7 @@ def test_a_pool_becomes_its_objects_and_follows_every_change(api):
 
         # Created: Deployments, Services, ConfigMap, PDB and the gateway's RBAC, all owned by the pool.
         wait_for(lambda: names(api, "apps/v1/deployments") == EXPECTED_COLOCATED, what="deployments")
-        assert names(api, "v1/services") == {"chat", "chat-interactive", "chat-batch", "chat-gateway"}
+        assert names(api, "v1/services") == {"chat-interactive", "chat-batch", "chat-gateway"}
         assert names(api, "v1/configmaps") == {"chat-engine"}
         assert names(api, "policy/v1/poddisruptionbudgets") == {"chat-colocated", "chat-gateway"}
         assert names(api, "rbac.authorization.k8s.io/v1/roles") == {"chat-gateway"}
@@ -156,13 +156,16 @@ def test_a_pool_becomes_its_objects_and_follows_every_change(api):
         assert services[("default", "chat-interactive")]["spec"]["selector"]["serving.cadenza.dev/role"] == "interactive"
         wait_for(lambda: get_pool()["status"]["mode"] == "dedicated", what="status mode")
 
-        # Delete: everything the pool owned goes, then the pool (finalizer released).
-        custom().delete_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "chat")
-        wait_for(lambda: not api.objects(POOLS), what="pool gone")
-        wait_for(lambda: not api.objects("apps/v1/deployments") and not api.objects("v1/services")
-                 and not api.objects("v1/configmaps"), what="children gone")
+        assert not get_pool()["metadata"].get("finalizers")  # nothing holds a delete
     assert runner.exit_code == 0, runner.output
-    assert "Traceback" not in runner.output
+
+    # Delete, with no operator running (`kubectl delete -k manifests` takes it first): the pool
+    # goes at once, and the garbage collector takes everything it owned.
+    custom().delete_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "chat")
+    assert not api.objects(POOLS)
+    assert api.collect_garbage() >= 10
+    assert not api.objects("apps/v1/deployments") and not api.objects("v1/services") and not api.objects("v1/configmaps")
+    assert "Traceback" not in runner.output, runner.output[max(0, runner.output.find("Traceback") - 3000):][:8000]
 
 
 @pytest.mark.slow  # waits for a resync
@@ -217,10 +220,11 @@ def test_a_teams_own_deployment_named_like_a_role_survives_the_pool(api):
 
 
 @pytest.mark.slow
-def test_fields_a_new_rendering_drops_are_removed_not_merged(api):
-    """Back from dedicated to colocated, without a CPU limit: the class services must select the
-    colocated pods again (a merge would keep the role key and route to no pod), the limit and the
-    thread count it set must go."""
+def test_back_from_dedicated_to_colocated_without_a_cpu_limit(api):
+    """The shift back finishes, and the thread count the CPU limit set goes with it (a list: the
+    applied rendering replaces it whole). That server-side apply also removes the map keys a
+    rendering drops — the role in the class Services' selectors, the limit itself — kmock cannot
+    show (it merges every PATCH): test_cluster_e2e.py checks it on a real API server."""
     body = pool_body(mode="dedicated", dedicated={"interactiveReplicas": 1},
                      resources={"limits": {"cpu": "2", "memory": "4Gi"}})
     with KopfRunner(OPERATOR, timeout=60) as runner:
@@ -231,11 +235,6 @@ def test_fields_a_new_rendering_drops_are_removed_not_merged(api):
         patch_pool({"mode": "colocated", "resources": {"limits": {"cpu": None, "memory": "4Gi"}}})
         wait_for(lambda: mark_ready("chat-colocated") and names(api, "apps/v1/deployments") == EXPECTED_COLOCATED,
                  what="roles merged")
-        wait_for(lambda: engine_resources(api, "chat-colocated") == {"limits": {"memory": "4Gi"}}, what="limit gone")
-        services = api.objects("v1/services")
-        for svc in ("chat-interactive", "chat-batch"):
-            assert services[("default", svc)]["spec"]["selector"] == {
-                "serving.cadenza.dev/pool": "chat", "app.kubernetes.io/component": "engine"}, svc
         env = deployment(api, "chat-colocated")["spec"]["template"]["spec"]["containers"][0]["env"]
         assert "OMP_NUM_THREADS" not in {e["name"] for e in env}
     assert runner.exit_code == 0, runner.output

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from cadenza.operator.pool import Pool, PoolSpecError
-from cadenza.operator.render import (CONFIG_HASH, KV_PORT, every_child, render_all, selector_string,
+from cadenza.operator.render import (CONFIG_HASH, KV_PORT, render_all, selector_string,
                                      stale_deployments, stale_services)
 
 OWNER = {"name": "chat", "uid": "uid-123"}
@@ -41,16 +41,21 @@ def engine(objs: dict, role: str) -> dict:
 def test_colocated_pool_runs_one_engine_deployment_behind_class_services_and_a_gateway():
     objs = by_name(render_all(pool(), OWNER))
     assert set(objs) == {
-        ("ConfigMap", "chat-engine"), ("Deployment", "chat-colocated"), ("Service", "chat"),
+        ("ConfigMap", "chat-engine"), ("Deployment", "chat-colocated"),
         ("Service", "chat-interactive"), ("Service", "chat-batch"), ("Service", "chat-gateway"),
         ("PodDisruptionBudget", "chat-colocated"), ("PodDisruptionBudget", "chat-gateway"),
         ("ServiceAccount", "chat-gateway"), ("Role", "chat-gateway"),
         ("RoleBinding", "chat-gateway"), ("Deployment", "chat-gateway"),
     }
     assert objs[("Deployment", "chat-colocated")]["spec"]["replicas"] == 3
-    # In colocated mode both class services select every engine pod.
-    for svc in ("chat-interactive", "chat-batch", "chat"):
+    # In colocated mode both class services select every engine pod; the gateway dials the pods
+    # their EndpointSlices list, so they are headless, and the gateway's own Service is not.
+    for svc in ("chat-interactive", "chat-batch"):
         assert "serving.cadenza.dev/role" not in objs[("Service", svc)]["spec"]["selector"]
+        assert objs[("Service", svc)]["spec"]["clusterIP"] == "None"
+    assert "clusterIP" not in objs[("Service", "chat-gateway")]["spec"]
+    disaggregated = by_name(render_all(pool(mode="disaggregated"), OWNER))
+    assert disaggregated[("Service", "chat-prefill")]["spec"]["clusterIP"] == "None"
 
 
 def test_every_object_is_owned_by_the_pool_and_namespaced():
@@ -140,9 +145,7 @@ def test_disaggregated_mode_runs_prefill_and_decode_roles_with_kv_endpoints_and_
     assert args[args.index("--disagg-min-prompt-tokens") + 1] == "700"
     # leaving the mode deletes what only it runs
     assert stale_deployments(p, p.roles()) == ["chat-colocated", "chat-interactive", "chat-batch", "chat-auto"]
-    assert stale_services(p) == [] and stale_services(pool()) == ["chat-prefill"]
-    assert ("v1", "Service", "chat-prefill") in every_child(p)
-    assert ("apps/v1", "Deployment", "chat-decode") in every_child(pool())
+    assert stale_services(p) == ["chat"] and stale_services(pool()) == ["chat", "chat-prefill"]
     # no other mode runs a KV endpoint or gives the gateway the token
     colocated = by_name(render_all(pool(), OWNER))
     assert "--kv-transfer-port" not in engine(colocated, "colocated")["args"]

@@ -1,8 +1,10 @@
 """kmock's Kubernetes emulator over real HTTP on 127.0.0.1, in a thread, with a kubeconfig for it.
 
-What the emulator does not do, and how the tests live with it: it sets no ``uid``,
-``resourceVersion`` or ``generation`` (create custom objects with the first two), ignores label
-selectors, has no PUT and no garbage collection, never updates Deployment status, and fails a
+What the emulator does not do, and how the tests live with it: it sets no ``resourceVersion``
+or ``generation`` (create custom objects with the first), and no ``uid`` (set here), ignores label
+selectors, has no PUT, no server-side apply (a PATCH is merged whatever its content type, and does
+not create) and no garbage collection (:meth:`KubeEmulator.collect_garbage` plays it), never
+updates Deployment status, and fails a
 namespaced list of namespaces — so the operator runs cluster-wide here. As it never bumps
 ``resourceVersion``, kopf can see its own annotation patches late and handle an update again
 (the handlers are idempotent): tests wait for converged state rather than count handler runs,
@@ -13,10 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from pathlib import Path
 
 import kmock
 import yaml
+
+
+class _Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator, giving each object it creates a ``uid`` as the API server does (kopf's
+    indexes tell objects apart by it; objects of different kinds share names)."""
+
+    async def _handle(self, request):
+        if request.resource is not None and request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            request.data.setdefault("metadata", {}).setdefault("uid", str(uuid.uuid4()))
+        return await super()._handle(request)
 
 
 class KubeEmulator:
@@ -32,7 +45,7 @@ class KubeEmulator:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self) -> None:
-        self.emulator = kmock.KubernetesEmulator()
+        self.emulator = _Emulator()
         await self.emulator.__aenter__()
         self.emulator.resources.load_bundled()
         for key, info in self.custom_resources.items():
@@ -64,6 +77,29 @@ class KubeEmulator:
                     if res == wanted and not obj.deleted}
 
         return self._run(snapshot(), 5.0)
+
+    def collect_garbage(self) -> int:
+        """Play the garbage collector once: delete every object whose owners are all gone (what
+        kube-controller-manager does for owner references); how many went."""
+
+        async def sweep():
+            async with self.emulator._lock:
+                live = {obj.raw.get("metadata", {}).get("uid") for obj in self.emulator.objects.values()
+                        if not obj.deleted}
+                gone = 0
+                for (resource, _ns, _name), obj in list(self.emulator.objects.items()):
+                    if obj.deleted:
+                        continue
+                    refs = obj.raw.get("metadata", {}).get("ownerReferences") or []
+                    if not refs or any(ref.get("uid") in live for ref in refs):
+                        continue
+                    raw = obj.raw
+                    obj.delete()
+                    await self.emulator._buses[resource].put({"type": "DELETED", "object": raw})
+                    gone += 1
+                return gone
+
+        return self._run(sweep(), 5.0)
 
     def watchers(self, resource: str) -> int:
         """Watch streams of ``resource`` open now (each sees every change made from now on)."""
