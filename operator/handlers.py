@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import datetime
+import functools
+import json
 import logging
 import os
 import secrets
@@ -58,7 +61,6 @@ MAX_RETRY_DELAY_S = 300
 REFUSED_RETRY_DELAY_S = 60
 RESYNC_S = float(os.environ.get("CADENZA_OPERATOR_RESYNC_S", "15"))
 RESYNC_CONCURRENCY = 8  # pools resynced at once (each blocks a thread on the API and on scrapes)
-EVENTS = os.environ.get("CADENZA_OPERATOR_EVENTS", "true").lower() != "false"
 _tokens: dict[str, str] = {}  # pool uid -> its admin token (the Secret is read once)
 _actuators: dict[str, Actuator] = {}  # pool uid -> the controller loop of a mode auto pool
 _locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)  # pool uid -> its handlers' lock
@@ -110,7 +112,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.watching.reconnect_backoff = 1.0
     settings.posting.level = logging.INFO
-    settings.posting.enabled = EVENTS
+    settings.posting.enabled = _events_enabled()
     _tracing()
 
 
@@ -134,12 +136,19 @@ def _pool(body: kopf.Body) -> Pool:
     Raises:
         PoolValidationError, PoolSpecError: the spec cannot run.
     """
-    obj = validate_pool({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-                         "metadata": {"name": body.metadata.name, "namespace": body.metadata.namespace},
-                         "spec": dict(body.spec)})
-    pool = Pool(body.metadata.name, body.metadata.namespace, obj["spec"])
-    render.render_all(pool)  # engine-level checks, and pod settings that clash with the operator's
-    return pool
+    spec = _validated(body.get("apiVersion"), body.get("kind"), body.metadata.name, body.metadata.namespace,
+                      json.dumps(dict(body.spec), sort_keys=True))
+    return Pool(body.metadata.name, body.metadata.namespace, copy.deepcopy(spec))
+
+
+@functools.lru_cache(maxsize=1024)
+def _validated(api_version: str, kind: str, name: str, namespace: str, spec: str) -> dict:
+    """The defaulted spec of a valid pool, once per distinct spec (validation costs tens of
+    milliseconds, and the resync reads every pool every ``RESYNC_S``)."""
+    obj = validate_pool({"apiVersion": api_version, "kind": kind, "metadata": {"name": name, "namespace": namespace},
+                         "spec": json.loads(spec)})
+    render.render_all(Pool(name, namespace, obj["spec"]))  # engine-level checks; pod settings clashing with ours
+    return obj["spec"]
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -345,8 +354,12 @@ def _event(body: kopf.Body, kind: str, reason: str, message: str) -> None:
     try:
         (kopf.warn if kind == "Warning" else kopf.info)(body, reason=reason, message=message)
     except LookupError:
-        if EVENTS:
+        if _events_enabled():
             kube.post_event(body, kind, reason, message)
+
+
+def _events_enabled() -> bool:
+    return os.environ.get("CADENZA_OPERATOR_EVENTS", "true").lower() != "false"
 
 
 # -- the resync loop ------------------------------------------------------------------------------

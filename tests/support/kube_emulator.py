@@ -24,12 +24,21 @@ import yaml
 
 class _Emulator(kmock.KubernetesEmulator):
     """kmock's emulator, giving each object it creates a ``uid`` as the API server does (kopf's
-    indexes tell objects apart by it; objects of different kinds share names)."""
+    indexes tell objects apart by it; objects of different kinds share names), and keeping only
+    the requests in flight in kmock's own log: kmock matches each request by scanning every
+    request it has logged, which grows quadratic over a scale test. ``served`` logs them all."""
 
     async def _handle(self, request):
         if request.resource is not None and request.action == kmock.action.CREATE and isinstance(request.data, dict):
             request.data.setdefault("metadata", {}).setdefault("uid", str(uuid.uuid4()))
-        return await super()._handle(request)
+        state = self.__dict__.setdefault("_log", {"served": [], "inflight": set()})
+        state["served"].append((request.method.value.upper(), request.url.path))
+        state["inflight"].add(id(request))
+        try:
+            return await super()._handle(request)
+        finally:
+            state["inflight"].discard(id(request))
+            self._requests[:] = [r for r in self._requests if id(r) in state["inflight"]]
 
 
 class KubeEmulator:
@@ -100,6 +109,14 @@ class KubeEmulator:
                 return gone
 
         return self._run(sweep(), 5.0)
+
+    def requests(self) -> list[tuple[str, str]]:
+        """``(method, path)`` of every request the emulator has served so far, in order."""
+
+        async def snapshot():
+            return list(self.emulator.__dict__.get("_log", {}).get("served", []))
+
+        return self._run(snapshot(), 10.0)
 
     def watchers(self, resource: str) -> int:
         """Watch streams of ``resource`` open now (each sees every change made from now on)."""
