@@ -168,7 +168,7 @@ def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: loggi
         raise kopf.PermanentError(f"invalid ServingPool: {message}") from None
     try:
         with _locks[_uid(meta)]:
-            _converge(body, meta, pool, roles, patch, logger, tidy=True)
+            _converge(body, meta, pool, roles, patch, logger)
     except kube.Transient as exc:
         raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
     except kube.Refused as exc:
@@ -229,16 +229,17 @@ def _control(body: kopf.Body, meta: kopf.Meta, pool: Pool, logger: logging.Logge
 
 
 def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.Patch,
-              logger: logging.Logger, slo: dict | None = None, tidy: bool = False) -> None:
+              logger: logging.Logger, slo: dict | None = None) -> None:
     """Apply every object, retire the Deployments of roles the mode no longer runs, report status.
 
-    With ``tidy`` (on create, update and resume, not every resync: it costs a call per name) it
-    also deletes every PodDisruptionBudget the pool no longer renders, a retiring role's aside.
+    It also deletes every PodDisruptionBudget the pool no longer renders (a retiring role's
+    aside) and a removed autoscaler: free under kopf, where a name the watch has not seen costs
+    no call; a read per name otherwise.
 
     A mode shift is make-before-break: while an old role's Deployment still exists and a new
     role is not ready, the class Services keep selecting every engine pod (old and new) and the
     old Deployment keeps serving; once every new role is ready the selectors narrow and the old
-    Deployment is deleted (by this call or the resync timer's).
+    Deployment is deleted (by this call or a later resync).
 
     Raises:
         kube.Transient, kube.Refused: as :func:`kube.apply`.
@@ -270,14 +271,13 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
             if _delete(kind, pool, name, meta.get("uid")):
                 logger.info("deleted %s %s (mode %s)", kind, name, pool.mode)
         retiring = []
-    if tidy:
-        kept_pdbs = {f"{pool.name}-{role}" for role in kept}
-        stale = [("PodDisruptionBudget", name) for name in render.stale_pdbs(pool, roles) if name not in kept_pdbs]
-        if not pool.spec.get("autoscaling"):  # autoscaling removed: the scaler goes, replicas are the spec's again
-            stale.append(("HorizontalPodAutoscaler", pool.name))
-        for kind, name in stale:
-            if _delete(kind, pool, name, meta.get("uid")):
-                logger.info("deleted %s %s", kind, name)
+    kept_pdbs = {f"{pool.name}-{role}" for role in kept}
+    stale = [("PodDisruptionBudget", name) for name in render.stale_pdbs(pool, roles) if name not in kept_pdbs]
+    if not pool.spec.get("autoscaling"):  # autoscaling removed: the scaler goes, replicas are the spec's again
+        stale.append(("HorizontalPodAutoscaler", pool.name))
+    for kind, name in stale:
+        if _delete(kind, pool, name, meta.get("uid")):
+            logger.info("deleted %s %s", kind, name)
     patch.status.update(_status(body, pool, roles, shift=(waiting, retiring), slo=slo, conflicts=conflicts))
     message = "; ".join(conflicts)[:1000]
     if conflicts and message != _previous_message(body, "Degraded"):  # once per change, not every resync
@@ -435,7 +435,7 @@ def resync(body: kopf.Body) -> None:
                 slo = _control(body, meta, pool, logger)
             else:
                 slo = _observe(body, meta, pool) if pool.spec.get("slo") else None
-            _converge(body, meta, pool, pool.roles(), patch, logger, slo, tidy=True)
+            _converge(body, meta, pool, pool.roles(), patch, logger, slo)
         status = patch.get("status")
         if status and not kube.patch_is_noop(body.get("status") or {}, status):
             kube.patch_status(GROUP, VERSION, PLURAL, pool.namespace, pool.name, status)
