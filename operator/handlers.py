@@ -111,6 +111,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.watching.reconnect_backoff = 1.0
+    for resource in CHILD_KINDS.values():  # the API server sends only the pools' children, not the cluster's
+        settings.watching.label_selectors[resource] = ",".join(f"{k}={v}" for k, v in _MANAGED.items())
     settings.posting.level = logging.INFO
     settings.posting.enabled = _events_enabled()
     _tracing()
@@ -398,11 +400,14 @@ async def _resync_forever(index: Any) -> None:
 
     while True:
         await asyncio.sleep(RESYNC_S)
-        bodies = [body for store in list(index.values()) for body in store]
-        present = {_uid(body.metadata) for body in bodies}
-        for uid in set(_reconciled) - present:
-            _forget(uid)
-        await asyncio.gather(*(one(body) for body in bodies if _uid(body.metadata) in _reconciled))
+        try:
+            bodies = [body for store in list(index.values()) for body in store]
+            present = {_uid(body.metadata) for body in bodies}
+            for uid in set(_reconciled) - present:
+                _forget(uid)
+            await asyncio.gather(*(one(body) for body in bodies if _uid(body.metadata) in _reconciled))
+        except Exception:  # the loop outlives any one pass
+            _log.exception("resync pass failed")
 
 
 def _forget(uid: str) -> None:

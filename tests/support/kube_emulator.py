@@ -32,7 +32,7 @@ class _Emulator(kmock.KubernetesEmulator):
         if request.resource is not None and request.action == kmock.action.CREATE and isinstance(request.data, dict):
             request.data.setdefault("metadata", {}).setdefault("uid", str(uuid.uuid4()))
         state = self.__dict__.setdefault("_log", {"served": [], "inflight": set()})
-        state["served"].append((request.method.value.upper(), request.url.path))
+        state["served"].append((request.method.value.upper(), request.url.path, request.url.query_string))
         state["inflight"].add(id(request))
         try:
             return await super()._handle(request)
@@ -110,11 +110,13 @@ class KubeEmulator:
 
         return self._run(sweep(), 5.0)
 
-    def requests(self) -> list[tuple[str, str]]:
-        """``(method, path)`` of every request the emulator has served so far, in order."""
+    def requests(self, query: bool = False) -> list[tuple[str, ...]]:
+        """``(method, path)`` — with ``query``, ``(method, path, query string)`` — of every request
+        the emulator has served so far, in order."""
 
         async def snapshot():
-            return list(self.emulator.__dict__.get("_log", {}).get("served", []))
+            served = self.emulator.__dict__.get("_log", {}).get("served", [])
+            return [entry if query else entry[:2] for entry in served]
 
         return self._run(snapshot(), 10.0)
 
