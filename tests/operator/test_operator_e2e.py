@@ -488,3 +488,4 @@ def test_an_auto_pool_moves_a_replica_in_place_and_back_across_an_operator_resta
         gateway.close()
         for e in engines.values():
             e.close()
+
