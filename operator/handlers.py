@@ -368,6 +368,7 @@ def _events_enabled() -> bool:
 
 _reconciled: set[str] = set()  # pools reconciled since this operator started (the indexes are full)
 _resync_task: asyncio.Task | None = None
+_pools: Any = None  # kopf's index of every pool, (namespace, name) -> body
 _log = logging.getLogger("cadenza.operator")
 
 
@@ -376,9 +377,10 @@ async def start_resync(**indices: Any) -> None:
     """Start the resync loop over kopf's indexes (an operator-level task, not a per-pool timer:
     kopf gives every object with a timer a finalizer, which would leave pools stuck terminating
     once the operator is uninstalled)."""
-    global _resync_task
+    global _resync_task, _pools
     _reconciled.clear()  # resynced again once reconciled by this operator: its indexes are full then
     _children.update({kind: indices[f"children_{kind}"] for kind in CHILD_KINDS})
+    _pools = indices["pools"]
     _resync_task = asyncio.get_running_loop().create_task(_resync_forever(indices["pools"]), name="cadenza resync")
 
 
@@ -416,13 +418,22 @@ def _forget(uid: str) -> None:
     _reconciled.discard(uid)
     _observer.forget(uid)
     _actuators.pop(uid, None)
-    _tokens.pop(uid, None)
-    _locks.pop(uid, None)
+    _tokens.pop(uid, None)  # (its lock stays: a handler may hold it yet)
 
 
 class _PoolLogger(logging.LoggerAdapter):
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
         return f"{self.extra['pool']} {msg}", kwargs
+
+
+def _latest(body: kopf.Body) -> kopf.Body | None:
+    """The pool as the watch sees it now (a pass's copy can be older than an update a reconcile
+    just applied); None when it is gone or being deleted (nothing to converge: its children go)."""
+    meta = body.metadata
+    if _pools is not None:
+        body = next((b for b in _pools.get((meta.get("namespace"), meta.get("name"))) or ()
+                     if _uid(b.metadata) == _uid(meta)), None)
+    return None if body is None or body.metadata.get("deletionTimestamp") else body
 
 
 def resync(body: kopf.Body) -> None:
@@ -434,16 +445,19 @@ def resync(body: kopf.Body) -> None:
     meta, patch = body.metadata, kopf.Patch()
     logger = _PoolLogger(_log, {"pool": f"[{meta.get('namespace')}/{meta.get('name')}]"})
     try:
-        pool = _pool(body)
         with _locks[_uid(meta)]:
+            body = _latest(body)  # under the lock: no reconcile of a newer spec is half done
+            if body is None:
+                return
+            meta, pool = body.metadata, _pool(body)
             if pool.mode == "auto":
                 slo = _control(body, meta, pool, logger)
             else:
                 slo = _observe(body, meta, pool) if pool.spec.get("slo") else None
             _converge(body, meta, pool, pool.roles(), patch, logger, slo)
-        status = patch.get("status")
-        if status and not kube.patch_is_noop(body.get("status") or {}, status):
-            kube.patch_status(GROUP, VERSION, PLURAL, pool.namespace, pool.name, status)
+            status = patch.get("status")
+            if status and not kube.patch_is_noop(body.get("status") or {}, status):
+                kube.patch_status(GROUP, VERSION, PLURAL, pool.namespace, pool.name, status)
     except (PoolValidationError, PoolSpecError, kube.Refused):
         return  # reported by reconcile (which retries a refusal); nothing to follow
     except kube.Transient as exc:

@@ -30,11 +30,13 @@ import datetime
 import hashlib
 import json
 import logging
+import re
 from typing import Any
 
 import kubernetes
 import urllib3
 from kubernetes.client.rest import ApiException
+from kubernetes.utils import parse_quantity
 
 FIELD_MANAGER = "cadenza-operator"
 RENDERED = "serving.cadenza.dev/rendered"  # digest of the rendering last applied
@@ -119,7 +121,23 @@ def contains(live: Any, desired: Any) -> bool:
         return isinstance(live, dict) and all(k in live and contains(live[k], v) for k, v in desired.items())
     if isinstance(desired, list):
         return isinstance(live, list) and len(live) == len(desired) and all(map(contains, live, desired))
-    return live == desired or (isinstance(live, (int, float, str)) and str(live) == str(desired))
+    return (live == desired or (isinstance(live, (int, float, str)) and str(live) == str(desired))
+            or _same_quantity(live, desired))
+
+
+_QUANTITY = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+|[numkMGTPE]|[KMGTPE]i)?$")
+
+
+def _same_quantity(live: Any, desired: Any) -> bool:
+    """Whether two resource quantities are the same amount (the API server stores ``4096Mi`` as
+    ``4Gi``, ``1000m`` as ``1``), for strings that are quantities with a unit."""
+    if not (isinstance(desired, str) and isinstance(live, (str, int, float)) and _QUANTITY.match(desired)
+            and _QUANTITY.match(str(live))) or desired.lstrip("+-").replace(".", "").isdigit():
+        return False
+    try:
+        return parse_quantity(str(live)) == parse_quantity(desired)
+    except ValueError:
+        return False
 
 
 def _holds(live: dict, desired: dict) -> bool:
@@ -287,8 +305,12 @@ def apply(obj: dict, live: dict | None = None) -> str:
                 return "unchanged"  # rendered the same, and nobody changed what we set: no write
             if _recreate(kind, current, desired):
                 uid = current_meta.get("uid")
-                remove(name, namespace, body=kubernetes.client.V1DeleteOptions(
-                    preconditions=kubernetes.client.V1Preconditions(uid=uid) if uid else None))
+                try:
+                    remove(name, namespace, body=kubernetes.client.V1DeleteOptions(
+                        preconditions=kubernetes.client.V1Preconditions(uid=uid) if uid else None))
+                except ApiException as exc:
+                    if exc.status != 404:  # gone already: created below
+                        raise
             else:
                 outcome = "updated"
         try:
@@ -430,7 +452,9 @@ def ensure_secret_token(meta: dict[str, Any], new_token: str) -> str:
     ``new_token`` if it is missing. Its content is never rewritten: replicas read it at start-up.
 
     Raises:
-        Transient, Refused: as :func:`apply`; Refused also for a Secret without a ``token`` key.
+        Transient, Refused: as :func:`apply`; Refused also for a Secret without a ``token`` key;
+            Transient for one another controller owns — an earlier pool of this name, deleted,
+            whose Secret the garbage collector has not collected yet: its token goes with it.
     """
     core = kubernetes.client.CoreV1Api(api_client())
     name, namespace = meta["name"], meta["namespace"]
@@ -446,6 +470,9 @@ def ensure_secret_token(meta: dict[str, Any], new_token: str) -> str:
             return new_token
     except Exception as exc:
         raise _failure("Secret", name, exc) from exc
+    owner, found = controller_uid({"metadata": meta}), controller_uid(api_client().sanitize_for_serialization(secret))
+    if owner is not None and found is not None and found[1] != owner[1]:
+        raise Transient(f"Secret {name} is still {found[0]}'s (uid {found[1]}): waiting for it to be collected")
     data = secret.data or {}
     if "token" not in data:
         raise Refused(f"Secret {name} has no 'token' key")

@@ -294,3 +294,17 @@ def test_a_rollout_past_its_deadline_is_degraded_and_a_role_that_still_serves_is
     assert conds["Ready"]["status"] == "True" and conds["Ready"]["reason"] == "Serving"
     assert conds["Degraded"]["reason"] == "ProgressDeadlineExceeded" and "timed out" in conds["Degraded"]["message"]
     assert conds["Progressing"]["status"] == "True"
+
+
+def test_a_resync_applies_the_pool_as_it_is_now_and_leaves_a_terminating_pool_alone(cluster, monkeypatch):
+    """A pass copies every pool at its start; a reconcile of a newer spec may run before this
+    pool's turn. The resync reads the pool again under its lock, so it never applies the old one."""
+    run(BODY)
+    newer = {**BODY, "spec": {**BODY["spec"], "replicas": 4}}
+    monkeypatch.setattr(handlers, "_pools", {("prod", "chat"): [kopf.Body(newer)]})
+    resync(BODY, cluster)  # the pass's older copy
+    assert cluster["objects"][("Deployment", "chat-colocated")]["spec"]["replicas"] == 4
+    cluster["applied"].clear()
+    terminating = {**newer, "metadata": {**newer["metadata"], "deletionTimestamp": "2026-12-03T00:00:00Z"}}
+    monkeypatch.setattr(handlers, "_pools", {("prod", "chat"): [kopf.Body(terminating)]})
+    assert resync(BODY, cluster) is None and cluster["applied"] == []  # its children go with it: none made again

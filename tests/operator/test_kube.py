@@ -239,6 +239,26 @@ def test_containment_reads_maps_by_key_lists_by_item_and_quantities_as_strings()
     assert not kube.contains({"b": {"c": [{"x": 1}, {"x": 2}]}}, {"b": {"c": [{"x": 1}]}})  # a list grew
     assert not kube.contains({"replicas": 5}, {"replicas": 3}) and not kube.contains({}, {"replicas": 3})
     assert kube.contains({"limits": {"nvidia.com/gpu": "1"}}, {"limits": {"nvidia.com/gpu": 1}})
+    # the API server stores quantities in canonical form: the same amount is not drift
+    assert kube.contains({"memory": "4Gi", "cpu": "1"}, {"memory": "4096Mi", "cpu": "1000m"})
+    assert not kube.contains({"memory": "4Gi"}, {"memory": "4097Mi"}) and not kube.contains({"n": "1"}, {"n": "10"})
+
+
+def test_the_admin_secret_of_an_earlier_pool_of_the_same_name_is_not_taken_over(monkeypatch):
+    """Deleted and re-created at once: the old pool's Secret is still there until the garbage
+    collector takes it, and its token with it. The new pool waits rather than adopting it."""
+    old = kubernetes.client.V1Secret(
+        metadata=kubernetes.client.V1ObjectMeta(name="chat-admin", owner_references=[kubernetes.client.V1OwnerReference(
+            api_version="serving.cadenza.dev/v1alpha1", kind="ServingPool", name="chat", uid="old-uid", controller=True)]),
+        data={"token": "b2xk"})
+    monkeypatch.setattr(kubernetes.client.CoreV1Api, "read_namespaced_secret", lambda self, name, ns: old)
+    meta = {"name": "chat-admin", "namespace": "ns", "ownerReferences": [
+        {"apiVersion": "serving.cadenza.dev/v1alpha1", "kind": "ServingPool", "name": "chat", "uid": "new-uid",
+         "controller": True}]}
+    with pytest.raises(kube.Transient, match="still ServingPool/chat's"):
+        kube.ensure_secret_token(meta, "fresh")
+    meta["ownerReferences"][0]["uid"] = "old-uid"
+    assert kube.ensure_secret_token(meta, "fresh") == "old"
 
 
 def test_a_stuck_pod_is_read_as_its_reason():
