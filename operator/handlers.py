@@ -386,9 +386,11 @@ async def start_resync(**indices: Any) -> None:
 
 @kopf.on.cleanup()
 async def stop_resync(**_: Any) -> None:
+    global _pools
     if _resync_task is not None:
         _resync_task.cancel()
     _children.clear()
+    _pools = None  # an operator started later in this process watches anew
 
 
 async def _resync_forever(index: Any) -> None:
