@@ -4,33 +4,17 @@ from __future__ import annotations
 
 import threading
 
-import kmock
 import kubernetes
 import pytest
 from kopf.testing import KopfRunner
 
 from cadenza.operator.render import CONFIG_HASH
-from kube_emulator import KubeEmulator
 from metrics_server import FakeEngine, serve_metrics
 from waiting import wait_until
 
 GROUP, VERSION, PLURAL = "serving.cadenza.dev", "v1alpha1", "servingpools"
 POOLS = f"{GROUP}/{VERSION}/{PLURAL}"
 OPERATOR = ["run", "--standalone", "--all-namespaces", "-m", "cadenza.operator.handlers"]
-
-
-@pytest.fixture
-def api(tmp_path, monkeypatch):
-    info = kmock.ResourceInfo(kind="ServingPool", singular="servingpool", namespaced=True, shortnames={"sp"},
-                              verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"})
-    with KubeEmulator({POOLS: info}) as emulator:
-        config = str(emulator.write_kubeconfig(tmp_path / "kubeconfig"))
-        monkeypatch.setenv("KUBECONFIG", config)
-        # kmock has no generateName, so every Event kopf posts collides (409): events are checked
-        # by the handler tests instead.
-        monkeypatch.setenv("CADENZA_OPERATOR_EVENTS", "false")
-        kubernetes.config.load_kube_config(config_file=config)
-        yield emulator
 
 
 def wait_for(predicate, timeout=30.0, what=""):

@@ -6,11 +6,9 @@ from __future__ import annotations
 import collections
 import time
 
-import kmock
 import kubernetes
 import pytest
 from kopf.testing import KopfRunner
-from kube_emulator import KubeEmulator
 from waiting import wait_until
 
 from cadenza.operator import handlers
@@ -19,18 +17,6 @@ GROUP, VERSION, PLURAL = "serving.cadenza.dev", "v1alpha1", "servingpools"
 POOLS = f"{GROUP}/{VERSION}/{PLURAL}"
 OPERATOR = ["run", "--standalone", "--all-namespaces", "-m", "cadenza.operator.handlers"]
 N = 100
-
-
-@pytest.fixture
-def api(tmp_path, monkeypatch):
-    info = kmock.ResourceInfo(kind="ServingPool", singular="servingpool", namespaced=True,
-                              verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"})
-    with KubeEmulator({POOLS: info}) as emulator:
-        config = str(emulator.write_kubeconfig(tmp_path / "kubeconfig"))
-        monkeypatch.setenv("KUBECONFIG", config)
-        monkeypatch.setenv("CADENZA_OPERATOR_EVENTS", "false")
-        kubernetes.config.load_kube_config(config_file=config)
-        yield emulator
 
 
 def pool_body(i: int) -> dict:
