@@ -1,35 +1,21 @@
 """The pool's bearer token: what ``/admin/config`` and the KV transfer headers require.
 
-The token comes from ``$CADENZA_ADMIN_TOKEN`` or from the file named by
-``$CADENZA_ADMIN_TOKEN_FILE`` (a mounted Kubernetes Secret, read on every request, so a rotated
-secret takes effect without a restart). With neither set, everything that needs it is refused:
-a missing or wrong token is a 401.
+The token is :func:`cadenza.node.credentials.admin_token` (``$CADENZA_ADMIN_TOKEN`` or the file
+named by ``$CADENZA_ADMIN_TOKEN_FILE``, read on every request, so a rotated secret takes effect
+without a restart). With neither set, everything that needs it is refused: a missing or wrong
+token is a 401.
 """
 
 from __future__ import annotations
 
 import hmac
-import os
-from pathlib import Path
 
 from aiohttp import web
 
+from cadenza.node.credentials import TOKEN_ENV, TOKEN_FILE_ENV, admin_token
 from cadenza.node.server.errors import APIError
 
-TOKEN_ENV = "CADENZA_ADMIN_TOKEN"
-TOKEN_FILE_ENV = "CADENZA_ADMIN_TOKEN_FILE"
-
-
-def admin_token() -> str | None:
-    """The configured bearer token, or None when the admin API is disabled."""
-    if token := os.environ.get(TOKEN_ENV, "").strip():
-        return token
-    if path := os.environ.get(TOKEN_FILE_ENV):
-        try:
-            return Path(path).read_text().strip() or None
-        except OSError:
-            return None
-    return None
+__all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "admin_token", "authorize"]
 
 
 def authorize(request: web.Request, what: str = "the admin API") -> None:

@@ -1,0 +1,29 @@
+"""The pool's token: one secret that every replica and gateway of a pool shares.
+
+It guards the admin API (``/admin/config``) and the KV transfer HTTP headers
+(:mod:`cadenza.node.server.auth`). It comes from ``$CADENZA_ADMIN_TOKEN`` or from the
+file named by ``$CADENZA_ADMIN_TOKEN_FILE`` (a mounted Kubernetes Secret, read at each use, so a
+rotated secret takes effect without a restart). Neither set: None, and everything that needs it
+is refused. Kept apart from the HTTP server so the engine core reads it without importing aiohttp.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TOKEN_ENV = "CADENZA_ADMIN_TOKEN"
+TOKEN_FILE_ENV = "CADENZA_ADMIN_TOKEN_FILE"
+
+
+def admin_token() -> str | None:
+    """The configured token (surrounding whitespace stripped), or None when none is set or its
+    file cannot be read."""
+    if token := os.environ.get(TOKEN_ENV, "").strip():
+        return token
+    if path := os.environ.get(TOKEN_FILE_ENV):
+        try:
+            return Path(path).read_text().strip() or None
+        except OSError:
+            return None
+    return None
