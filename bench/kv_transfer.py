@@ -3,7 +3,8 @@
 A producer process holds requests of SmolLM2-135M-Instruct's KV layout (30 layers, 3 KV heads,
 head dim 64, 16-token blocks, bf16: 368,640 bytes a block) of 2,048 prompt tokens each (128
 blocks, 45 MiB). This process pulls them with :class:`~cadenza.node.kv_transfer.consumer.KVConsumer`:
-msgpack headers, CRC32C per frame on both sides, lease bookkeeping, asyncio streams. Side by
+the token handshake (once per connection), msgpack headers, CRC32C per frame on both sides,
+lease bookkeeping, asyncio streams. Side by
 side, interleaved round by round, the same producer process sends the same bytes over a plain
 blocking socket (one ``sendall`` per prompt, ``recv_into`` one preallocated buffer: no header, no
 checksum, no copy beyond the kernel's), the cheapest copy Python can make. Both sides
@@ -31,6 +32,7 @@ from cadenza.node.kv_transfer.protocol import Fingerprint
 
 SMOLLM2 = Fingerprint("SmolLM2-135M-Instruct", "bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
 PROMPT_TOKENS = 2048
+TOKEN = "bench-token"  # the pool's token: both sides prove they hold it when they connect
 FRAME = frame_blocks(SMOLLM2.num_layers * SMOLLM2.block_layer_bytes)  # blocks per frame, both ways
 
 
@@ -54,7 +56,7 @@ def _producer(ports: mp.Queue, requests: int, blocks: int) -> None:
             conn.sendall(read(0, blocks))
 
     async def main() -> None:
-        producer = KVProducer(SMOLLM2, lease_s=3600)
+        producer = KVProducer(SMOLLM2, token=TOKEN, lease_s=3600)
         for i in range(requests):
             producer.publish(f"r{i}", read, lambda: None)
             producer.progress(f"r{i}", blocks, complete=True)
@@ -70,7 +72,7 @@ def _producer(ports: mp.Queue, requests: int, blocks: int) -> None:
 async def _measure(port: int, plain_port: int, rounds: int, per_round: int, blocks: int) -> dict:
     block = SMOLLM2.num_layers * SMOLLM2.block_layer_bytes
     nbytes = per_round * blocks * block
-    consumer = KVConsumer(SMOLLM2)
+    consumer = KVConsumer(SMOLLM2, token=TOKEN)
     sock = socket.create_connection(("127.0.0.1", plain_port))
     buffer = memoryview(bytearray(nbytes // per_round))
     kv, raw, n = [], [], 0

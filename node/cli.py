@@ -24,6 +24,7 @@ from cadenza.node.core.config import (
 from cadenza.node.core.knobs import KNOBS, Knob
 from cadenza.node.core.policy import CLASSES, Policy
 from cadenza.node import hub
+from cadenza.node.credentials import KV_TRANSFER_NEEDS_TOKEN, admin_token
 from cadenza.node.embedded import EmbeddedModelError
 from cadenza.node.server.http import add_http_arguments
 
@@ -109,7 +110,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "its affinity mask capped by its cgroup CPU quota)")
     g.add_argument("--kv-transfer-port", type=int, default=None, metavar="PORT",
                    help="serve prompt KV to, and pull it from, peer replicas over TCP on this port (disaggregated "
-                        "pools; 0: a free port; off by default)")
+                        "pools; 0: a free port; off by default); needs the pool's token in CADENZA_ADMIN_TOKEN "
+                        "or CADENZA_ADMIN_TOKEN_FILE, which peers prove they hold")
     g.add_argument("--kv-transfer-host", default="127.0.0.1", metavar="HOST",
                    help="address the KV transfer endpoint binds and peers reach it at (the pod IP in a cluster)")
     g.add_argument("--engine-process", choices=("on", "off"), default="on",
@@ -180,6 +182,8 @@ def _serve(args: argparse.Namespace) -> int:
     timeouts = http_timeouts_from_args(args)
     threads = choose_threads(args.threads)
     config = engine_config_from_args(args)
+    if config.kv_transfer_port is not None and admin_token() is None:
+        raise ConfigError(KV_TRANSFER_NEEDS_TOKEN)  # now, not once the model has loaded
     try:
         check_model_folder(config.model)  # fail now, not in the engine core, on a bad folder
     except FileNotFoundError as exc:

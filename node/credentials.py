@@ -1,7 +1,8 @@
 """The pool's token: one secret that every replica and gateway of a pool shares.
 
-It guards the admin API (``/admin/config``) and the KV transfer HTTP headers
-(:mod:`cadenza.node.server.auth`). It comes from ``$CADENZA_ADMIN_TOKEN`` or from the
+It guards the admin API (``/admin/config``), the KV transfer HTTP headers
+(:mod:`cadenza.node.server.auth`) and the KV transfer endpoint's handshake
+(:mod:`cadenza.node.kv_transfer.protocol`). It comes from ``$CADENZA_ADMIN_TOKEN`` or from the
 file named by ``$CADENZA_ADMIN_TOKEN_FILE`` (a mounted Kubernetes Secret, read at each use, so a
 rotated secret takes effect without a restart). Neither set: None, and everything that needs it
 is refused. Kept apart from the HTTP server so the engine core reads it without importing aiohttp.
@@ -14,6 +15,10 @@ from pathlib import Path
 
 TOKEN_ENV = "CADENZA_ADMIN_TOKEN"
 TOKEN_FILE_ENV = "CADENZA_ADMIN_TOKEN_FILE"
+# Why a replica with a KV transfer endpoint and no token does not start: an endpoint that refuses
+# every peer would only look like a working pool.
+KV_TRANSFER_NEEDS_TOKEN = (f"kv_transfer_port: the KV transfer endpoint needs the pool's token (set {TOKEN_ENV} or "
+                           f"{TOKEN_FILE_ENV}): peers must prove they hold it before any KV moves either way")
 
 
 def admin_token() -> str | None:

@@ -18,13 +18,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from cadenza.node.core.block_manager import KVBlockManager
-from cadenza.node.core.config import EngineConfig, SchedulerConfig, resolve_max_model_len
+from cadenza.node.core.config import ConfigError, EngineConfig, SchedulerConfig, resolve_max_model_len
 from cadenza.node.core.knobs import config_view, reconfigured
 from cadenza.node.core.kv_link import KVLink
 from cadenza.node.core.messages import AddRequest, EngineReady, RequestDelta, StepRecord
 from cadenza.node.core.request import Request, RequestStatus
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.core.stats import EngineStats
+from cadenza.node.credentials import KV_TRANSFER_NEEDS_TOKEN, admin_token
 from cadenza.node.kv_transfer.protocol import Fingerprint
 from cadenza.node.runner.model_runner import ModelRunner
 from cadenza.node.runner.models.config import ModelConfig
@@ -39,11 +40,14 @@ class EngineCore:
             ``eos_token``, which only the front end reads).
 
     Raises:
-        ConfigError: a configuration that can never serve a request on this model.
+        ConfigError: a configuration that can never serve a request on this model, or a KV
+            transfer endpoint without the pool's token.
         FileNotFoundError, ModelConfigError: the model folder is unusable.
     """
 
     def __init__(self, config: EngineConfig, extra_eos_token_ids: Iterable[int] = ()) -> None:
+        if config.kv_transfer_port is not None and admin_token() is None:
+            raise ConfigError(KV_TRANSFER_NEEDS_TOKEN)
         self.model_config = ModelConfig.from_pretrained(config.model)
         model_max = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:

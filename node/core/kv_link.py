@@ -31,12 +31,14 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cadenza.node.core.block_manager import KVBlockManager
 from cadenza.node.core.cost_model import StepCostModel
 from cadenza.node.core.request import Request
 from cadenza.node.core.step import SchedulerOutput
+from cadenza.node.credentials import admin_token
 from cadenza.node.kv_transfer.consumer import KVConsumer
 from cadenza.node.kv_transfer.producer import KVProducer
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
@@ -92,10 +94,12 @@ class KVLink:
         host, port: where the endpoint listens (port 0: a free one; :attr:`port` says which).
         lease_s: how long published KV waits for a decode replica's progress (seconds); a pull
             waits as long for the producer's next frame.
+        token: reads the pool's token at each handshake, both ways
+            (:func:`cadenza.node.credentials.admin_token`).
     """
 
     def __init__(self, fingerprint: Fingerprint, runner, kv: KVBlockManager, host: str = "127.0.0.1",
-                 port: int = 0, lease_s: float = 30.0) -> None:
+                 port: int = 0, lease_s: float = 30.0, token: Callable[[], str | None] = admin_token) -> None:
         self.fingerprint, self.runner, self.kv, self.host = fingerprint, runner, kv, host
         self.stats = LinkStats()
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (kind, request id, detail) from the loop
@@ -106,8 +110,8 @@ class KVLink:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-transfer", daemon=True)
         self._thread.start()
-        self.producer = KVProducer(fingerprint, lease_s)
-        self.consumer = KVConsumer(fingerprint, read_timeout_s=lease_s)
+        self.producer = KVProducer(fingerprint, token=token, lease_s=lease_s)
+        self.consumer = KVConsumer(fingerprint, token=token, read_timeout_s=lease_s)
         self.boot_id = self.producer.boot_id
         self.port = asyncio.run_coroutine_threadsafe(self.producer.start(host, port), self._loop).result(30)
 

@@ -92,8 +92,9 @@ def _kv_transfer_bytes(stats: EngineStats) -> list[tuple[dict, int]]:
 
 
 def _kv_transfer_failures(stats: EngineStats) -> list[tuple[dict, int]]:
-    """Pulls made here that failed (``pull``, by TransferError kind) and pulls served here that
-    failed (``serve``, by the error code sent)."""
+    """Pulls made here that failed (``pull``, by TransferError kind) and pulls or handshakes
+    served here that failed (``serve``, by the code sent: a refused peer counts as
+    ``unauthorized``, ``incompatible``, ``busy`` or ``protocol``)."""
     return [({"cadenza.kv_transfer.side": side, "error.type": kind}, n)
             for side, failures in (("pull", stats.kv_transfer_pull_failures),
                                    ("serve", stats.kv_transfer_serve_failures))

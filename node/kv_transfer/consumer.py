@@ -1,8 +1,10 @@
 """The decode side's KV transfer client: pulls a request's blocks from a prefill replica, verified.
 
-:meth:`KVConsumer.pull` connects (or reuses an idle connection to the same producer), checks the
-handshake — the producer's fingerprint must equal ours, and its boot id the one the request was
-prefilled under, else the producer restarted and holds nothing of it — then yields the request's
+:meth:`KVConsumer.pull` connects (or reuses an idle connection to the same producer), runs the
+handshake (:mod:`.handshake`: the producer must prove the pool's token before this replica says
+anything about itself, and its fingerprint must equal ours) and checks the producer's boot id
+against the one the request was prefilled under (else the producer restarted and holds nothing
+of it), then yields the request's
 blocks frame by frame as :class:`ReceivedBlocks`, each checked against its CRC32C before it is
 yielded, and releases the producer's lease once the last one is in (or on any failure, when the
 connection still works). Every failure is one :class:`~.protocol.TransferError` with its kind; the
@@ -11,6 +13,10 @@ caller drops what it got from the first bad block on and recomputes it.
 Idle connections are kept per producer address (at most :data:`MAX_IDLE_PER_PRODUCER`); one
 that saw a new boot id replaces them all (a connection to a restarted producer is never reused:
 llm-d's stale-connection crash). A connection that failed in any way is closed, never returned.
+A pooled connection the producer closed before answering (it evicts idle ones for new peers:
+:mod:`.slots`) is replaced by a new one once, so the pull goes on. At most
+:data:`MAX_HANDSHAKES_PER_PRODUCER` handshakes run at once to one producer (it refuses a burst
+from one address).
 A producer that stops sending for ``read_timeout_s`` fails the pull (``connection``): a decode
 replica never waits forever on remote KV. Everything the producer says is checked before it is
 believed: its welcome's version and fingerprint, each frame's request, range and size (before
@@ -24,11 +30,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from cadenza.node.kv_transfer import protocol
+from cadenza.node.kv_transfer import handshake, protocol
+from cadenza.node.kv_transfer.handshake import TokenSource
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
 from cadenza.node.kv_transfer.receiver import ConnectionEnded, Receiver
 
 MAX_IDLE_PER_PRODUCER = 8  # pooled connections kept per producer; more are closed when returned
+MAX_HANDSHAKES_PER_PRODUCER = 4  # handshakes under way at once to one producer (the others wait)
 MIN_MEASURED_BYTES = 2**20  # the link's bandwidth is reported once this much was timed
 
 
@@ -48,6 +56,7 @@ class ReceivedBlocks:
 class _Connection:
     receiver: Receiver
     boot_id: str
+    reused: bool = False  # taken from the idle pool (the producer may have closed it meanwhile)
 
     def write(self, frame: bytes) -> None:
         self.receiver.transport.write(frame)
@@ -87,12 +96,17 @@ class KVConsumer:
 
     Args:
         fingerprint: this engine's KV layout (the producer must match it).
+        token: the pool's token, or a function that reads it at each handshake (None: every
+            pull fails ``unauthorized``).
         connect_timeout_s: seconds to connect and finish the handshake.
         read_timeout_s: seconds a pull waits for the producer's next frame.
     """
 
-    def __init__(self, fingerprint: Fingerprint, connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0) -> None:
+    def __init__(self, fingerprint: Fingerprint, *, token: str | TokenSource | None, connect_timeout_s: float = 5.0,
+                 read_timeout_s: float = 30.0) -> None:
         self.fingerprint = fingerprint
+        self.token = handshake.token_source(token)
+        self._handshakes: dict[tuple[str, int], asyncio.Semaphore] = {}
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
@@ -135,16 +149,24 @@ class KVConsumer:
         conn = await self._connection(host, port)
         ok = released = False
         try:
-            if boot_id is not None and conn.boot_id != boot_id:
-                released = True  # never release this id there: that process may hold another request's KV under it
-                ok = True  # the connection itself is good
-                raise TransferError("restarted", f"the producer at {host}:{port} restarted (boot id "
-                                    f"{conn.boot_id}, the request was prefilled under {boot_id})")
-            conn.write(protocol.encode("pull", request_id=request_id, first_block=first_block,
-                                              num_blocks=num_blocks))
+            while True:  # twice at most: a pooled connection the producer closed meanwhile is replaced once
+                if boot_id is not None and conn.boot_id != boot_id:
+                    released = True  # never release this id there: that process may hold another request's KV under it
+                    ok = True  # the connection itself is good
+                    raise TransferError("restarted", f"the producer at {host}:{port} restarted (boot id "
+                                        f"{conn.boot_id}, the request was prefilled under {boot_id})")
+                conn.write(protocol.encode("pull", request_id=request_id, first_block=first_block,
+                                           num_blocks=num_blocks))
+                try:
+                    msg = await conn.read(self.read_timeout_s)
+                    break
+                except TransferError as e:
+                    if e.kind != "connection" or not conn.reused:
+                        raise
+                    conn.close()
+                    conn = await self._connection(host, port, fresh=True)
             expected, end = first_block, first_block + num_blocks if num_blocks else None
             while True:
-                msg = await conn.read(self.read_timeout_s)
                 if msg.get("request_id") != request_id:
                     raise TransferError("protocol", f"a {msg['kind']} frame of {msg.get('request_id')!r} while pulling "
                                         f"{request_id!r}")
@@ -162,7 +184,7 @@ class KVConsumer:
                     yield ReceivedBlocks(msg["first_block"], msg["num_blocks"], msg["first_layer"], msg["num_layers"],
                                          payload)
                 elif msg["kind"] == "pending":
-                    continue  # the producer is alive and still computing: the read timeout restarts
+                    pass  # the producer is alive and still computing: the read timeout restarts
                 elif msg["kind"] == "done":
                     if msg["num_blocks"] != expected:
                         raise TransferError("protocol", f"done after {expected} blocks, the producer says "
@@ -175,6 +197,7 @@ class KVConsumer:
                     raise TransferError(msg["code"], msg["message"])
                 else:
                     raise TransferError("protocol", f"a {msg['kind']} frame in a pull")
+                msg = await conn.read(self.read_timeout_s)
         except (ConnectionError, OSError) as e:
             raise TransferError("connection", f"{host}:{port}: {e}") from None
         except TimeoutError:
@@ -212,13 +235,23 @@ class KVConsumer:
         else:
             conn.close()
 
-    async def _connection(self, host: str, port: int) -> _Connection:
-        idle = self._idle.get((host, port))
+    async def _connection(self, host: str, port: int, fresh: bool = False) -> _Connection:
+        idle = [] if fresh else self._idle.get((host, port))
         while idle:
             conn = idle.pop()
             if conn.usable:
+                conn.reused = True
                 return conn
             conn.close()
+        gate = self._handshakes.setdefault((host, port), asyncio.Semaphore(MAX_HANDSHAKES_PER_PRODUCER))
+        async with gate:
+            return await self._connect(host, port)
+
+    async def _connect(self, host: str, port: int) -> _Connection:
+        where = f"{host}:{port}"
+        token = self.token()
+        if token is None:
+            raise TransferError("unauthorized", "this replica has no pool token: it cannot pull KV")
         loop = asyncio.get_running_loop()
         try:
             _transport, receiver = await asyncio.wait_for(loop.create_connection(Receiver, host, port),
@@ -227,22 +260,19 @@ class KVConsumer:
             raise TransferError("connection", f"cannot connect to {host}:{port}: {e or 'timed out'}") from None
         conn = _Connection(receiver, "")
         try:
-            conn.write(protocol.encode("hello", version=protocol.PROTOCOL_VERSION, fingerprint=self.fingerprint.to_wire()))
-            msg = await conn.read(self.connect_timeout_s)
-            if msg["kind"] == "refused":
-                raise TransferError("incompatible", f"{host}:{port} refused: {msg['reason']}")
-            if msg["kind"] != "welcome":
-                raise TransferError("protocol", f"{host}:{port} answered hello with {msg['kind']}")
-            theirs = Fingerprint.from_wire(msg["fingerprint"])
-            if msg["version"] != protocol.PROTOCOL_VERSION or (diff := self.fingerprint.mismatch(theirs)):
-                why = f"version {msg['version']}" if msg["version"] != protocol.PROTOCOL_VERSION else "; ".join(diff)
-                raise TransferError("incompatible", f"{host}:{port} welcomed with an incompatible layout: {why}")
+            hello, nonce_c = handshake.hello()
+            conn.write(hello)
+            auth, nonce_p = handshake.answer(await conn.read(self.connect_timeout_s), token, nonce_c,
+                                             self.fingerprint, where)
+            conn.write(auth)
+            boot_id = handshake.check_welcome(await conn.read(self.connect_timeout_s), token, nonce_c, nonce_p,
+                                              self.fingerprint, where)
         except BaseException as e:
             conn.close()
             if isinstance(e, (OSError, TimeoutError)):
                 raise TransferError("connection", f"{host}:{port}: handshake failed: {e or 'timed out'}") from None
             raise
-        conn.boot_id = msg["boot_id"]
+        conn.boot_id = boot_id
         if self._boot.get((host, port), conn.boot_id) != conn.boot_id:
             for old in self._idle.pop((host, port), []):  # connections to the old process are stale
                 old.close()

@@ -3,9 +3,10 @@
 The engine **publishes** a request's KV when its prefill starts (:meth:`KVProducer.publish`, with
 a reader of the block bytes and a callback that frees them), reports **progress** after each step
 that wrote some of its blocks (:meth:`KVProducer.progress`), and may **abort** it. A decode replica
-connects, says hello (fingerprints must match, or it is refused before any block moves) and pulls
-requests one at a time per connection; a pull streams the blocks already written at once and the
-rest as steps write them, so the transfer overlaps the remaining prefill, and ends with ``done``;
+connects, proves it holds the pool's token and shows its fingerprint (:mod:`.handshake`: a peer
+without the token is refused and told nothing; fingerprints must match, or it is refused before
+any block moves) and pulls requests one at a time per connection; a pull streams the blocks
+already written at once and the rest as steps write them, so the transfer overlaps the remaining prefill, and ends with ``done``;
 a pull that waits a third of a lease without a frame gets ``pending``.
 A pull may come before its request is published (the decode side heard of it first): it waits up
 to :data:`PUBLISH_WAIT_S` for it. Frames hold at most :data:`MAX_FRAME_BYTES`.
@@ -18,8 +19,12 @@ lost), ended by its
 :meth:`KVProducer.abort`, or by expiry, which a timer checks every :data:`EXPIRY_CHECK_S`; the
 blocks are freed on the end, whichever it is. A pull of a request that holds no lease gets
 ``error unknown_request``; a lease that expires mid-stream, ``error expired``. A connection that
-idles past :data:`IDLE_TIMEOUT_S`, leaves a header half sent, or does not drain a frame within a
-lease is closed; more than :data:`MAX_CONNECTIONS` at once are refused.
+streams nothing for :data:`~.slots.IDLE_TIMEOUT_S` (pulls of requests not held do not count), does
+not finish its handshake within :data:`~.slots.HANDSHAKE_TIMEOUT_S`, leaves a header half sent, or
+does not drain a frame within a lease is closed; who gets a connection slot, and who is evicted
+for a new one, is :mod:`.slots`. A connection that queues more than :data:`MAX_QUEUED_PULLS` pulls
+(a consumer waits for each pull's end before the next), or one past :data:`MAX_QUEUED_PULLS_TOTAL`
+on the endpoint, is closed: queued pulls cost memory that nothing else bounds.
 
 Runs on one asyncio event loop (the engine's front end loop) and takes no locks. The wire is
 :mod:`.protocol`.
@@ -35,19 +40,21 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cadenza.node.kv_transfer import protocol
+from cadenza.node.kv_transfer import handshake, protocol, slots
+from cadenza.node.kv_transfer.handshake import Refusal, TokenSource
 from cadenza.node.kv_transfer.leases import DEFAULT_LEASE_S, LeaseTable
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
+from cadenza.node.kv_transfer.slots import Busy, Slot, Slots
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BLOCKS = 64  # blocks per data frame: a chunk's worth at most, so frames interleave with steps
 MAX_FRAME_BYTES = 4 * 2**20  # and at most this many bytes: the decode side writes a frame between two steps
 PUBLISH_WAIT_S = 5.0  # a pull may arrive before its request is published (the engine is mid-step): wait this long
-HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello in this long is closed
 HEADER_TIMEOUT_S = 10.0  # once a header's length arrived, its bytes must follow within this
-IDLE_TIMEOUT_S = 300.0  # a connection with no pull for this long is closed (consumers reconnect)
-MAX_CONNECTIONS = 256  # more are refused: each holds a task and buffers
+MAX_QUEUED_PULLS = 4  # pulls waiting on one connection; more close it (a consumer sends one at a time)
+MAX_QUEUED_PULLS_TOTAL = 1024  # pulls waiting on every connection together; more close the one that sends it
+REFUSAL_LOG_EVERY_S = 60.0  # refusals of one kind are logged at most this often (a flood is one line a minute)
 EXPIRY_CHECK_S = 0.25  # how often leases past their deadline are ended (blocks freed within this)
 
 # Reads ``count`` blocks from ``first`` (all layers, layer-major within each block) as bytes.
@@ -67,7 +74,9 @@ class _Published:
 @dataclass
 class _Connection:
     writer: asyncio.StreamWriter
+    slot: Slot
     pulls: asyncio.Queue = field(default_factory=asyncio.Queue)  # pull frames; None: the consumer is gone
+    queued: int = 0  # pull frames in ``pulls``
     closed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -76,7 +85,7 @@ class ProducerStats:
     """Counters of one producer (monotonic since start)."""
 
     connections: int = 0
-    refused: int = 0
+    refused: int = 0  # handshakes refused (each also counted in ``failures`` by kind)
     transfers: int = 0  # pulls that ended with ``done``
     blocks_sent: int = 0
     bytes_sent: int = 0
@@ -92,20 +101,26 @@ class KVProducer:
 
     Args:
         fingerprint: this engine's KV layout; a consumer's must equal it.
+        token: the pool's token, or a function that reads it at each handshake (None: every
+            peer is refused ``unauthorized``).
         lease_s: a published request's lease, renewed by the decode side's progress (seconds).
         clock: seconds, monotonic (injected for tests).
     """
 
-    def __init__(self, fingerprint: Fingerprint, lease_s: float = DEFAULT_LEASE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, fingerprint: Fingerprint, *, token: str | TokenSource | None,
+                 lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.fingerprint = fingerprint
+        self.token = handshake.token_source(token)
         self.boot_id = uuid.uuid4().hex  # new per process: a consumer sees a restart by it
         self.leases: LeaseTable[_Published] = LeaseTable(lease_s)
         self.clock = clock
         self.stats = ProducerStats()
         self._server: asyncio.Server | None = None
         self._timer: asyncio.Task | None = None
-        self._connections: set[asyncio.Task] = set()
+        self._connections: dict[asyncio.Task, _Connection | None] = {}
+        self.slots = Slots()  # connections by state; ``slots.evicted`` counts those cut for another
+        self._queued = 0  # pull frames queued on every connection
+        self._logged: dict[str, tuple[float, int]] = {}  # refusal kind -> (last logged, refused since)
         self._closed = False
         self._awaited: dict[str, asyncio.Event] = {}  # pulls waiting for their request to be published
         self._ended: deque[str] = deque(maxlen=4096)  # recently ended leases: a pull of one is not waited for
@@ -205,31 +220,40 @@ class KVProducer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        self._connections.add(task)
+        self._connections[task] = None
         self.stats.connections += 1
-        conn = _Connection(writer)
-        control = None
+        conn = control = None
+        peer = _peer(writer)
         try:
-            if len(self._connections) > MAX_CONNECTIONS:
-                self.stats.refused += 1
-                writer.write(protocol.encode("refused", reason=f"more than {MAX_CONNECTIONS} connections"))
-                await writer.drain()
+            try:
+                conn = _Connection(writer, self.slots.open(peer, task.cancel))
+            except Busy as e:
+                self._refuse(writer, peer, Refusal("busy", str(e)))
                 return
-            if await self._handshake(reader, writer):
+            self._connections[task] = conn
+            async with asyncio.timeout(slots.HANDSHAKE_TIMEOUT_S):
+                ok = await self._handshake(reader, conn, peer)
+            if ok:
                 control = asyncio.create_task(self._read_control(reader, conn))
-                while True:
-                    msg = await asyncio.wait_for(conn.pulls.get(), IDLE_TIMEOUT_S)
-                    if msg is None:
+                while True:  # an idle connection is closed: pulls of requests not held do not count
+                    msg = await asyncio.wait_for(conn.pulls.get(), max(0.0, conn.slot.idle_s_left()))
+                    if msg is None or conn.closed.is_set():
                         return  # the consumer closed the connection (or broke the protocol)
+                    conn.queued -= 1
+                    self._queued -= 1
                     await self._stream(msg["request_id"], msg["first_block"], msg["num_blocks"], conn)
         except (TransferError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
             log.debug("KV transfer connection closed: %s", e)
-        except asyncio.CancelledError:  # close(): end quietly (asyncio logs a cancelled handler as an error)
+        except asyncio.CancelledError:  # close(), or evicted for another: end quietly
             pass
         finally:
             if control is not None:
                 control.cancel()
-            self._connections.discard(task)
+            if conn is not None:
+                self._queued -= conn.queued
+                conn.queued = 0
+                self.slots.close(conn.slot)
+            del self._connections[task]
             writer.close()
 
     async def _read_control(self, reader: asyncio.StreamReader, conn: _Connection) -> None:
@@ -241,6 +265,14 @@ class KVProducer:
                 n = protocol.header_length(await reader.readexactly(4))
                 msg = protocol.decode(await asyncio.wait_for(reader.readexactly(n), HEADER_TIMEOUT_S))
                 if msg["kind"] == "pull":
+                    if conn.queued >= MAX_QUEUED_PULLS or self._queued >= MAX_QUEUED_PULLS_TOTAL:
+                        self.stats.failed("busy")
+                        log.warning("KV transfer: closing the connection from %s: more than %d pulls queued on it, "
+                                    "or %d on the endpoint", conn.slot.peer, MAX_QUEUED_PULLS, MAX_QUEUED_PULLS_TOTAL)
+                        conn.slot.cut()  # ends the connection's task: its queued pulls are dropped
+                        return
+                    conn.queued += 1
+                    self._queued += 1
                     conn.pulls.put_nowait(msg)
                 elif msg["kind"] == "release":
                     self._end(msg["request_id"], "released")
@@ -252,30 +284,41 @@ class KVProducer:
             conn.closed.set()
             conn.pulls.put_nowait(None)
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        hello = await asyncio.wait_for(_read_header(reader), HELLO_TIMEOUT_S)
-        reason = None
-        if hello["kind"] != "hello":
-            reason = f"expected hello, got {hello['kind']}"
-        elif hello["version"] != protocol.PROTOCOL_VERSION:
-            reason = f"protocol version {hello['version']} (this replica speaks {protocol.PROTOCOL_VERSION})"
-        else:
+    async def _handshake(self, reader: asyncio.StreamReader, conn: _Connection, peer: str) -> bool:
+        """Prove the token, check the consumer's (:mod:`.handshake`), take an established slot."""
+        writer = conn.writer
+        try:
+            nonce_c = handshake.check_hello(await _read_header(reader))
+            token = self.token()
+            frame, nonce_p = handshake.challenge(token, nonce_c)
+            writer.write(frame)
+            await writer.drain()
+            handshake.check_auth(await _read_header(reader), token, nonce_c, nonce_p, self.fingerprint)
             try:
-                theirs = Fingerprint.from_wire(hello["fingerprint"])
-            except TransferError as e:
-                reason = str(e)
-            else:
-                if diff := self.fingerprint.mismatch(theirs):
-                    reason = "incompatible KV layout: " + "; ".join(diff) + " (this replica's != the consumer's)"
-        if reason is not None:
-            self.stats.refused += 1
-            writer.write(protocol.encode("refused", reason=reason))
+                self.slots.establish(conn.slot)
+            except Busy as e:
+                raise Refusal("busy", str(e)) from None
+        except Refusal as r:
+            self._refuse(writer, peer, r)
             await writer.drain()
             return False
-        writer.write(protocol.encode("welcome", version=protocol.PROTOCOL_VERSION,
-                                     fingerprint=self.fingerprint.to_wire(), boot_id=self.boot_id))
+        writer.write(handshake.welcome(token, nonce_c, nonce_p, self.fingerprint, self.boot_id))
         await writer.drain()
         return True
+
+    def _refuse(self, writer: asyncio.StreamWriter, peer: str, refusal: Refusal) -> None:
+        """Count and log a refused handshake, and tell the peer only the refusal's reason."""
+        self.stats.refused += 1
+        self.stats.failed(refusal.kind)
+        last, since = self._logged.get(refusal.kind, (-REFUSAL_LOG_EVERY_S, 0))
+        now = time.monotonic()
+        if now - last >= REFUSAL_LOG_EVERY_S:  # anyone can cause refusals: a flood logs one line a minute
+            log.warning("KV transfer: refused %s (%s): %s%s", peer, refusal.kind, refusal.detail,
+                        f" ({since} more refused so since the last such line)" if since else "")
+            self._logged[refusal.kind] = (now, 0)
+        else:
+            self._logged[refusal.kind] = (last, since + 1)
+        writer.write(protocol.encode("refused", code=refusal.kind, reason=refusal.reason[:1024]))
 
     async def _stream(self, request_id: str, first_block: int, num_blocks: int, conn: _Connection) -> None:
         entry = self.leases.get(request_id)
@@ -292,6 +335,16 @@ class KVProducer:
         if entry is None:
             return await self._error(conn, request_id, "unknown_request",
                                      f"no KV held for {request_id} (never published, released or expired)")
+        conn.slot.streaming = True  # useful work: never evicted for another, and not idle
+        conn.slot.touch()
+        try:
+            await self._send(request_id, entry, first_block, num_blocks, conn)
+        finally:
+            conn.slot.streaming = False
+            conn.slot.touch()
+
+    async def _send(self, request_id: str, entry: _Published, first_block: int, num_blocks: int,
+                    conn: _Connection) -> None:
         sent, end = first_block, first_block + num_blocks if num_blocks else None
         layers, block_bytes = self.fingerprint.num_layers, self.fingerprint.num_layers * self.fingerprint.block_layer_bytes
         while not conn.closed.is_set():
@@ -351,3 +404,9 @@ def frame_blocks(block_bytes: int) -> int:
 async def _read_header(reader: asyncio.StreamReader) -> dict:
     n = protocol.header_length(await reader.readexactly(4))
     return protocol.decode(await reader.readexactly(n))
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    """The peer's IP address (the slots' unit of fairness)."""
+    name = writer.get_extra_info("peername")
+    return str(name[0]) if isinstance(name, tuple) and name else str(name)

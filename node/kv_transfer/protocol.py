@@ -8,9 +8,13 @@ element. The consumer (the decode side) opens the connection and speaks first:
 =============  =========  =============================================================
 kind           direction  fields
 =============  =========  =============================================================
-``hello``      C -> P     ``version``, ``fingerprint`` (:class:`Fingerprint` as a map)
-``welcome``    P -> C     ``version``, ``fingerprint``, ``boot_id`` (the producer process's)
-``refused``    P -> C     ``reason`` (the connection is closed after it)
+``hello``      C -> P     ``version``, ``nonce`` (:data:`NONCE_BYTES` random bytes)
+``challenge``  P -> C     ``version``, ``nonce`` (the producer's), ``proof`` (it holds the token)
+``auth``       C -> P     ``fingerprint`` (:class:`Fingerprint`, msgpack bytes), ``proof``
+``welcome``    P -> C     ``version``, ``fingerprint`` (msgpack bytes), ``boot_id`` (the
+                          producer process's), ``proof``
+``refused``    P -> C     ``code`` (a :data:`ERROR_KINDS` kind), ``reason`` (the connection is
+                          closed after it)
 ``pull``       C -> P     ``request_id``, ``first_block``, ``num_blocks`` (0: all it will hold):
                           stream that many of the request's blocks from there
 ``blocks``     P -> C     ``request_id``, ``first_block``, ``num_blocks``, ``first_layer``,
@@ -24,6 +28,12 @@ kind           direction  fields
 ``error``      P -> C     ``request_id``, ``code`` (a :class:`TransferError` kind), ``message``
 ``release``    C -> P     ``request_id``: the consumer holds what it needs; free the blocks
 =============  =========  =============================================================
+
+The first four frames are the handshake (:mod:`.handshake`): a mutual HMAC challenge-response
+over the pool's token, bound to both nonces and to the fingerprint each side sends, so neither
+side reveals its fingerprint to a peer that has not proved the token and no block moves before
+both have. Nothing after it is encrypted or signed (no TLS): what an on-path attacker can still
+do, and what keeps one off the path, is in :mod:`.handshake`.
 
 Invariants: a consumer uses a payload only after its CRC32C matched (:func:`check_payload`); a
 block's payload for ``num_layers`` layers from ``first_layer`` is ``num_layers x
@@ -45,7 +55,7 @@ from typing import Any
 import crc32c
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the token handshake
 MAX_HEADER_BYTES = 64 * 2**10  # a header is a small map; more is a broken or hostile peer
 MAX_PAYLOAD_BYTES = 1 << 30  # one frame's block bytes (a chunk's worth of blocks is far less)
 MAX_ID_CHARS = 256  # a request id on the wire (ids are uuids or completion ids)
@@ -56,7 +66,9 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "f
 
 # Failure kinds: each counted apart and each meaning one thing to the decode side.
 ERROR_KINDS = (
+    "unauthorized",  # a side did not prove it holds the pool's token (or has none): nothing else is said
     "incompatible",  # fingerprints or protocol versions differ: no block may move
+    "busy",  # the producer has no connection slot (every one is streaming) or queued too many pulls
     "unknown_request",  # the producer holds no KV for this request (never had, released, expired)
     "expired",  # the lease ran out while streaming
     "corrupt",  # a payload's CRC32C did not match
@@ -127,6 +139,19 @@ class Fingerprint:
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
 
+    def packed(self) -> bytes:
+        """The fingerprint as the handshake sends it (and its proofs sign): msgpack bytes."""
+        return msgpack.packb(self.to_wire(), use_bin_type=True)
+
+    @classmethod
+    def unpacked(cls, data: bytes) -> Fingerprint:
+        """The fingerprint of :meth:`packed` bytes, or :class:`TransferError` (``protocol``)."""
+        try:
+            doc = msgpack.unpackb(data, raw=False)
+        except Exception as e:  # msgpack raises several unrelated types for bad bytes
+            raise TransferError("protocol", f"a fingerprint that is not msgpack ({type(e).__name__})") from None
+        return cls.from_wire(doc)
+
     @classmethod
     def from_wire(cls, doc: Any) -> Fingerprint:
         """The fingerprint a peer sent, or :class:`TransferError` (``protocol``)."""
@@ -161,9 +186,11 @@ def header_length(prefix: bytes) -> int:
 
 
 _REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "hello": {"version": int, "fingerprint": dict},
-    "welcome": {"version": int, "fingerprint": dict, "boot_id": str},
-    "refused": {"reason": str},
+    "hello": {"version": int},  # its nonce is checked once its version is known (an old peer is told why)
+    "challenge": {"version": int, "nonce": bytes, "proof": bytes},
+    "auth": {"fingerprint": bytes, "proof": bytes},
+    "welcome": {"version": int, "fingerprint": bytes, "boot_id": str, "proof": bytes},
+    "refused": {"code": str, "reason": str},
     "pull": {"request_id": str, "first_block": int, "num_blocks": int},
     "blocks": {"request_id": str, "first_block": int, "num_blocks": int, "first_layer": int, "num_layers": int,
                "nbytes": int, "crc32c": int},
@@ -193,8 +220,8 @@ def decode(body: bytes) -> dict[str, Any]:
         raise TransferError("protocol", f"{msg['kind']}.request_id: longer than {MAX_ID_CHARS} characters")
     if msg["kind"] == "blocks" and msg["nbytes"] > MAX_PAYLOAD_BYTES:
         raise TransferError("protocol", f"blocks.nbytes: {msg['nbytes']} exceeds {MAX_PAYLOAD_BYTES}")
-    if msg["kind"] == "error" and msg["code"] not in ERROR_KINDS:
-        raise TransferError("protocol", f"error.code: unknown kind {msg['code']!r}")
+    if msg["kind"] in ("error", "refused") and msg["code"] not in ERROR_KINDS:
+        raise TransferError("protocol", f"{msg['kind']}.code: unknown kind {msg['code']!r}")
     return msg
 
 

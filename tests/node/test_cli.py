@@ -33,6 +33,14 @@ def test_engine_that_cannot_start_stops_the_server_with_exit_1(tiny_llama_dir):
     assert "Traceback" not in result.stderr
 
 
+def test_a_kv_transfer_port_without_the_pools_token_exits_2_saying_which_to_set(tiny_llama_dir, monkeypatch):
+    monkeypatch.delenv("CADENZA_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("CADENZA_ADMIN_TOKEN_FILE", raising=False)
+    result = serve("--model", str(tiny_llama_dir), "--kv-transfer-port", "0")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "KV transfer endpoint needs the pool's token (set CADENZA_ADMIN_TOKEN or CADENZA_ADMIN_TOKEN_FILE)" in result.stderr
+
+
 @pytest.mark.slow  # loads the model in a new process
 def test_kv_cache_too_small_for_max_model_len_is_refused(tiny_llama_dir):
     result = serve("--model", str(tiny_llama_dir), "--max-model-len", "1024", "--num-kv-blocks", "4")

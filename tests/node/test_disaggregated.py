@@ -15,14 +15,22 @@ import time
 
 import pytest
 
+from cadenza.node.core.config import ConfigError
 from cadenza.node.core.engine_core import EngineCore
 from cadenza.node.core.kv_link import HOLDER
 from cadenza.node.core.messages import AddRequest
 from cadenza.node.core.request import RemoteKV, SamplingParams
+from cadenza.node.credentials import TOKEN_ENV, TOKEN_FILE_ENV
 
 BS = 16
 LENGTHS = (1, 2, 15, 16, 17, 31, 33, 64, 65, 100, 127, 128, 129, 200, 255, 257, 300)
 _ids = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def pool_token(monkeypatch):
+    """The pool's token, which every KV transfer endpoint needs (both engines read it here)."""
+    monkeypatch.setenv(TOKEN_ENV, "pool-token")
 
 
 @contextlib.contextmanager
@@ -128,3 +136,10 @@ def test_an_engine_without_an_endpoint_refuses_to_publish_and_computes_remote_pr
     source = RemoteKV("127.0.0.1", 9, "x", "y", len(prompt))
     assert run(plain, AddRequest("a", prompt, greedy(3), remote_kv=source)) == run(
         plain, AddRequest("b", prompt, greedy(3)))
+
+
+def test_a_kv_transfer_endpoint_without_the_pools_token_does_not_start(tiny_llama_dir, monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV)
+    monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
+    with pytest.raises(ConfigError, match=TOKEN_ENV):
+        EngineCore.from_model(tiny_llama_dir, kv_transfer_port=0, attention_backend="torch")

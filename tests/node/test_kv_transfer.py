@@ -14,7 +14,7 @@ import time
 import pytest
 
 from cadenza.node.kv_transfer import producer as producer_module
-from cadenza.node.kv_transfer import protocol
+from cadenza.node.kv_transfer import handshake, protocol
 from cadenza.node.kv_transfer.consumer import KVConsumer
 from cadenza.node.kv_transfer.leases import LeaseTable
 from cadenza.node.kv_transfer.producer import MAX_FRAME_BLOCKS, KVProducer
@@ -22,6 +22,7 @@ from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
 from cadenza.node.kv_transfer.threshold import Rule, min_prompt_tokens
 
 FP = Fingerprint("tiny-llama", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+TOKEN = "pool-token"  # both sides prove they hold it in the handshake
 BLOCK = FP.num_layers * FP.block_layer_bytes  # bytes of one block, every layer
 
 
@@ -53,7 +54,7 @@ async def collect(consumer: KVConsumer, port: int, rid: str, **kw) -> list[bytes
 
 @pytest.fixture
 async def producer():
-    p = KVProducer(FP, lease_s=30.0)
+    p = KVProducer(FP, token=TOKEN, lease_s=30.0)
     port = await p.start()
     yield p, port
     await p.close()
@@ -114,6 +115,7 @@ def test_fingerprints_name_every_field_that_differs():
     other = dataclasses.replace(FP, dtype="bfloat16", num_kv_heads=4)
     assert FP.mismatch(other) == ["dtype: 'float32' != 'bfloat16'", "num_kv_heads: 2 != 4"]
     assert FP.mismatch(Fingerprint.from_wire(FP.to_wire())) == []
+    assert Fingerprint.unpacked(FP.packed()) == FP
     with pytest.raises(ValueError):
         Fingerprint("m", "int3", 16, 1, 1, 1)
 
@@ -142,7 +144,7 @@ async def test_a_pull_streams_blocks_as_the_prefill_writes_them_and_release_free
     blocks = Published(1, 10)
     p.publish("r1", blocks.read, blocks.free)
     p.progress("r1", 3)
-    consumer = KVConsumer(FP)
+    consumer = KVConsumer(FP, token=TOKEN)
     got: list[bytes] = []
 
     async def pull():
@@ -170,7 +172,7 @@ async def test_a_pull_streams_blocks_as_the_prefill_writes_them_and_release_free
 
 async def test_many_blocks_come_in_frames_and_a_pull_may_ask_for_a_range(producer):
     p, port = producer
-    consumer = KVConsumer(FP)
+    consumer = KVConsumer(FP, token=TOKEN)
     blocks = Published(2, MAX_FRAME_BLOCKS * 2 + 5)
     for rid, first, n, want in (("a", 4, 0, slice(4, None)), ("b", 2, 70, slice(2, 72)),
                                 ("c", 130, 50, slice(130, None))):  # c: it holds fewer than asked
@@ -186,9 +188,9 @@ async def test_pulls_measure_the_links_bandwidth_from_the_payload_bytes_they_wai
     # them are not timed, and frames far larger than the stage are mostly waited for
     fp = Fingerprint("big", "float32", block_size=16, num_layers=16, num_kv_heads=8, head_dim=64)
     size = fp.num_layers * fp.block_layer_bytes
-    p = KVProducer(fp, lease_s=30.0)
+    p = KVProducer(fp, token=TOKEN, lease_s=30.0)
     port = await p.start()
-    consumer = KVConsumer(fp)
+    consumer = KVConsumer(fp, token=TOKEN)
     assert consumer.bandwidth is None
     data = [os.urandom(size) for _ in range(8)]  # 8 MiB
     p.publish("big", lambda first, count: b"".join(data[first:first + count]), lambda: None)
@@ -206,14 +208,14 @@ async def test_a_range_pull_ends_once_its_blocks_are_written_before_the_prefill_
     blocks = Published(12, 9)
     p.publish("r12", blocks.read, blocks.free)
     p.progress("r12", 3)
-    consumer = KVConsumer(FP)
+    consumer = KVConsumer(FP, token=TOKEN)
     assert await asyncio.wait_for(collect(consumer, port, "r12", num_blocks=3), 5) == blocks.data[:3]
     await consumer.close()
 
 
 async def test_connections_are_reused_across_pulls(producer):
     p, port = producer
-    consumer = KVConsumer(FP)
+    consumer = KVConsumer(FP, token=TOKEN)
     for i in range(3):
         blocks = Published(i, 2)
         p.publish(f"r{i}", blocks.read, blocks.free)
@@ -228,16 +230,16 @@ async def test_an_incompatible_consumer_is_refused_before_any_block_moves(produc
     blocks = Published(3, 2)
     p.publish("r3", blocks.read, blocks.free)
     p.progress("r3", 2, complete=True)
-    consumer = KVConsumer(dataclasses.replace(FP, head_dim=16))
+    consumer = KVConsumer(dataclasses.replace(FP, head_dim=16), token=TOKEN)
     with pytest.raises(TransferError) as e:
         await collect(consumer, port, "r3")
-    assert e.value.kind == "incompatible" and "head_dim: 8 != 16" in str(e.value)
+    assert e.value.kind == "incompatible" and "head_dim: 8 != 16" in str(e.value)  # told: it holds the token
     assert p.stats.blocks_sent == 0 and p.stats.refused == 1 and p.held() == ["r3"]
 
 
 async def test_a_pull_that_comes_before_its_publication_waits_for_it(producer):
     p, port = producer
-    consumer = KVConsumer(FP)
+    consumer = KVConsumer(FP, token=TOKEN)
     blocks = Published(16, 3)
     pull = asyncio.create_task(collect(consumer, port, "r16"))
     await asyncio.sleep(0.2)  # the decode side asked first
@@ -250,7 +252,7 @@ async def test_a_pull_that_comes_before_its_publication_waits_for_it(producer):
 async def test_a_request_the_producer_does_not_hold_is_unknown(producer, monkeypatch):
     monkeypatch.setattr(producer_module, "PUBLISH_WAIT_S", 0.2)
     p, port = producer
-    consumer = KVConsumer(FP)
+    consumer = KVConsumer(FP, token=TOKEN)
     with pytest.raises(TransferError) as e:
         await collect(consumer, port, "nobody")
     assert e.value.kind == "unknown_request"
@@ -306,12 +308,13 @@ class FaultyProxy:
 
 
 def welcome_len(p: KVProducer) -> int:
-    return len(protocol.encode("welcome", version=protocol.PROTOCOL_VERSION, fingerprint=FP.to_wire(),
-                               boot_id=p.boot_id))
+    """Bytes the producer sends before a pull's first frame: its challenge and its welcome."""
+    nonce = bytes(handshake.NONCE_BYTES)
+    return len(handshake.challenge(TOKEN, nonce)[0]) + len(handshake.welcome(TOKEN, nonce, nonce, FP, p.boot_id))
 
 
 async def test_one_flipped_byte_in_transit_is_caught_and_nothing_after_it_is_used():
-    p = KVProducer(FP, lease_s=0.5)
+    p = KVProducer(FP, token=TOKEN, lease_s=0.5)
     port = await p.start()
     blocks = Published(5, MAX_FRAME_BLOCKS + 4)
     p.publish("r5", blocks.read, blocks.free)
@@ -320,7 +323,7 @@ async def test_one_flipped_byte_in_transit_is_caught_and_nothing_after_it_is_use
     # a byte in the second frame's payload: the first frame's blocks are good and delivered
     flip = welcome_len(p) + first + MAX_FRAME_BLOCKS * BLOCK + 200
     proxy = FaultyProxy(port, flip_at=flip)
-    consumer = KVConsumer(FP)
+    consumer = KVConsumer(FP, token=TOKEN)
     good = []
     with pytest.raises(TransferError) as e:
         async for frame in consumer.pull("127.0.0.1", await proxy.start(), "r5"):
@@ -341,13 +344,13 @@ async def wait_freed(p: KVProducer, blocks: Published, within_s: float, times: i
 
 
 async def test_a_socket_cut_mid_frame_fails_the_pull_as_truncated_and_the_lease_still_ends():
-    p = KVProducer(FP, lease_s=0.5)
+    p = KVProducer(FP, token=TOKEN, lease_s=0.5)
     port = await p.start()
     blocks = Published(6, 8)
     p.publish("r6", blocks.read, blocks.free)
     p.progress("r6", 8, complete=True)
     proxy = FaultyProxy(port, cut_after=welcome_len(p) + 300)
-    consumer = KVConsumer(FP)
+    consumer = KVConsumer(FP, token=TOKEN)
     started = time.monotonic()
     with pytest.raises(TransferError) as e:
         await collect(consumer, await proxy.start(), "r6")
@@ -357,12 +360,12 @@ async def test_a_socket_cut_mid_frame_fails_the_pull_as_truncated_and_the_lease_
 
 
 async def test_a_decode_side_stalled_past_the_lease_finds_it_expired_and_the_blocks_freed():
-    p = KVProducer(FP, lease_s=0.5)
+    p = KVProducer(FP, token=TOKEN, lease_s=0.5)
     port = await p.start()
     blocks = Published(7, 6)
     p.publish("r7", blocks.read, blocks.free)
     p.progress("r7", 2)  # the prefill stalls too: nothing renews the lease
-    consumer = KVConsumer(FP)
+    consumer = KVConsumer(FP, token=TOKEN)
     frames = consumer.pull("127.0.0.1", port, "r7")
     first = await anext(frames)
     assert first.num_blocks == 2
@@ -377,11 +380,11 @@ async def test_a_decode_side_stalled_past_the_lease_finds_it_expired_and_the_blo
 async def test_a_prompt_queued_behind_others_outlives_many_leases_while_its_engine_steps():
     """The engine's steps renew a prompt it has not computed yet, and ``pending`` frames keep the
     pull's read timeout from firing on a producer that is busy, not silent."""
-    p = KVProducer(FP, lease_s=0.6)
+    p = KVProducer(FP, token=TOKEN, lease_s=0.6)
     port = await p.start()
     blocks = Published(8, 5)
     p.publish("r8", blocks.read, blocks.free)
-    consumer = KVConsumer(FP, read_timeout_s=0.6)
+    consumer = KVConsumer(FP, token=TOKEN, read_timeout_s=0.6)
     task = asyncio.create_task(collect(consumer, port, "r8", boot_id=p.boot_id))
     for _ in range(10):  # 2 s queued: more than three leases and three read timeouts
         await asyncio.sleep(0.2)
@@ -394,16 +397,16 @@ async def test_a_prompt_queued_behind_others_outlives_many_leases_while_its_engi
 
 
 async def test_a_restarted_producer_is_detected_by_its_boot_id_and_stale_connections_dropped():
-    p = KVProducer(FP)
+    p = KVProducer(FP, token=TOKEN)
     port = await p.start()
-    consumer = KVConsumer(FP)
+    consumer = KVConsumer(FP, token=TOKEN)
     blocks = Published(8, 1)
     p.publish("r8", blocks.read, blocks.free)
     p.progress("r8", 1, complete=True)
     assert await collect(consumer, port, "r8", boot_id=p.boot_id) == blocks.data
     old_boot = p.boot_id
     await p.close()
-    restarted = KVProducer(FP)
+    restarted = KVProducer(FP, token=TOKEN)
     await restarted.start(port=port)
     with pytest.raises(TransferError) as e:  # the request was prefilled by the process that died
         await collect(consumer, port, "r8", boot_id=old_boot)
@@ -416,12 +419,12 @@ async def test_a_restarted_producer_is_detected_by_its_boot_id_and_stale_connect
 
 
 async def test_a_producer_killed_mid_pull_fails_it_at_once_and_one_that_goes_silent_times_out():
-    p = KVProducer(FP)
+    p = KVProducer(FP, token=TOKEN)
     port = await p.start()
     blocks = Published(10, 4)
     p.publish("r10", blocks.read, blocks.free)
     p.progress("r10", 1)
-    consumer = KVConsumer(FP, read_timeout_s=0.3)
+    consumer = KVConsumer(FP, token=TOKEN, read_timeout_s=0.3)
     frames = consumer.pull("127.0.0.1", port, "r10")
     await anext(frames)
     started = time.monotonic()
@@ -431,7 +434,7 @@ async def test_a_producer_killed_mid_pull_fails_it_at_once_and_one_that_goes_sil
     blocks2 = Published(11, 4)
     p.publish("r11", blocks2.read, blocks2.free)
     p.progress("r11", 1)
-    frames = KVConsumer(FP, read_timeout_s=30).pull("127.0.0.1", port, "r11")
+    frames = KVConsumer(FP, token=TOKEN, read_timeout_s=30).pull("127.0.0.1", port, "r11")
     await anext(frames)
     closing = asyncio.create_task(p.close())  # killed: every connection cut, every block freed
     with pytest.raises(TransferError) as e:
@@ -450,7 +453,7 @@ async def test_a_pull_abandoned_midway_hands_its_lease_back_at_once(producer):
     blocks = Published(13, 8)
     p.publish("r13", blocks.read, blocks.free)
     p.progress("r13", 2)  # the prefill goes on: the stream waits for more
-    consumer = KVConsumer(FP)
+    consumer = KVConsumer(FP, token=TOKEN)
     async for _frame in consumer.pull("127.0.0.1", port, "r13"):
         break  # the decode side gives up (its request was aborted)
     await wait_freed(p, blocks, within_s=2)
@@ -462,15 +465,15 @@ async def test_a_pull_abandoned_midway_hands_its_lease_back_at_once(producer):
 
 
 async def test_a_restarted_producer_is_never_told_to_release_an_id_it_may_hold_anew():
-    p = KVProducer(FP)
+    p = KVProducer(FP, token=TOKEN)
     port = await p.start()
-    consumer = KVConsumer(FP)
+    consumer = KVConsumer(FP, token=TOKEN)
     blocks = Published(14, 1)
     p.publish("r14", blocks.read, blocks.free)
     p.progress("r14", 1, complete=True)
     old = p.boot_id
     await p.close()
-    restarted = KVProducer(FP)
+    restarted = KVProducer(FP, token=TOKEN)
     await restarted.start(port=port)
     again = Published(15, 1)
     restarted.publish("r14", again.read, again.free)  # the same id, prefilled anew by the new process
@@ -482,13 +485,24 @@ async def test_a_restarted_producer_is_never_told_to_release_an_id_it_may_hold_a
     await consumer.close(); await restarted.close()
 
 
-async def fake_producer(answer: bytes) -> tuple[asyncio.Server, int]:
-    """A server that reads a hello and writes ``answer`` back, then waits."""
+async def read_frame(reader: asyncio.StreamReader) -> dict:
+    return protocol.decode(await reader.readexactly(protocol.header_length(await reader.readexactly(4))))
+
+
+async def fake_producer(fingerprint: Fingerprint, then: bytes = b"", token: str | None = TOKEN,
+                        heard: list | None = None) -> tuple[asyncio.Server, int]:
+    """A server that runs the producer's side of the handshake with ``token`` (None: it has none)
+    and welcomes with ``fingerprint``, then writes ``then`` and waits; ``heard`` collects the
+    frames the consumer sent."""
     async def handle(reader, writer):
         try:
-            n = protocol.header_length(await reader.readexactly(4))
-            await reader.readexactly(n)
-            writer.write(answer)
+            hello = await read_frame(reader)
+            frame, nonce_p = handshake.challenge(token, hello["nonce"])
+            writer.write(frame)
+            auth = await read_frame(reader)
+            if heard is not None:
+                heard.extend([hello, auth])
+            writer.write(handshake.welcome(token or "x", hello["nonce"], nonce_p, fingerprint, "b") + then)
             await writer.drain()
             await reader.read()  # until the consumer closes
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -500,20 +514,17 @@ async def fake_producer(answer: bytes) -> tuple[asyncio.Server, int]:
 
 
 async def test_the_consumer_believes_neither_a_foreign_welcome_nor_a_frame_that_lies_about_its_size():
-    other = dataclasses.replace(FP, num_layers=3)
-    welcome = protocol.encode("welcome", version=protocol.PROTOCOL_VERSION, fingerprint=other.to_wire(), boot_id="b")
-    server, port = await fake_producer(welcome)
+    server, port = await fake_producer(dataclasses.replace(FP, num_layers=3))
     with pytest.raises(TransferError) as e:
-        await collect(KVConsumer(FP), port, "r")
+        await collect(KVConsumer(FP, token=TOKEN), port, "r")
     assert e.value.kind == "incompatible" and "num_layers" in str(e.value)
     server.close()
-    mine = protocol.encode("welcome", version=protocol.PROTOCOL_VERSION, fingerprint=FP.to_wire(), boot_id="b")
     huge = protocol.encode("blocks", request_id="r", first_block=0, num_blocks=1, first_layer=0,
                            num_layers=FP.num_layers, nbytes=2**30, crc32c=0)
-    server, port = await fake_producer(mine + huge)  # announces 1 GiB and sends none of it
+    server, port = await fake_producer(FP, then=huge)  # announces 1 GiB and sends none of it
     started = time.monotonic()
     with pytest.raises(TransferError) as e:
-        await collect(KVConsumer(FP, read_timeout_s=30), port, "r")
+        await collect(KVConsumer(FP, token=TOKEN, read_timeout_s=30), port, "r")
     assert e.value.kind == "protocol" and time.monotonic() - started < 2  # refused at the header
     server.close()
 

@@ -267,6 +267,7 @@ def test_a_disaggregated_pool_prefills_long_prompts_elsewhere_and_answers_as_one
         moved = complete(url, long_prompt)
         assert metric(url, "cadenza_gateway_disagg_requests_total") == 1  # prefilled on the prefill replica
         assert metric(roles["decode"], "cadenza_kv_transfer_loads_total") == 1
+        assert metric(roles["decode"], "cadenza_kv_transfer_loaded_tokens_total") == 149  # the handshake passed
         assert metric(roles["prefill"], "cadenza_kv_transfer_published_total") == 1
         # the prefill replica serving the prompt whole, as a colocated replica would, gives the same tokens
         # (not the decode replica: its prefix cache now holds the KV it pulled)
