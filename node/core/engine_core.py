@@ -27,6 +27,7 @@ from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.core.stats import EngineStats
 from cadenza.node.credentials import KV_TRANSFER_NEEDS_TOKEN, admin_token
 from cadenza.node.kv_transfer.protocol import Fingerprint
+from cadenza.node.model_digest import model_digest
 from cadenza.node.runner.model_runner import ModelRunner
 from cadenza.node.runner.models.config import ModelConfig
 
@@ -70,9 +71,12 @@ class EngineCore:
         self.step_time_s: deque[float] = deque(maxlen=1024)  # measured model time of recent steps
 
     def _fingerprint(self) -> Fingerprint:
+        """This engine's KV layout and the digest of its model's files (hashed once per file:
+        :mod:`cadenza.node.model_digest`), which a peer's must equal for KV to move."""
         mc = self.model_config
         return Fingerprint(self.config.model_name, str(self.runner.dtype).removeprefix("torch."),
-                           self.config.cache.block_size, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+                           self.config.cache.block_size, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+                           weights=model_digest(self.config.model))
 
     def close(self) -> None:
         """Stop the KV transfer endpoint, if any (the rest goes with the process)."""

@@ -37,9 +37,9 @@ do, and what keeps one off the path, is in :mod:`.handshake`.
 
 Invariants: a consumer uses a payload only after its CRC32C matched (:func:`check_payload`); a
 block's payload for ``num_layers`` layers from ``first_layer`` is ``num_layers x
-Fingerprint.block_layer_bytes`` bytes, laid out layer-major; a fingerprint mismatch refuses the
-connection before any block moves; a boot id is fixed for the life of a producer process, so a
-changed one tells the consumer that every lease it held there is gone.
+Fingerprint.block_layer_bytes`` bytes, laid out layer-major; a fingerprint mismatch (the weights
+included) refuses the connection before any block moves; a boot id is fixed for the life of a
+producer process, so a changed one tells the consumer that every lease it held there is gone.
 
 Sources: the vLLM KV-connector contract (remote tokens, failed blocks recomputed) and
 NixlConnector's handshake (metadata check before transfer); CRC32C (Castagnoli), RFC 3720 §12.1.
@@ -55,7 +55,7 @@ from typing import Any
 import crc32c
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: the token handshake
+PROTOCOL_VERSION = 2  # 2: the token handshake, the weights in the fingerprint
 MAX_HEADER_BYTES = 64 * 2**10  # a header is a small map; more is a broken or hostile peer
 MAX_PAYLOAD_BYTES = 1 << 30  # one frame's block bytes (a chunk's worth of blocks is far less)
 MAX_ID_CHARS = 256  # a request id on the wire (ids are uuids or completion ids)
@@ -95,13 +95,15 @@ class Fingerprint:
     """What must match for one engine's KV blocks to mean the same on another.
 
     Attributes:
-        model: the served model's name (or its weights' digest).
+        model: the served model's name.
         dtype: the KV cache's element type, a key of :data:`DTYPE_BYTES`.
         block_size: tokens per KV block.
         num_layers: transformer layers (each has a K and a V per block).
         num_kv_heads: KV heads per layer (per tensor-parallel rank: the whole count / TP).
         head_dim: elements per head.
         tensor_parallel_size: ranks the heads are split across.
+        weights: the SHA-256 of the model's files (:func:`cadenza.node.model_digest.model_digest`):
+            the same name and shapes with other weights make other KV.
 
     Raises:
         ValueError: a field of the wrong type or range.
@@ -114,10 +116,13 @@ class Fingerprint:
     num_kv_heads: int
     head_dim: int
     tensor_parallel_size: int = 1
+    weights: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"fingerprint.model: must be a non-empty string, got {self.model!r}")
+        if not isinstance(self.weights, str) or len(self.weights) > 128:
+            raise ValueError(f"fingerprint.weights: must be a digest of at most 128 characters, got {self.weights!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"fingerprint.dtype: must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         for f in ("block_size", "num_layers", "num_kv_heads", "head_dim", "tensor_parallel_size"):

@@ -3,7 +3,8 @@ engine pulls it over loopback TCP and generates — and its greedy output equals
 engine's, token for token, whatever the prompt length, chunk size and prefix caching.
 
 Three engine cores in this process on the tiny random Llama (fp32): the prefill one and the
-decode one each with a KV transfer endpoint, and a plain one for the colocated reference.
+decode one each with a KV transfer endpoint, and a plain one for the colocated reference. A
+fourth, of the same shape and served name but other weights, shows that KV never crosses models.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from cadenza.node.core.kv_link import HOLDER
 from cadenza.node.core.messages import AddRequest
 from cadenza.node.core.request import RemoteKV, SamplingParams
 from cadenza.node.credentials import TOKEN_ENV, TOKEN_FILE_ENV
+from tiny_models import build_tiny_model
 
 BS = 16
 LENGTHS = (1, 2, 15, 16, 17, 31, 33, 64, 65, 100, 127, 128, 129, 200, 255, 257, 300)
@@ -31,6 +33,12 @@ _ids = itertools.count()
 def pool_token(monkeypatch):
     """The pool's token, which every KV transfer endpoint needs (both engines read it here)."""
     monkeypatch.setenv(TOKEN_ENV, "pool-token")
+
+
+@pytest.fixture(scope="module")
+def other_weights_dir(tmp_path_factory):
+    """The tiny Llama's twin: same shapes, same tokenizer, other weights (seed 1)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-seed-1"), seed=1)
 
 
 @contextlib.contextmanager
@@ -136,6 +144,31 @@ def test_an_engine_without_an_endpoint_refuses_to_publish_and_computes_remote_pr
     source = RemoteKV("127.0.0.1", 9, "x", "y", len(prompt))
     assert run(plain, AddRequest("a", prompt, greedy(3), remote_kv=source)) == run(
         plain, AddRequest("b", prompt, greedy(3)))
+
+
+def test_kv_of_other_weights_is_refused_before_any_block_moves_and_never_cached(tiny_llama_dir, other_weights_dir):
+    """A model-revision rollout keeps the served name and the shapes: the weights must still differ."""
+    knobs = dict(token_budget=64, chunk_size=64, max_model_len=512, num_kv_blocks=160, block_size=BS,
+                 prefix_caching=True, attention_backend="torch", served_model_name="tiny")
+    foreign = EngineCore.from_model(other_weights_dir, kv_transfer_port=0, **knobs)
+    decode = EngineCore.from_model(tiny_llama_dir, kv_transfer_port=0, **knobs)
+    colocated = EngineCore.from_model(tiny_llama_dir, **knobs)
+    try:
+        prompt = [random.Random(11).randrange(3, 300) for _ in range(120)]
+        want = run(colocated, AddRequest("c-foreign", prompt, greedy(6)))
+        assert run(foreign, AddRequest("f-ref", prompt, greedy(6))) != want  # the weights do differ
+        assert disaggregated(foreign, decode, prompt) == want  # refused, then computed here
+        s = decode.scheduler.stats
+        assert s.remote_kv_tokens == 0 and s.remote_kv_failed_loads == 1 and s.remote_kv_recomputed_tokens == 119
+        assert dict(decode.kv_link.stats.failures) == {"incompatible": 1}
+        assert foreign.kv_link.producer.stats.blocks_sent == 0
+        longer = prompt + [7, 8, 9, 10]  # an ordinary request sharing the prefix: a cache hit of this model's KV
+        assert run(decode, AddRequest("later", longer, greedy(6))) == run(colocated, AddRequest("c-later", longer,
+                                                                                               greedy(6)))
+        assert decode.scheduler.stats.prefix_cache_hit_tokens >= 112
+    finally:
+        foreign.close()
+        decode.close()
 
 
 def test_a_kv_transfer_endpoint_without_the_pools_token_does_not_start(tiny_llama_dir, monkeypatch):

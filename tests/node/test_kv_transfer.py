@@ -115,6 +115,7 @@ def test_fingerprints_name_every_field_that_differs():
     other = dataclasses.replace(FP, dtype="bfloat16", num_kv_heads=4)
     assert FP.mismatch(other) == ["dtype: 'float32' != 'bfloat16'", "num_kv_heads: 2 != 4"]
     assert FP.mismatch(Fingerprint.from_wire(FP.to_wire())) == []
+    assert FP.mismatch(dataclasses.replace(FP, weights="0f" * 32)) == [f"weights: '' != '{'0f' * 32}'"]
     assert Fingerprint.unpacked(FP.packed()) == FP
     with pytest.raises(ValueError):
         Fingerprint("m", "int3", 16, 1, 1, 1)

@@ -19,10 +19,10 @@ from cadenza.node.kv_transfer.consumer import KVConsumer
 from cadenza.node.kv_transfer.producer import KVProducer
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
 
-FP = Fingerprint("tiny-llama", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+FP = Fingerprint("tiny-llama", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, weights="ab" * 32)
 BLOCK = FP.num_layers * FP.block_layer_bytes
 TOKEN = "pool-token"
-SECRETS = ("tiny-llama", "float32", "head_dim", "num_layers")  # what an outsider must not learn
+SECRETS = ("tiny-llama", "float32", "ab" * 32, "head_dim", "num_layers")  # what an outsider must not learn
 
 
 @pytest.fixture
