@@ -55,8 +55,11 @@ class Refusal(Exception):
 
 
 def token_source(token: str | TokenSource | None) -> TokenSource:
-    """``token`` as a callable: a fixed string, a function read at each handshake, or None (no token)."""
-    return token if callable(token) else (lambda: token)
+    """``token`` as a callable: a fixed string, a function read at each handshake, or None (no
+    token; an empty string is none either)."""
+    if callable(token):
+        return lambda: token() or None
+    return lambda: token or None
 
 
 def proof(token: str, label: bytes, *parts: bytes) -> bytes:
