@@ -240,8 +240,10 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
 
     A mode shift is make-before-break: while an old role's Deployment still exists and a new
     role is not ready, the class Services keep selecting every engine pod (old and new) and the
-    old Deployment keeps serving; once every new role is ready the selectors narrow and the old
-    Deployment is deleted (by this call or a later resync).
+    old Deployment keeps serving — held to what was applied: a hand edit to it is set back when
+    the spec still renders it as before (:func:`render.render_retiring`) —; once every new role
+    is ready the selectors narrow and the old Deployment is deleted (by this call or a later
+    resync).
 
     Raises:
         kube.Transient, kube.Refused: as :func:`kube.apply`.
@@ -251,8 +253,11 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
     retiring = [name for name in render.stale_deployments(pool, roles) if _deployment(pool, name) is not None]
     waiting = [role.name for role in roles if not _role_ready(pool, role)] if retiring else []
     kept = tuple(name.removeprefix(f"{pool.name}-") for name in retiring) if waiting else ()
-    objects = render.render_all(pool, owner={"name": meta["name"], "uid": meta["uid"]}, narrow=not waiting,
-                                retiring=kept)
+    owner = {"name": meta["name"], "uid": meta["uid"]}
+    objects = render.render_all(pool, owner=owner, narrow=not waiting, retiring=kept)
+    # The old roles serve until the new are ready: held to what was applied, never rolled mid-shift.
+    objects += [obj for obj in render.render_retiring(pool, kept, owner)
+                if kube.rendered_as(_live(obj["kind"], pool.namespace, obj["metadata"]["name"]), obj)]
     conflicts = []
     for obj in objects:
         try:

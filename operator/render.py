@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cadenza.operator import pod_settings
-from cadenza.operator.pool import GPU_RESOURCES, MODEL_MOUNT, Pool, Role
+from cadenza.operator.pool import GPU_RESOURCES, MODEL_MOUNT, Pool, PoolSpecError, Role
 
 GROUP, VERSION, KIND = "serving.cadenza.dev", "v1alpha1", "ServingPool"
 POOL_LABEL, ROLE_LABEL = "serving.cadenza.dev/pool", "serving.cadenza.dev/role"
@@ -45,6 +45,8 @@ CONFIG_HASH = "serving.cadenza.dev/config-hash"
 HTTP_PORT = 8000
 KV_PORT = 9000  # the KV transfer endpoint of prefill and decode pods
 ALL_ROLES = ("colocated", "interactive", "batch", "auto", "prefill", "decode")
+MODE_OF_ROLE = {"colocated": "colocated", "interactive": "dedicated", "batch": "dedicated", "auto": "auto",
+                "prefill": "disaggregated", "decode": "disaggregated"}
 _SECURE_CONTAINER = {
     "runAsNonRoot": True, "runAsUser": 65532, "readOnlyRootFilesystem": True,
     "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
@@ -409,6 +411,27 @@ def render_all(pool: Pool, owner: Mapping[str, str] | None = None, narrow: bool 
         *render_autoscaler(pool, owner),
         *render_gateway(pool, owner),
     ]
+
+
+def render_retiring(pool: Pool, retiring: tuple[str, ...], owner=None) -> list[dict]:
+    """The Deployments of the roles a mode shift is retiring (``retiring``: role names), as the
+    mode that runs them (:data:`MODE_OF_ROLE`) renders them under the current spec.
+
+    For a shift that changes only ``mode`` this is exactly what was applied before the shift
+    (the engine Deployment of a role does not depend on the mode), so the caller can hold a
+    retiring Deployment to it — a hand edit is set back while it still serves — and leave alone
+    one the spec now renders otherwise (checking the rendering's digest): a role about to go is
+    never rolled or rescaled mid-shift. A split the current spec no longer allows renders nothing.
+    """
+    out = []
+    for mode in dict.fromkeys(MODE_OF_ROLE[name] for name in retiring):
+        before = Pool(pool.name, pool.namespace, {**pool.spec, "mode": mode})
+        try:
+            roles = before.roles()
+        except PoolSpecError:
+            continue
+        out += [render_engine_deployment(before, role, owner) for role in roles if role.name in retiring]
+    return out
 
 
 def stale_deployments(pool: Pool, roles: list[Role]) -> list[str]:

@@ -415,6 +415,21 @@ def test_a_retiring_role_keeps_its_budget_until_it_is_gone_and_stale_ones_are_na
     assert "chat-gateway" not in stale and "chat-gateway" in stale_pdbs(pool(replicas=1), pool(replicas=1).roles())
 
 
+@pytest.mark.parametrize("old, new", [("dedicated", "colocated"), ("disaggregated", "dedicated"),
+                                      ("colocated", "disaggregated"), ("auto", "colocated")])
+def test_a_retiring_role_renders_as_its_mode_applied_it_when_only_the_mode_changed(old, new):
+    from cadenza.operator.render import render_retiring
+
+    before = by_name(render_all(pool(mode=old), OWNER))
+    after = pool(mode=new)
+    retiring = tuple(name.removeprefix("chat-") for name in stale_deployments(after, after.roles())
+                     if ("Deployment", name) in before)
+    assert retiring and by_name(render_retiring(after, retiring, OWNER)) == {
+        key: obj for key, obj in before.items() if key[0] == "Deployment" and key[1].removeprefix("chat-") in retiring}
+    # a split the spec no longer allows (one replica cannot be split in two roles) renders nothing
+    assert render_retiring(pool(mode="colocated", replicas=1), ("interactive", "batch"), OWNER) == []
+
+
 def test_autoscaling_renders_a_scaler_of_the_pools_own_scale_subresource():
     metrics = [{"type": "Pods", "pods": {"metric": {"name": "cadenza_requests"},
                                          "target": {"type": "AverageValue", "averageValue": "8"}}}]
