@@ -235,8 +235,9 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
     """Apply every object, retire the Deployments of roles the mode no longer runs, report status.
 
     It also deletes every PodDisruptionBudget the pool no longer renders (a retiring role's
-    aside) and a removed autoscaler: free under kopf, where a name the watch has not seen costs
-    no call; a read per name otherwise.
+    aside), the KV NetworkPolicy once no running or retiring role listens for KV, and a removed
+    autoscaler: free under kopf, where a name the watch has not seen costs no call; a read per
+    name otherwise.
 
     A mode shift is make-before-break: while an old role's Deployment still exists and a new
     role is not ready, the class Services keep selecting every engine pod (old and new) and the
@@ -280,6 +281,7 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
         retiring = []
     kept_pdbs = {f"{pool.name}-{role}" for role in kept}
     stale = [("PodDisruptionBudget", name) for name in render.stale_pdbs(pool, roles) if name not in kept_pdbs]
+    stale += [("NetworkPolicy", name) for name in render.stale_network_policies(pool, [*(r.name for r in roles), *kept])]
     if not pool.spec.get("autoscaling"):  # autoscaling removed: the scaler goes, replicas are the spec's again
         stale.append(("HorizontalPodAutoscaler", pool.name))
     for kind, name in stale:
@@ -307,6 +309,7 @@ CHILD_KINDS = {
     "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     "HorizontalPodAutoscaler": ("autoscaling", "v2", "horizontalpodautoscalers"),
+    "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
 }
 _MANAGED = {"app.kubernetes.io/managed-by": "cadenza-operator"}
 _children: dict[str, Any] = {}  # kind -> kopf.Index of (namespace, name) -> the object; empty: not watching
@@ -396,6 +399,7 @@ async def stop_resync(**_: Any) -> None:
         _resync_task.cancel()
     _children.clear()
     _pools = None  # an operator started later in this process watches anew
+    _tokens.clear()  # and reads each pool's admin Secret anew (it may be another cluster's pool)
 
 
 async def _resync_forever(index: Any) -> None:

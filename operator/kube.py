@@ -44,8 +44,11 @@ LAST_APPLIED = "serving.cadenza.dev/last-applied"  # client-side apply of operat
 APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"
 # Fields whose live value must equal the rendering, extra keys included: atomic in the API's
-# schema, so server-side apply replaces them whole (a key added by hand is drift, not another's).
-_ATOMIC = {"Service": (("spec", "selector"),)}
+# schema, so server-side apply replaces them whole (a key added by hand is drift, not another's:
+# a peer widened to every namespace in the KV NetworkPolicy, say). The API server defaults
+# nothing inside them (the rendering spells out each port's protocol), so exact equality holds.
+_ATOMIC = {"Service": (("spec", "selector"),),
+           "NetworkPolicy": (("spec", "podSelector"), ("spec", "ingress"))}
 
 
 class Transient(Exception):
@@ -101,6 +104,7 @@ def _apis(kind: str):
         "Role": (rbac, "namespaced_role"),
         "RoleBinding": (rbac, "namespaced_role_binding"),
         "HorizontalPodAutoscaler": (autoscaling, "namespaced_horizontal_pod_autoscaler"),
+        "NetworkPolicy": (kubernetes.client.NetworkingV1Api(client), "namespaced_network_policy"),
     }
     api, suffix = table[kind]
     return (getattr(api, f"read_{suffix}"), getattr(api, f"create_{suffix}"),
@@ -165,13 +169,25 @@ def leftovers(stored: dict | None, desired: dict) -> dict | None:
     write again for nothing, each resync. This patch removes those keys once, on any server."""
     out: dict = {}
     for path in _ATOMIC.get(desired["kind"], ()):
-        have, want = _at(stored, path), _at(desired, path)
-        if not isinstance(have, dict) or not isinstance(want, dict) or not set(have) - set(want):
+        removal = _dropped(_at(stored, path), _at(desired, path))
+        if removal is None:
             continue
         node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = {key: None for key in sorted(set(have) - set(want))}
+        node[path[-1]] = removal
+    return out or None
+
+
+def _dropped(have: Any, want: Any) -> dict | None:
+    """The merge patch that nulls the keys of map ``have`` that ``want`` lacks, in maps both hold
+    too (lists: a merge patch replaces them whole already); None when there are none."""
+    if not isinstance(have, dict) or not isinstance(want, dict):
+        return None
+    out: dict = {key: None for key in sorted(set(have) - set(want))}
+    for key in sorted(set(have) & set(want)):
+        if (inner := _dropped(have[key], want[key])) is not None:
+            out[key] = inner
     return out or None
 
 

@@ -18,7 +18,10 @@ Every function returns plain dicts (testable without a cluster). For a pool name
   ``p-gateway`` while the gateway runs two replicas;
 - the gateway: ServiceAccount, Role and RoleBinding ``p-gateway`` (read EndpointSlices) and a
   Deployment ``p-gateway`` running ``cadenza gateway --kubernetes`` (with the pool's token in
-  disaggregated mode: it asks the replicas to move KV).
+  disaggregated mode: it asks the replicas to move KV);
+- while a role with a KV transfer endpoint runs (disaggregated mode, and a shift away from it
+  until its pods are gone), the NetworkPolicy ``p-kv``: the KV port of those pods admits only the
+  pool's own engine pods, their HTTP port stays open.
 
 All carry an owner reference to the pool.
 """
@@ -323,6 +326,43 @@ def render_pdbs(pool: Pool, roles: list[str], owner=None) -> list[dict]:
     return out
 
 
+def network_policy_name(pool: Pool) -> str:
+    return f"{pool.name}-kv"
+
+
+def render_network_policy(pool: Pool, roles: list[str], owner=None) -> list[dict]:
+    """The NetworkPolicy of the pool's KV transfer endpoints, when one of the engine roles in
+    ``roles`` (running or retiring) runs one (:attr:`Role.kv_transfer`); none otherwise.
+
+    It selects the pods of those roles and admits ingress to their KV port (:data:`KV_PORT`, TCP)
+    only from the pool's own engine pods (a decode replica pulls from a prefill replica; nothing
+    else speaks the KV protocol, the gateway included), and to their HTTP port
+    (:data:`HTTP_PORT`) from anywhere, as before: a policy that selects a pod denies every
+    ingress it does not list, and the gateway, the kubelet's probes and Prometheus reach the
+    engine there. Egress is left as it is. Only a network plugin that enforces NetworkPolicy
+    (Calico, Cilium, ...) applies it; elsewhere it is accepted and does nothing.
+
+    Source: https://kubernetes.io/docs/concepts/services-networking/network-policies/
+    """
+    kv = sorted({name for name in roles if pool.role_settings(name).kv_transfer})
+    if not kv:
+        return []
+    return [{
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(pool, network_policy_name(pool), "engine", owner),
+        "spec": {
+            "podSelector": {"matchLabels": engine_selector(pool),
+                            "matchExpressions": [{"key": ROLE_LABEL, "operator": "In", "values": kv}]},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"protocol": "TCP", "port": HTTP_PORT}]},
+                {"from": [{"podSelector": {"matchLabels": engine_selector(pool)}}],
+                 "ports": [{"protocol": "TCP", "port": KV_PORT}]},
+            ],
+        },
+    }]
+
+
 def render_autoscaler(pool: Pool, owner=None) -> list[dict]:
     """The pool's HorizontalPodAutoscaler (``spec.autoscaling``; none without it). It scales the
     ServingPool's ``/scale`` subresource — ``spec.replicas``, read back from ``status.replicas``
@@ -397,7 +437,8 @@ def render_all(pool: Pool, owner: Mapping[str, str] | None = None, narrow: bool 
     Args:
         narrow: see :func:`render_services` (False while a mode shift waits for the new roles).
         retiring: roles whose Deployments still run during a mode shift: their policy files stay
-            in the ConfigMap, so a pod of theirs that restarts still finds its file.
+            in the ConfigMap, so a pod of theirs that restarts still finds its file, and their
+            disruption budgets and KV NetworkPolicy stay.
 
     Raises:
         PoolSpecError: a spec that cannot run (see :meth:`Pool.roles`).
@@ -408,6 +449,7 @@ def render_all(pool: Pool, owner: Mapping[str, str] | None = None, narrow: bool 
         *[render_engine_deployment(pool, role, owner) for role in roles],
         *render_services(pool, owner, narrow),
         *render_pdbs(pool, [*(role.name for role in roles), *retiring], owner),
+        *render_network_policy(pool, [*(role.name for role in roles), *retiring], owner),
         *render_autoscaler(pool, owner),
         *render_gateway(pool, owner),
     ]
@@ -447,6 +489,11 @@ def stale_pdbs(pool: Pool, roles: list[Role]) -> list[str]:
     running = {role.name for role in roles}
     stale = [f"{pool.name}-{role}" for role in ALL_ROLES if role not in running] + [f"{pool.name}-engine"]
     return stale + ([f"{pool.name}-gateway"] if _gateway_replicas(pool) == 1 else [])
+
+
+def stale_network_policies(pool: Pool, roles: list[str]) -> list[str]:
+    """The KV NetworkPolicy when no engine role in ``roles`` (running or retiring) needs it."""
+    return [] if render_network_policy(pool, roles) else [network_policy_name(pool)]
 
 
 def stale_services(pool: Pool) -> list[str]:

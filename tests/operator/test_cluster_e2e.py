@@ -240,3 +240,57 @@ def test_a_pool_that_changed_mode_converges_and_still_repairs_drift(namespace):
         assert _events(core, namespace, name) - posted == {("Updated", f"Deployment {name}-colocated"): 1}
         custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     assert runner.exit_code == 0, runner.output
+
+
+def test_a_disaggregated_pools_kv_port_policy_is_accepted_held_and_removed_with_the_mode(namespace):
+    """The KV NetworkPolicy as a real API server stores it (its schema is the server's), set back
+    after a hand edit, and — with ``CADENZA_E2E_IMAGE``, once the shift to ``colocated`` is done —
+    deleted. Whether traffic is filtered depends on the cluster's network plugin, not tested here."""
+    import kubernetes
+    from kopf.testing import KopfRunner
+
+    from cadenza.operator import render
+    from cadenza.operator.pool import Pool
+    from cadenza.operator.validate import validate_pool
+
+    pool = yaml.safe_load((ROOT / "manifests/examples/quickstart-cpu.yaml").read_text())
+    name = pool["metadata"]["name"] = "kv"
+    pool["metadata"]["namespace"] = namespace
+    pool["spec"]["mode"] = "disaggregated"
+    image = os.environ.get("CADENZA_E2E_IMAGE")
+    if image:
+        pool["spec"]["image"] = image
+    custom, apps = kubernetes.client.CustomObjectsApi(), kubernetes.client.AppsV1Api()
+    net = kubernetes.client.NetworkingV1Api()
+    client = kubernetes.client.ApiClient()
+    expected = next(obj["spec"] for obj in render.render_all(Pool(name, namespace, validate_pool(pool)["spec"]))
+                    if obj["kind"] == "NetworkPolicy")
+
+    def policy():
+        try:
+            return client.sanitize_for_serialization(net.read_namespaced_network_policy(f"{name}-kv", namespace))
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    with KopfRunner(["run", "--standalone", "--namespace", namespace, "-m", "cadenza.operator.handlers"],
+                    timeout=900) as runner:
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, pool)
+        stored = wait_for(policy, 60, "the KV NetworkPolicy")
+        assert stored["spec"] == expected
+        opened = [expected["ingress"][0], {**expected["ingress"][1], "from": [
+            {**expected["ingress"][1]["from"][0], "namespaceSelector": {}}]}]
+        net.patch_namespaced_network_policy(f"{name}-kv", namespace, {"spec": {"ingress": opened}})
+        wait_for(lambda: policy()["spec"] == expected, 60, "the KV rule set back")
+        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {"spec": {"mode": "colocated"}})
+        if image:
+            wait_for(lambda: {d.metadata.name for d in apps.list_namespaced_deployment(
+                namespace, label_selector=f"serving.cadenza.dev/pool={name}").items}
+                == {f"{name}-colocated", f"{name}-gateway"}, 900, "the shift done")
+            wait_for(lambda: policy() is None, 60, "the KV NetworkPolicy deleted")
+        else:  # no pod becomes ready: the shift waits, and the old KV pods stay covered
+            time.sleep(5)
+            assert policy() is not None
+        custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    assert runner.exit_code == 0, runner.output

@@ -162,7 +162,7 @@ def test_a_refusal_is_permanent_and_carries_the_api_message(fake):
 
 
 @pytest.mark.parametrize("example", ["quickstart-cpu", "chat-gpu"])
-@pytest.mark.parametrize("mode", ["colocated", "dedicated"])
+@pytest.mark.parametrize("mode", ["colocated", "dedicated", "disaggregated"])
 def test_every_rendered_object_passes_the_clients_own_model_check(example, mode):
     """The client validates bodies before sending (a quantity written as a YAML number fails there)."""
     obj = load_pools(EXAMPLES / f"{example}.yaml")[0]
@@ -173,7 +173,8 @@ def test_every_rendered_object_passes_the_clients_own_model_check(example, mode)
     client = kubernetes.client.ApiClient()
     models = {"Deployment": "V1Deployment", "Service": "V1Service", "ConfigMap": "V1ConfigMap",
               "PodDisruptionBudget": "V1PodDisruptionBudget", "ServiceAccount": "V1ServiceAccount",
-              "Role": "V1Role", "RoleBinding": "V1RoleBinding", "HorizontalPodAutoscaler": "V2HorizontalPodAutoscaler"}
+              "Role": "V1Role", "RoleBinding": "V1RoleBinding", "HorizontalPodAutoscaler": "V2HorizontalPodAutoscaler",
+              "NetworkPolicy": "V1NetworkPolicy"}
     for obj in render.render_all(pool, owner={"name": pool.name, "uid": "u"}):
         model = getattr(kubernetes.client, models[obj["kind"]])
         model.from_dict(obj)  # raises on a wrong type
@@ -252,6 +253,10 @@ def test_a_key_a_server_kept_after_the_apply_dropped_it_is_removed_once(fake):
     assert kube.leftovers({"kind": "Service", "spec": {"selector": {"a": "1"}}}, service({"a": "1"})) is None
     assert kube.leftovers({"spec": {"selector": {"a": "1", "b": "2"}}}, service({"a": "1"})) == {
         "spec": {"selector": {"b": None}}}
+    policy = {"kind": "NetworkPolicy", "spec": {"podSelector": {"matchLabels": {"a": "1"}}}}
+    widened = {"spec": {"podSelector": {"matchLabels": {"a": "1", "b": "2"}, "matchExpressions": []}}}
+    assert kube.leftovers(widened, policy) == {
+        "spec": {"podSelector": {"matchExpressions": None, "matchLabels": {"b": None}}}}
 
 
 def test_containment_reads_maps_by_key_lists_by_item_and_quantities_as_strings():

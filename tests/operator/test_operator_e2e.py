@@ -301,6 +301,47 @@ def test_a_pool_that_changed_mode_converges_and_still_repairs_drift(api):
     assert runner.exit_code == 0, runner.output
 
 
+def kv_policy(api, name="chat-kv"):
+    return api.objects("networking.k8s.io/v1/networkpolicies").get(("default", name))
+
+
+@pytest.mark.slow  # waits for resyncs
+def test_a_disaggregated_pool_admits_its_kv_port_only_from_its_own_pods_until_it_leaves_the_mode(api):
+    engine_pods = {"serving.cadenza.dev/pool": "chat", "app.kubernetes.io/component": "engine"}
+    with KopfRunner(OPERATOR, timeout=120) as runner:
+        operator_watching(api)
+        custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, pool_body(mode="disaggregated"))
+        policy = wait_for(lambda: kv_policy(api), what="the KV NetworkPolicy")
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-chat"
+        assert policy["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "cadenza-operator"
+        assert policy["spec"]["podSelector"] == {"matchLabels": engine_pods, "matchExpressions": [
+            {"key": "serving.cadenza.dev/role", "operator": "In", "values": ["decode", "prefill"]}]}
+        rules = policy["spec"]["ingress"]
+        assert rules == [{"ports": [{"protocol": "TCP", "port": 8000}]},
+                         {"from": [{"podSelector": {"matchLabels": engine_pods}}],
+                          "ports": [{"protocol": "TCP", "port": 9000}]}]
+
+        # A hand edit that opens the KV port to every namespace is set back.
+        opened = [rules[0], {**rules[1], "from": [{"podSelector": {"matchLabels": engine_pods},
+                                                   "namespaceSelector": {}}]}]
+        kubernetes.client.NetworkingV1Api().patch_namespaced_network_policy(
+            "chat-kv", "default", {"spec": {"ingress": opened}})
+        assert kv_policy(api)["spec"]["ingress"] == opened
+        wait_for(lambda: kv_policy(api)["spec"]["ingress"] == rules, 10, "the KV rule set back")
+
+        # Leaving the mode: the policy stays while the prefill and decode pods serve, then goes.
+        mark_ready("chat-prefill", "chat-decode")
+        patch_pool({"mode": "colocated"})
+        wait_for(lambda: condition(get_pool(), "Progressing")["reason"] == "ModeShift", what="the shift")
+        assert kv_policy(api) is not None
+        wait_for(lambda: mark_ready("chat-colocated") and names(api, "apps/v1/deployments") == EXPECTED_COLOCATED,
+                 what="the shift done")
+        wait_for(lambda: kv_policy(api) is None, 10, "the KV NetworkPolicy deleted")
+        writes_during(api, 2)  # the shift's last status lands
+        assert writes_during(api, 3) == []
+    assert runner.exit_code == 0, runner.output
+
+
 def test_a_second_reconcile_changes_nothing_and_a_restart_converges_without_duplicates(api):
     with KopfRunner(OPERATOR, timeout=60) as runner:
         operator_watching(api)
