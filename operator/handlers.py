@@ -235,13 +235,16 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
     """Apply every object, retire the Deployments of roles the mode no longer runs, report status.
 
     It also deletes every PodDisruptionBudget the pool no longer renders (a retiring role's
-    aside) and a removed autoscaler: free under kopf, where a name the watch has not seen costs
-    no call; a read per name otherwise.
+    aside), the KV NetworkPolicy once no running or retiring role listens for KV, and a removed
+    autoscaler: free under kopf, where a name the watch has not seen costs no call; a read per
+    name otherwise.
 
     A mode shift is make-before-break: while an old role's Deployment still exists and a new
     role is not ready, the class Services keep selecting every engine pod (old and new) and the
-    old Deployment keeps serving; once every new role is ready the selectors narrow and the old
-    Deployment is deleted (by this call or a later resync).
+    old Deployment keeps serving — held to what was applied: a hand edit to it is set back when
+    the spec still renders it as before (:func:`render.render_retiring`) —; once every new role
+    is ready the selectors narrow and the old Deployment is deleted (by this call or a later
+    resync).
 
     Raises:
         kube.Transient, kube.Refused: as :func:`kube.apply`.
@@ -251,8 +254,11 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
     retiring = [name for name in render.stale_deployments(pool, roles) if _deployment(pool, name) is not None]
     waiting = [role.name for role in roles if not _role_ready(pool, role)] if retiring else []
     kept = tuple(name.removeprefix(f"{pool.name}-") for name in retiring) if waiting else ()
-    objects = render.render_all(pool, owner={"name": meta["name"], "uid": meta["uid"]}, narrow=not waiting,
-                                retiring=kept)
+    owner = {"name": meta["name"], "uid": meta["uid"]}
+    objects = render.render_all(pool, owner=owner, narrow=not waiting, retiring=kept)
+    # The old roles serve until the new are ready: held to what was applied, never rolled mid-shift.
+    objects += [obj for obj in render.render_retiring(pool, kept, owner)
+                if kube.rendered_as(_live(obj["kind"], pool.namespace, obj["metadata"]["name"]), obj)]
     conflicts = []
     for obj in objects:
         try:
@@ -275,6 +281,7 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
         retiring = []
     kept_pdbs = {f"{pool.name}-{role}" for role in kept}
     stale = [("PodDisruptionBudget", name) for name in render.stale_pdbs(pool, roles) if name not in kept_pdbs]
+    stale += [("NetworkPolicy", name) for name in render.stale_network_policies(pool, [*(r.name for r in roles), *kept])]
     if not pool.spec.get("autoscaling"):  # autoscaling removed: the scaler goes, replicas are the spec's again
         stale.append(("HorizontalPodAutoscaler", pool.name))
     for kind, name in stale:
@@ -302,6 +309,7 @@ CHILD_KINDS = {
     "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     "HorizontalPodAutoscaler": ("autoscaling", "v2", "horizontalpodautoscalers"),
+    "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
 }
 _MANAGED = {"app.kubernetes.io/managed-by": "cadenza-operator"}
 _children: dict[str, Any] = {}  # kind -> kopf.Index of (namespace, name) -> the object; empty: not watching
@@ -391,6 +399,7 @@ async def stop_resync(**_: Any) -> None:
         _resync_task.cancel()
     _children.clear()
     _pools = None  # an operator started later in this process watches anew
+    _tokens.clear()  # and reads each pool's admin Secret anew (it may be another cluster's pool)
 
 
 async def _resync_forever(index: Any) -> None:

@@ -44,8 +44,11 @@ LAST_APPLIED = "serving.cadenza.dev/last-applied"  # client-side apply of operat
 APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"
 # Fields whose live value must equal the rendering, extra keys included: atomic in the API's
-# schema, so server-side apply replaces them whole (a key added by hand is drift, not another's).
-_ATOMIC = {"Service": (("spec", "selector"),)}
+# schema, so server-side apply replaces them whole (a key added by hand is drift, not another's:
+# a peer widened to every namespace in the KV NetworkPolicy, say). The API server defaults
+# nothing inside them (the rendering spells out each port's protocol), so exact equality holds.
+_ATOMIC = {"Service": (("spec", "selector"),),
+           "NetworkPolicy": (("spec", "podSelector"), ("spec", "ingress"))}
 
 
 class Transient(Exception):
@@ -101,6 +104,7 @@ def _apis(kind: str):
         "Role": (rbac, "namespaced_role"),
         "RoleBinding": (rbac, "namespaced_role_binding"),
         "HorizontalPodAutoscaler": (autoscaling, "namespaced_horizontal_pod_autoscaler"),
+        "NetworkPolicy": (kubernetes.client.NetworkingV1Api(client), "namespaced_network_policy"),
     }
     api, suffix = table[kind]
     return (getattr(api, f"read_{suffix}"), getattr(api, f"create_{suffix}"),
@@ -140,14 +144,51 @@ def _same_quantity(live: Any, desired: Any) -> bool:
         return False
 
 
+def _at(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj
+
+
 def _holds(live: dict, desired: dict) -> bool:
     """:func:`contains`, and every atomic field of the kind (:data:`_ATOMIC`) exactly as rendered."""
-    def at(obj: Any, path: tuple[str, ...]) -> Any:
-        for key in path:
-            obj = obj.get(key) if isinstance(obj, dict) else None
-        return obj
-    return contains(live, desired) and all(at(live, path) == at(desired, path)
+    return contains(live, desired) and all(_at(live, path) == _at(desired, path)
                                            for path in _ATOMIC.get(desired["kind"], ()))
+
+
+def leftovers(stored: dict | None, desired: dict) -> dict | None:
+    """A JSON merge patch (RFC 7386) that removes the keys an atomic map of ``stored`` (the object
+    as the server answered an apply of ``desired``) still holds although ``desired`` dropped them;
+    None when there are none.
+
+    Server-side apply replaces an atomic map whole (a Service's ``spec.selector`` is
+    ``x-kubernetes-map-type: atomic``), so on a real API server its answer holds the selector as
+    rendered and this is None. A server that merges the apply instead — kmock's emulator, or
+    anything in front of the API that turns it into a merge patch — keeps the key a rendering
+    dropped (the role, after ``dedicated`` → ``colocated``), and then every later apply would
+    write again for nothing, each resync. This patch removes those keys once, on any server."""
+    out: dict = {}
+    for path in _ATOMIC.get(desired["kind"], ()):
+        removal = _dropped(_at(stored, path), _at(desired, path))
+        if removal is None:
+            continue
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = removal
+    return out or None
+
+
+def _dropped(have: Any, want: Any) -> dict | None:
+    """The merge patch that nulls the keys of map ``have`` that ``want`` lacks, in maps both hold
+    too (lists: a merge patch replaces them whole already); None when there are none."""
+    if not isinstance(have, dict) or not isinstance(want, dict):
+        return None
+    out: dict = {key: None for key in sorted(set(have) - set(want))}
+    for key in sorted(set(have) & set(want)):
+        if (inner := _dropped(have[key], want[key])) is not None:
+            out[key] = inner
+    return out or None
 
 
 def patch_is_noop(live: Any, patch: Any) -> bool:
@@ -245,6 +286,13 @@ def _stamped(obj: dict) -> dict:
     return {**obj, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), RENDERED: digest(obj)}}}
 
 
+def rendered_as(live: dict | None, obj: dict) -> bool:
+    """Whether ``live`` (an API dict) was last applied from the rendering ``obj`` (its
+    :data:`RENDERED` digest), whatever was changed in it since."""
+    annotations = ((live or {}).get("metadata") or {}).get("annotations") or {}
+    return annotations.get(RENDERED) == digest(obj)
+
+
 def read(kind: str, name: str, namespace: str) -> dict | None:
     """The object as the API holds it (an API dict, camelCase keys), None if there is none.
 
@@ -263,7 +311,13 @@ def read(kind: str, name: str, namespace: str) -> dict | None:
 
 def _recreate(kind: str, current: dict, desired: dict) -> bool:
     """Whether ``current`` must be deleted before ``desired`` can be applied: a Service turning
-    headless (``clusterIP: None``) cannot change its ``clusterIP`` in place."""
+    headless (``clusterIP: None``) cannot change its ``clusterIP`` in place.
+
+    On a real API server ``spec.clusterIP`` is immutable once allocated, so a Service holding an IP
+    is deleted (on the condition that it is still that object) and created headless. kmock
+    allocates no IP (``clusterIP`` stays unset), so there the apply sets ``None`` in place: the
+    delete-and-create path is shown by ``tests/operator/test_kube.py`` (an allocated IP, played)
+    and by ``tests/operator/test_cluster_e2e.py`` on a real server."""
     want = (desired.get("spec") or {}).get("clusterIP")
     have = (current.get("spec") or {}).get("clusterIP")
     return kind == "Service" and want == "None" and have not in (None, "None")
@@ -272,6 +326,12 @@ def _recreate(kind: str, current: dict, desired: dict) -> bool:
 def apply(obj: dict, live: dict | None = None) -> str:
     """Server-side apply ``obj`` as :data:`FIELD_MANAGER`, forced; ``created`` | ``updated`` |
     ``unchanged``.
+
+    What it relies on from the server: that the apply replaces atomic maps whole (a key a new
+    rendering drops goes) and answers with the object as stored. Where the answer still holds a
+    dropped key (a server that merged the apply: kmock), a merge patch removes it at once
+    (:func:`leftovers`), so a pool whose rendering dropped a key converges either way: the next
+    resync finds every child as rendered and writes nothing.
 
     ``live`` is the object as the caller last saw it (e.g. from a watch of the pool's
     children); without it (or when the caller saw none, which may be an object someone else made)
@@ -314,11 +374,15 @@ def apply(obj: dict, live: dict | None = None) -> str:
             else:
                 outcome = "updated"
         try:
-            patch(name, namespace, desired, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH)
+            stored = patch(name, namespace, desired, field_manager=FIELD_MANAGER, force=True,
+                           _content_type=APPLY_PATCH)
         except ApiException as exc:
             if exc.status != 404 or outcome != "created":
                 raise
             create(namespace, desired, field_manager=FIELD_MANAGER)  # a server that cannot create on apply (kmock)
+            return outcome
+        if stored is not None and (removal := leftovers(api_client().sanitize_for_serialization(stored), desired)):
+            patch(name, namespace, removal, field_manager=FIELD_MANAGER, _content_type=MERGE_PATCH)
         return outcome
     except Conflict:
         raise

@@ -18,7 +18,10 @@ Every function returns plain dicts (testable without a cluster). For a pool name
   ``p-gateway`` while the gateway runs two replicas;
 - the gateway: ServiceAccount, Role and RoleBinding ``p-gateway`` (read EndpointSlices) and a
   Deployment ``p-gateway`` running ``cadenza gateway --kubernetes`` (with the pool's token in
-  disaggregated mode: it asks the replicas to move KV).
+  disaggregated mode: it asks the replicas to move KV);
+- while a role with a KV transfer endpoint runs (disaggregated mode, and a shift away from it
+  until its pods are gone), the NetworkPolicy ``p-kv``: the KV port of those pods admits only the
+  pool's own engine pods, their HTTP port stays open.
 
 All carry an owner reference to the pool.
 """
@@ -31,7 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cadenza.operator import pod_settings
-from cadenza.operator.pool import GPU_RESOURCES, MODEL_MOUNT, Pool, Role
+from cadenza.operator.pool import GPU_RESOURCES, MODEL_MOUNT, Pool, PoolSpecError, Role
 
 GROUP, VERSION, KIND = "serving.cadenza.dev", "v1alpha1", "ServingPool"
 POOL_LABEL, ROLE_LABEL = "serving.cadenza.dev/pool", "serving.cadenza.dev/role"
@@ -45,6 +48,8 @@ CONFIG_HASH = "serving.cadenza.dev/config-hash"
 HTTP_PORT = 8000
 KV_PORT = 9000  # the KV transfer endpoint of prefill and decode pods
 ALL_ROLES = ("colocated", "interactive", "batch", "auto", "prefill", "decode")
+MODE_OF_ROLE = {"colocated": "colocated", "interactive": "dedicated", "batch": "dedicated", "auto": "auto",
+                "prefill": "disaggregated", "decode": "disaggregated"}
 _SECURE_CONTAINER = {
     "runAsNonRoot": True, "runAsUser": 65532, "readOnlyRootFilesystem": True,
     "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
@@ -321,6 +326,43 @@ def render_pdbs(pool: Pool, roles: list[str], owner=None) -> list[dict]:
     return out
 
 
+def network_policy_name(pool: Pool) -> str:
+    return f"{pool.name}-kv"
+
+
+def render_network_policy(pool: Pool, roles: list[str], owner=None) -> list[dict]:
+    """The NetworkPolicy of the pool's KV transfer endpoints, when one of the engine roles in
+    ``roles`` (running or retiring) runs one (:attr:`Role.kv_transfer`); none otherwise.
+
+    It selects the pods of those roles and admits ingress to their KV port (:data:`KV_PORT`, TCP)
+    only from the pool's own engine pods (a decode replica pulls from a prefill replica; nothing
+    else speaks the KV protocol, the gateway included), and to their HTTP port
+    (:data:`HTTP_PORT`) from anywhere, as before: a policy that selects a pod denies every
+    ingress it does not list, and the gateway, the kubelet's probes and Prometheus reach the
+    engine there. Egress is left as it is. Only a network plugin that enforces NetworkPolicy
+    (Calico, Cilium, ...) applies it; elsewhere it is accepted and does nothing.
+
+    Source: https://kubernetes.io/docs/concepts/services-networking/network-policies/
+    """
+    kv = sorted({name for name in roles if pool.role_settings(name).kv_transfer})
+    if not kv:
+        return []
+    return [{
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(pool, network_policy_name(pool), "engine", owner),
+        "spec": {
+            "podSelector": {"matchLabels": engine_selector(pool),
+                            "matchExpressions": [{"key": ROLE_LABEL, "operator": "In", "values": kv}]},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"protocol": "TCP", "port": HTTP_PORT}]},
+                {"from": [{"podSelector": {"matchLabels": engine_selector(pool)}}],
+                 "ports": [{"protocol": "TCP", "port": KV_PORT}]},
+            ],
+        },
+    }]
+
+
 def render_autoscaler(pool: Pool, owner=None) -> list[dict]:
     """The pool's HorizontalPodAutoscaler (``spec.autoscaling``; none without it). It scales the
     ServingPool's ``/scale`` subresource — ``spec.replicas``, read back from ``status.replicas``
@@ -395,7 +437,8 @@ def render_all(pool: Pool, owner: Mapping[str, str] | None = None, narrow: bool 
     Args:
         narrow: see :func:`render_services` (False while a mode shift waits for the new roles).
         retiring: roles whose Deployments still run during a mode shift: their policy files stay
-            in the ConfigMap, so a pod of theirs that restarts still finds its file.
+            in the ConfigMap, so a pod of theirs that restarts still finds its file, and their
+            disruption budgets and KV NetworkPolicy stay.
 
     Raises:
         PoolSpecError: a spec that cannot run (see :meth:`Pool.roles`).
@@ -406,9 +449,31 @@ def render_all(pool: Pool, owner: Mapping[str, str] | None = None, narrow: bool 
         *[render_engine_deployment(pool, role, owner) for role in roles],
         *render_services(pool, owner, narrow),
         *render_pdbs(pool, [*(role.name for role in roles), *retiring], owner),
+        *render_network_policy(pool, [*(role.name for role in roles), *retiring], owner),
         *render_autoscaler(pool, owner),
         *render_gateway(pool, owner),
     ]
+
+
+def render_retiring(pool: Pool, retiring: tuple[str, ...], owner=None) -> list[dict]:
+    """The Deployments of the roles a mode shift is retiring (``retiring``: role names), as the
+    mode that runs them (:data:`MODE_OF_ROLE`) renders them under the current spec.
+
+    For a shift that changes only ``mode`` this is exactly what was applied before the shift
+    (the engine Deployment of a role does not depend on the mode), so the caller can hold a
+    retiring Deployment to it — a hand edit is set back while it still serves — and leave alone
+    one the spec now renders otherwise (checking the rendering's digest): a role about to go is
+    never rolled or rescaled mid-shift. A split the current spec no longer allows renders nothing.
+    """
+    out = []
+    for mode in dict.fromkeys(MODE_OF_ROLE[name] for name in retiring):
+        before = Pool(pool.name, pool.namespace, {**pool.spec, "mode": mode})
+        try:
+            roles = before.roles()
+        except PoolSpecError:
+            continue
+        out += [render_engine_deployment(before, role, owner) for role in roles if role.name in retiring]
+    return out
 
 
 def stale_deployments(pool: Pool, roles: list[Role]) -> list[str]:
@@ -424,6 +489,11 @@ def stale_pdbs(pool: Pool, roles: list[Role]) -> list[str]:
     running = {role.name for role in roles}
     stale = [f"{pool.name}-{role}" for role in ALL_ROLES if role not in running] + [f"{pool.name}-engine"]
     return stale + ([f"{pool.name}-gateway"] if _gateway_replicas(pool) == 1 else [])
+
+
+def stale_network_policies(pool: Pool, roles: list[str]) -> list[str]:
+    """The KV NetworkPolicy when no engine role in ``roles`` (running or retiring) needs it."""
+    return [] if render_network_policy(pool, roles) else [network_policy_name(pool)]
 
 
 def stale_services(pool: Pool) -> list[str]:

@@ -24,8 +24,6 @@ def api(tmp_path, monkeypatch):
     with KubeEmulator({POOLS: info}) as emulator:
         config = str(emulator.write_kubeconfig(tmp_path / "kubeconfig"))
         monkeypatch.setenv("KUBECONFIG", config)
-        # kmock has no generateName, so every Event the operator posts collides (409): events are
-        # checked by the handler tests instead.
-        monkeypatch.setenv("CADENZA_OPERATOR_EVENTS", "false")
+        monkeypatch.delenv("CADENZA_OPERATOR_EVENTS", raising=False)  # Events on: the emulator names them
         kubernetes.config.load_kube_config(config_file=config)
         yield emulator

@@ -9,6 +9,7 @@ API server's service proxy).
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 import uuid
@@ -159,3 +160,137 @@ def test_server_side_apply_migrates_old_objects_and_removes_what_a_rendering_dro
              "the pool gone without an operator")
     wait_for(lambda: not apps.list_namespaced_deployment(namespace, label_selector=f"serving.cadenza.dev/pool={name}")
              .items, 120, "its children garbage-collected")
+
+
+def _events(core, namespace: str, name: str) -> collections.Counter:
+    """``(reason, message)`` of the Events about pool ``name``, counted (each Event object once,
+    whatever its ``count``: the operator posts a new one for each change)."""
+    items = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    return collections.Counter((e.reason, e.message) for e in items if e.involved_object.kind == "ServingPool")
+
+
+def test_a_pool_that_changed_mode_converges_and_still_repairs_drift(namespace):
+    """The quickstart pool created ``dedicated``, switched to ``colocated``: the class Services
+    lose the role key, the operator then writes nothing and posts no Event per resync, and a hand
+    edit of an engine Deployment's image is set back — the old role's while the shift waits for
+    the new one (without ``CADENZA_E2E_IMAGE`` no pod becomes ready, so it waits throughout), the
+    new role's once it serves."""
+    import kubernetes
+    from kopf.testing import KopfRunner
+
+    from cadenza.operator import handlers
+
+    pool = yaml.safe_load((ROOT / "manifests/examples/quickstart-cpu.yaml").read_text())
+    name = pool["metadata"]["name"] = "shift"
+    pool["metadata"]["namespace"] = namespace
+    pool["spec"]["mode"] = "dedicated"
+    image = os.environ.get("CADENZA_E2E_IMAGE")
+    if image:
+        pool["spec"]["image"] = image
+    custom, apps, core = (kubernetes.client.CustomObjectsApi(), kubernetes.client.AppsV1Api(),
+                          kubernetes.client.CoreV1Api())
+
+    def deployments():
+        return {d.metadata.name for d in apps.list_namespaced_deployment(
+            namespace, label_selector=f"serving.cadenza.dev/pool={name}").items}
+
+    def image_of(deployment):
+        try:
+            return apps.read_namespaced_deployment(deployment, namespace).spec.template.spec.containers[0].image
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None  # retired meanwhile
+            raise
+
+    def hand_edit(deployment):  # kubectl set image deployment/NAME engine=evil:latest
+        apps.patch_namespaced_deployment(deployment, namespace, {"spec": {"template": {"spec": {
+            "containers": [{"name": "engine", "image": "evil:latest"}]}}}})
+
+    def services():
+        return {cls: core.read_namespaced_service(f"{name}-{cls}", namespace) for cls in ("interactive", "batch")}
+
+    with KopfRunner(["run", "--standalone", "--namespace", namespace, "-m", "cadenza.operator.handlers"],
+                    timeout=900) as runner:
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, pool)
+        wait_for(lambda: deployments() == {f"{name}-interactive", f"{name}-batch", f"{name}-gateway"}, 60, "dedicated")
+        applied = image_of(f"{name}-batch")
+        if image:
+            wait_for(lambda: custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+                     ["status"].get("ready") == "2/2", 600, "dedicated replicas ready")
+        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {"spec": {"mode": "colocated"}})
+        wait_for(lambda: f"{name}-colocated" in deployments(), 60, "the colocated role")
+        hand_edit(f"{name}-batch")
+        wait_for(lambda: image_of(f"{name}-batch") in (applied, None), 60, "the old role's image set back")
+        wait_for(lambda: all(s.spec.selector == {"serving.cadenza.dev/pool": name,
+                                                 "app.kubernetes.io/component": "engine"}
+                             for s in services().values()), 60, "the role key gone from the class Services")
+        if image:
+            wait_for(lambda: deployments() == {f"{name}-colocated", f"{name}-gateway"}, 600, "the shift done")
+
+        # Converged: no write to the Services and no Event per resync.
+        time.sleep(3 * handlers.RESYNC_S)
+        versions, posted = {cls: s.metadata.resource_version for cls, s in services().items()}, _events(core, namespace, name)
+        time.sleep(5 * handlers.RESYNC_S)
+        assert {cls: s.metadata.resource_version for cls, s in services().items()} == versions
+        assert _events(core, namespace, name) == posted
+
+        hand_edit(f"{name}-colocated")
+        wait_for(lambda: image_of(f"{name}-colocated") == applied, 60, "the engine's image set back")
+        time.sleep(3 * handlers.RESYNC_S)
+        assert _events(core, namespace, name) - posted == {("Updated", f"Deployment {name}-colocated"): 1}
+        custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    assert runner.exit_code == 0, runner.output
+
+
+def test_a_disaggregated_pools_kv_port_policy_is_accepted_held_and_removed_with_the_mode(namespace):
+    """The KV NetworkPolicy as a real API server stores it (its schema is the server's), set back
+    after a hand edit, and — with ``CADENZA_E2E_IMAGE``, once the shift to ``colocated`` is done —
+    deleted. Whether traffic is filtered depends on the cluster's network plugin, not tested here."""
+    import kubernetes
+    from kopf.testing import KopfRunner
+
+    from cadenza.operator import render
+    from cadenza.operator.pool import Pool
+    from cadenza.operator.validate import validate_pool
+
+    pool = yaml.safe_load((ROOT / "manifests/examples/quickstart-cpu.yaml").read_text())
+    name = pool["metadata"]["name"] = "kv"
+    pool["metadata"]["namespace"] = namespace
+    pool["spec"]["mode"] = "disaggregated"
+    image = os.environ.get("CADENZA_E2E_IMAGE")
+    if image:
+        pool["spec"]["image"] = image
+    custom, apps = kubernetes.client.CustomObjectsApi(), kubernetes.client.AppsV1Api()
+    net = kubernetes.client.NetworkingV1Api()
+    client = kubernetes.client.ApiClient()
+    expected = next(obj["spec"] for obj in render.render_all(Pool(name, namespace, validate_pool(pool)["spec"]))
+                    if obj["kind"] == "NetworkPolicy")
+
+    def policy():
+        try:
+            return client.sanitize_for_serialization(net.read_namespaced_network_policy(f"{name}-kv", namespace))
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    with KopfRunner(["run", "--standalone", "--namespace", namespace, "-m", "cadenza.operator.handlers"],
+                    timeout=900) as runner:
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, pool)
+        stored = wait_for(policy, 60, "the KV NetworkPolicy")
+        assert stored["spec"] == expected
+        opened = [expected["ingress"][0], {**expected["ingress"][1], "from": [
+            {**expected["ingress"][1]["from"][0], "namespaceSelector": {}}]}]
+        net.patch_namespaced_network_policy(f"{name}-kv", namespace, {"spec": {"ingress": opened}})
+        wait_for(lambda: policy()["spec"] == expected, 60, "the KV rule set back")
+        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {"spec": {"mode": "colocated"}})
+        if image:
+            wait_for(lambda: {d.metadata.name for d in apps.list_namespaced_deployment(
+                namespace, label_selector=f"serving.cadenza.dev/pool={name}").items}
+                == {f"{name}-colocated", f"{name}-gateway"}, 900, "the shift done")
+            wait_for(lambda: policy() is None, 60, "the KV NetworkPolicy deleted")
+        else:  # no pod becomes ready: the shift waits, and the old KV pods stay covered
+            time.sleep(5)
+            assert policy() is not None
+        custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    assert runner.exit_code == 0, runner.output

@@ -26,13 +26,17 @@ def cluster(monkeypatch):
     def apply(obj, live=None):
         key = (obj["kind"], obj["metadata"]["name"])
         state["applied"].append(key)
-        state["objects"][key] = obj
+        meta = obj["metadata"]  # stored as kube.apply stores it: stamped with the rendering's digest
+        state["objects"][key] = {**obj, "metadata": {**meta, "annotations": {
+            **meta.get("annotations", {}), kube.RENDERED: kube.digest(obj)}}}
         if key in state["existing"]:
             return "unchanged"
         state["existing"].add(key)
         return "created"
 
     monkeypatch.setattr(kube, "apply", apply)
+    monkeypatch.setattr(kube, "read", lambda kind, name, ns: state["objects"].get((kind, name))
+                        if (kind, name) in state["existing"] else None)
     monkeypatch.setattr(kube, "delete", lambda kind, name, ns, owner_uid=None, live=None: (kind, name) in state["existing"]
                         and not state["existing"].discard((kind, name)))
     monkeypatch.setattr(kube, "deployment_status", lambda name, ns: {
@@ -210,6 +214,24 @@ def test_a_disaggregated_pool_reports_its_threshold_pinned_or_as_its_gateways_co
     assert run(body)["status"]["disaggregated"] == {"minPromptTokens": 900, "source": "pinned",
                                                     "message": "spec.disaggregated.minPromptTokens"}
     assert "disaggregated" not in run(BODY)["status"]
+
+
+def test_a_shift_holds_the_old_role_to_what_was_applied_and_never_rolls_it(cluster):
+    dedicated = {**BODY, "spec": {**BODY["spec"], "mode": "dedicated", "dedicated": {"interactiveReplicas": 1}}}
+    run(dedicated)
+    colocated = {**BODY, "spec": {**dedicated["spec"], "mode": "colocated"}}
+    run(colocated)  # the colocated role is not ready: interactive and batch still serve
+    assert {("Deployment", "chat-interactive"), ("Deployment", "chat-batch")} <= cluster["existing"]
+    cluster["applied"].clear()
+    resync(colocated, cluster)
+    # only the mode changed: the old roles render as they were applied, so drift in them is repaired
+    assert {("Deployment", "chat-interactive"), ("Deployment", "chat-batch")} <= set(cluster["applied"])
+
+    cluster["applied"].clear()
+    resync({**colocated, "spec": {**colocated["spec"], "image": "engine:2"}}, cluster)
+    # the spec now runs another image: the old roles keep theirs until retired (not rolled mid-shift)
+    assert ("Deployment", "chat-colocated") in cluster["applied"]
+    assert not {("Deployment", "chat-interactive"), ("Deployment", "chat-batch")} & set(cluster["applied"])
 
 
 def test_the_one_budget_for_every_engine_pod_an_older_operator_made_goes_on_reconcile(cluster, monkeypatch):

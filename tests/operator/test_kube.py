@@ -48,6 +48,7 @@ class FakeApi:
 
     def __init__(self, current=None, error=None):
         self.current, self.error, self.calls = current, error, []
+        self.answer = None  # what an apply answers (the object as stored); None: nothing checked
 
     def read(self, name, namespace):
         self.calls.append("read")
@@ -64,6 +65,7 @@ class FakeApi:
         self.calls.append(("patch", body, _content_type))
         if _content_type == kube.APPLY_PATCH:
             assert field_manager == "cadenza-operator" and force is True
+            return self.answer
 
     def delete(self, name, namespace, body=None):
         self.calls.append(("delete", body) if body is not None else "delete")
@@ -160,7 +162,7 @@ def test_a_refusal_is_permanent_and_carries_the_api_message(fake):
 
 
 @pytest.mark.parametrize("example", ["quickstart-cpu", "chat-gpu"])
-@pytest.mark.parametrize("mode", ["colocated", "dedicated"])
+@pytest.mark.parametrize("mode", ["colocated", "dedicated", "disaggregated"])
 def test_every_rendered_object_passes_the_clients_own_model_check(example, mode):
     """The client validates bodies before sending (a quantity written as a YAML number fails there)."""
     obj = load_pools(EXAMPLES / f"{example}.yaml")[0]
@@ -171,7 +173,8 @@ def test_every_rendered_object_passes_the_clients_own_model_check(example, mode)
     client = kubernetes.client.ApiClient()
     models = {"Deployment": "V1Deployment", "Service": "V1Service", "ConfigMap": "V1ConfigMap",
               "PodDisruptionBudget": "V1PodDisruptionBudget", "ServiceAccount": "V1ServiceAccount",
-              "Role": "V1Role", "RoleBinding": "V1RoleBinding", "HorizontalPodAutoscaler": "V2HorizontalPodAutoscaler"}
+              "Role": "V1Role", "RoleBinding": "V1RoleBinding", "HorizontalPodAutoscaler": "V2HorizontalPodAutoscaler",
+              "NetworkPolicy": "V1NetworkPolicy"}
     for obj in render.render_all(pool, owner={"name": pool.name, "uid": "u"}):
         model = getattr(kubernetes.client, models[obj["kind"]])
         model.from_dict(obj)  # raises on a wrong type
@@ -232,6 +235,28 @@ def test_a_hand_edit_to_a_field_the_operator_sets_is_reverted_and_server_default
     widened = {**stored, "spec": {"selector": {"pool": "p", "role": "batch", "extra": "x"}}}  # a key added by hand
     fake.current = live(widened, cluster_ip="10.0.0.7")
     assert kube.apply(first) == "updated"  # a selector is atomic: applied whole, the key goes
+
+
+def test_a_key_a_server_kept_after_the_apply_dropped_it_is_removed_once(fake):
+    """What the operator relies on: an apply replaces a selector whole. A server that merged it
+    instead (kmock) answers with the dropped key still there; a merge patch removes it, once."""
+    fake.current = live(service({"pool": "p", "role": "batch"}))
+    fake.answer = live(service({"pool": "p", "role": "batch"}))  # merged, not replaced
+    assert kube.apply(service({"pool": "p"})) == "updated"
+    (_, applied, ssa), (_, removal, merge) = fake.calls[-2:]
+    assert ssa == kube.APPLY_PATCH and applied["spec"]["selector"] == {"pool": "p"}
+    assert merge == kube.MERGE_PATCH and removal == {"spec": {"selector": {"role": None}}}
+
+    fake.calls, fake.answer = [], live(service({"pool": "p"}))  # a real server: replaced
+    kube.apply(service({"pool": "p", "tier": "x"}))
+    assert [call[2] for call in fake.calls if call != "read"] == [kube.APPLY_PATCH]  # no second write
+    assert kube.leftovers({"kind": "Service", "spec": {"selector": {"a": "1"}}}, service({"a": "1"})) is None
+    assert kube.leftovers({"spec": {"selector": {"a": "1", "b": "2"}}}, service({"a": "1"})) == {
+        "spec": {"selector": {"b": None}}}
+    policy = {"kind": "NetworkPolicy", "spec": {"podSelector": {"matchLabels": {"a": "1"}}}}
+    widened = {"spec": {"podSelector": {"matchLabels": {"a": "1", "b": "2"}, "matchExpressions": []}}}
+    assert kube.leftovers(widened, policy) == {
+        "spec": {"podSelector": {"matchExpressions": None, "matchLabels": {"b": None}}}}
 
 
 def test_containment_reads_maps_by_key_lists_by_item_and_quantities_as_strings():

@@ -157,6 +157,7 @@ def granted(group: str, resource: str) -> set[str]:
         ("", "serviceaccounts", set(RULE_VERBS)),
         ("policy", "poddisruptionbudgets", set(RULE_VERBS)),
         ("autoscaling", "horizontalpodautoscalers", set(RULE_VERBS)),
+        ("networking.k8s.io", "networkpolicies", set(RULE_VERBS)),  # the KV port's policy
         ("rbac.authorization.k8s.io", "roles", set(RULE_VERBS)),
         ("rbac.authorization.k8s.io", "rolebindings", set(RULE_VERBS)),
         ("discovery.k8s.io", "endpointslices", {"get", "list", "watch"}),
@@ -170,6 +171,24 @@ def granted(group: str, resource: str) -> set[str]:
 )
 def test_operator_holds_what_it_needs(group, resource, verbs):
     assert verbs <= granted(group, resource)
+
+
+def test_every_kind_the_operator_renders_or_watches_is_granted():
+    """RBAC kept honest by the code: each kind a pool can render (in any mode, with autoscaling)
+    and each child kind kopf watches can be created, read, watched, patched and deleted."""
+    from cadenza.operator import handlers, render
+    from cadenza.operator.pool import MODES, Pool
+    from cadenza.operator.validate import load_pools
+
+    example = load_pools(MANIFESTS / "examples" / "quickstart-cpu.yaml")[0]["spec"]
+    spec = {**example, "replicas": 3, "autoscaling": {"minReplicas": 2, "maxReplicas": 4}}
+    rendered = {(obj["apiVersion"].rpartition("/")[0], obj["kind"]) for mode in MODES
+                for obj in render.render_all(Pool("p", "ns", {**spec, "mode": mode}), {"name": "p", "uid": "u"})}
+    watched = {(resource[0] if len(resource) == 3 else "", kind) for kind, resource in handlers.CHILD_KINDS.items()}
+    plural = {kind: resource[-1] for kind, resource in handlers.CHILD_KINDS.items()}
+    assert {kind for _group, kind in rendered} <= set(plural)  # every rendered kind is watched
+    for group, kind in rendered | watched:
+        assert set(RULE_VERBS) <= granted(group, plural[kind]), (group, kind)
 
 
 def test_operator_cannot_read_every_secret_make_pods_or_escalate():

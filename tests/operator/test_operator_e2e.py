@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import collections
 import threading
+import time
+from pathlib import Path
 
 import kubernetes
 import pytest
+import yaml
 from kopf.testing import KopfRunner
 
 from cadenza.operator.render import CONFIG_HASH
 from metrics_server import FakeEngine, serve_metrics
 from waiting import wait_until
 
+ROOT = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "serving.cadenza.dev", "v1alpha1", "servingpools"
 POOLS = f"{GROUP}/{VERSION}/{PLURAL}"
 OPERATOR = ["run", "--standalone", "--all-namespaces", "-m", "cadenza.operator.handlers"]
@@ -82,6 +87,32 @@ def condition(pool, kind):
 
 
 EXPECTED_COLOCATED = {"chat-colocated", "chat-gateway"}
+WRITES = ("POST", "PATCH", "PUT", "DELETE")
+
+
+def events(api, pool: str = "chat") -> list[tuple[str, str]]:
+    """``(reason, message)`` of the Events posted about ``pool`` so far, in no particular order."""
+    return [(e["reason"], e.get("message", "")) for e in api.objects("v1/events").values()
+            if e.get("involvedObject", {}).get("name") == pool]
+
+
+def writes_during(api, resyncs: int) -> list[tuple[str, str]]:
+    """The writes the emulator served while ``resyncs`` resync periods passed."""
+    from cadenza.operator import handlers
+
+    before = len(api.requests())
+    time.sleep(resyncs * handlers.RESYNC_S)
+    return [r for r in api.requests()[before:] if r[0] in WRITES]
+
+
+def image_of(api, name: str) -> str:
+    return deployment(api, name)["spec"]["template"]["spec"]["containers"][0]["image"]
+
+
+def hand_edit_image(name: str) -> None:
+    """``kubectl set image deployment/NAME engine=evil:latest``."""
+    kubernetes.client.AppsV1Api().patch_namespaced_deployment(name, "default", {"spec": {"template": {"spec": {
+        "containers": [{"name": "engine", "image": "evil:latest"}]}}}})
 
 
 @pytest.mark.slow  # mode shifts wait for the operator's resync timer
@@ -221,6 +252,93 @@ def test_back_from_dedicated_to_colocated_without_a_cpu_limit(api):
                  what="roles merged")
         env = deployment(api, "chat-colocated")["spec"]["template"]["spec"]["containers"][0]["env"]
         assert "OMP_NUM_THREADS" not in {e["name"] for e in env}
+    assert runner.exit_code == 0, runner.output
+
+
+@pytest.mark.slow  # waits for several resyncs
+def test_a_pool_that_changed_mode_converges_and_still_repairs_drift(api):
+    """The quickstart pool created ``dedicated``, switched to ``colocated``: while the shift waits,
+    a hand edit of the Deployment still serving is set back; once it is done, a resync writes
+    nothing and posts no Event (the class Services' selectors lost the role key), and a hand edit
+    of the engine Deployment is set back within a resync, with one Event saying so."""
+    body = yaml.safe_load((ROOT / "manifests/examples/quickstart-cpu.yaml").read_text())
+    body["metadata"].update(resourceVersion="1")
+    body["spec"]["mode"] = "dedicated"
+    name = body["metadata"]["name"]
+    image = body["spec"].get("image") or "ghcr.io/cadenza-serving/cadenza:0.1.0"
+    with KopfRunner(OPERATOR, timeout=120) as runner:
+        operator_watching(api)
+        custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, body)
+        wait_for(lambda: mark_ready(f"{name}-interactive", f"{name}-batch")
+                 and (get_pool(name).get("status") or {}).get("ready") == "2/2", what="dedicated and ready")
+        image = image_of(api, f"{name}-batch")
+        patch_pool({"mode": "colocated"}, name=name)
+        wait_for(lambda: condition(get_pool(name), "Progressing")["reason"] == "ModeShift", what="the shift")
+
+        # The shift waits for the colocated role: the old roles serve meanwhile, held to what was applied.
+        hand_edit_image(f"{name}-batch")
+        wait_for(lambda: image_of(api, f"{name}-batch") == image, 10, "the serving old role's image set back")
+        assert deployment(api, f"{name}-batch")["spec"]["replicas"] == 1  # not rescaled mid-shift
+
+        wait_for(lambda: mark_ready(f"{name}-colocated")
+                 and names(api, "apps/v1/deployments") == {f"{name}-colocated", f"{name}-gateway"}
+                 and condition(get_pool(name), "Progressing")["reason"] != "ModeShift", what="the shift done")
+        for cls in ("interactive", "batch"):
+            assert api.objects("v1/services")[("default", f"{name}-{cls}")]["spec"]["selector"] == {
+                "serving.cadenza.dev/pool": name, "app.kubernetes.io/component": "engine"}
+
+        # Converged: no write and no Event per resync.
+        writes_during(api, 2)  # the last status of the shift lands
+        posted = collections.Counter(events(api, name))
+        assert writes_during(api, 3) == []
+        assert collections.Counter(events(api, name)) == posted
+
+        hand_edit_image(f"{name}-colocated")
+        wait_for(lambda: image_of(api, f"{name}-colocated") == image, 10, "the engine's image set back")
+        wait_for(lambda: collections.Counter(events(api, name)) != posted, 5, "the repair's Event")
+        assert writes_during(api, 3) == []
+        assert collections.Counter(events(api, name)) - posted == {("Updated", f"Deployment {name}-colocated"): 1}
+    assert runner.exit_code == 0, runner.output
+
+
+def kv_policy(api, name="chat-kv"):
+    return api.objects("networking.k8s.io/v1/networkpolicies").get(("default", name))
+
+
+@pytest.mark.slow  # waits for resyncs
+def test_a_disaggregated_pool_admits_its_kv_port_only_from_its_own_pods_until_it_leaves_the_mode(api):
+    engine_pods = {"serving.cadenza.dev/pool": "chat", "app.kubernetes.io/component": "engine"}
+    with KopfRunner(OPERATOR, timeout=120) as runner:
+        operator_watching(api)
+        custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, pool_body(mode="disaggregated"))
+        policy = wait_for(lambda: kv_policy(api), what="the KV NetworkPolicy")
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-chat"
+        assert policy["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "cadenza-operator"
+        assert policy["spec"]["podSelector"] == {"matchLabels": engine_pods, "matchExpressions": [
+            {"key": "serving.cadenza.dev/role", "operator": "In", "values": ["decode", "prefill"]}]}
+        rules = policy["spec"]["ingress"]
+        assert rules == [{"ports": [{"protocol": "TCP", "port": 8000}]},
+                         {"from": [{"podSelector": {"matchLabels": engine_pods}}],
+                          "ports": [{"protocol": "TCP", "port": 9000}]}]
+
+        # A hand edit that opens the KV port to every namespace is set back.
+        opened = [rules[0], {**rules[1], "from": [{"podSelector": {"matchLabels": engine_pods},
+                                                   "namespaceSelector": {}}]}]
+        kubernetes.client.NetworkingV1Api().patch_namespaced_network_policy(
+            "chat-kv", "default", {"spec": {"ingress": opened}})
+        assert kv_policy(api)["spec"]["ingress"] == opened
+        wait_for(lambda: kv_policy(api)["spec"]["ingress"] == rules, 10, "the KV rule set back")
+
+        # Leaving the mode: the policy stays while the prefill and decode pods serve, then goes.
+        mark_ready("chat-prefill", "chat-decode")
+        patch_pool({"mode": "colocated"})
+        wait_for(lambda: condition(get_pool(), "Progressing")["reason"] == "ModeShift", what="the shift")
+        assert kv_policy(api) is not None
+        wait_for(lambda: mark_ready("chat-colocated") and names(api, "apps/v1/deployments") == EXPECTED_COLOCATED,
+                 what="the shift done")
+        wait_for(lambda: kv_policy(api) is None, 10, "the KV NetworkPolicy deleted")
+        writes_during(api, 2)  # the shift's last status lands
+        assert writes_during(api, 3) == []
     assert runner.exit_code == 0, runner.output
 
 

@@ -152,6 +152,70 @@ def test_disaggregated_mode_runs_prefill_and_decode_roles_with_kv_endpoints_and_
     assert "volumes" not in colocated[("Deployment", "chat-gateway")]["spec"]["template"]["spec"]
 
 
+def _selects(selector: dict, labels: dict) -> bool:
+    """A LabelSelector (matchLabels, matchExpressions with In) matching ``labels``."""
+    return (all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+            and all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
+                    if e["operator"] == "In"))
+
+
+def admits(policies: list[dict], to: tuple[str, dict], source: tuple[str, dict], port: int) -> bool:
+    """Whether ingress from pod ``source`` (namespace, labels) to pod ``to`` on TCP ``port`` is
+    allowed, as the Kubernetes NetworkPolicy spec reads the policies of ``to``'s namespace: a pod
+    no policy selects admits everything; a selected pod admits what one of its rules lists (a rule
+    without ``from`` admits every source, a peer with only ``podSelector`` pods of the policy's
+    own namespace; a rule without ``ports`` every port)."""
+    selecting = [p for p in policies if p["metadata"]["namespace"] == to[0]
+                 and _selects(p["spec"]["podSelector"], to[1]) and "Ingress" in p["spec"]["policyTypes"]]
+    if not selecting:
+        return True
+
+    def peer(p: dict, rule_peer: dict) -> bool:
+        assert set(rule_peer) == {"podSelector"}, "only same-namespace pod peers are read here"
+        return source[0] == p["metadata"]["namespace"] and _selects(rule_peer["podSelector"], source[1])
+
+    return any((not rule.get("from") or any(peer(p, f) for f in rule["from"]))
+               and (not rule.get("ports") or any(x["port"] == port and x["protocol"] == "TCP" for x in rule["ports"]))
+               for p in selecting for rule in p["spec"].get("ingress", []))
+
+
+def test_only_the_pools_own_pods_reach_the_kv_port_and_http_stays_open():
+    objs = render_all(pool(mode="disaggregated"), OWNER)
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    assert [p["metadata"]["name"] for p in policies] == ["chat-kv"]
+    assert policies[0]["metadata"]["ownerReferences"][0]["uid"] == "uid-123"
+    pods = {(o["metadata"]["labels"].get("serving.cadenza.dev/role") or "gateway"): ("prod", o["spec"]["template"]["metadata"]["labels"])
+            for o in objs if o["kind"] == "Deployment"}
+    ports = {p["name"]: p["containerPort"] for o in objs if o["kind"] == "Deployment"
+             for p in o["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    kv, http = ports["kv"], ports["http"]
+    stranger = ("prod", {"app": "curl"})
+    other_pool = ("prod", {**pods["decode"][1], "serving.cadenza.dev/pool": "other"})
+    other_namespace = ("team-b", pods["decode"][1])  # the same labels in another namespace
+    for target in ("prefill", "decode"):
+        to = pods[target]
+        assert admits(policies, to, pods["decode"], kv) and admits(policies, to, pods["prefill"], kv)
+        for source in (stranger, other_pool, other_namespace, pods["gateway"]):
+            assert not admits(policies, to, source, kv)  # the gateway never speaks KV
+            assert admits(policies, to, source, http)  # gateway, probes, Prometheus: as before
+        assert not admits(policies, to, pods["decode"], 9999)  # and nothing else is opened
+    assert admits(policies, pods["gateway"], stranger, http)  # the gateway's pods are not selected
+
+
+@pytest.mark.parametrize("mode", ["colocated", "dedicated", "auto"])
+def test_a_pool_without_kv_endpoints_has_no_network_policy(mode):
+    from cadenza.operator.render import stale_network_policies
+
+    p = pool(mode=mode)
+    assert not [o for o in render_all(p, OWNER) if o["kind"] == "NetworkPolicy"]
+    assert stale_network_policies(p, [r.name for r in p.roles()]) == ["chat-kv"]
+    # while a shift away from disaggregated waits, the old KV pods stay covered
+    shifting = by_name(render_all(p, OWNER, narrow=False, retiring=("prefill", "decode")))
+    assert shifting[("NetworkPolicy", "chat-kv")]["spec"]["podSelector"]["matchExpressions"] == [
+        {"key": "serving.cadenza.dev/role", "operator": "In", "values": ["decode", "prefill"]}]
+    assert stale_network_policies(p, [*(r.name for r in p.roles()), "prefill", "decode"]) == []
+
+
 def test_a_disaggregated_split_keeps_one_kv_layout_and_a_decode_replica():
     with pytest.raises(PoolSpecError, match="prefillReplicas"):
         render_all(pool(mode="disaggregated", replicas=2, disaggregated={"prefillReplicas": 2}))
@@ -413,6 +477,21 @@ def test_a_retiring_role_keeps_its_budget_until_it_is_gone_and_stale_ones_are_na
     stale = stale_pdbs(p, p.roles())
     assert "chat-engine" in stale and "chat-colocated" in stale and "chat-interactive" not in stale
     assert "chat-gateway" not in stale and "chat-gateway" in stale_pdbs(pool(replicas=1), pool(replicas=1).roles())
+
+
+@pytest.mark.parametrize("old, new", [("dedicated", "colocated"), ("disaggregated", "dedicated"),
+                                      ("colocated", "disaggregated"), ("auto", "colocated")])
+def test_a_retiring_role_renders_as_its_mode_applied_it_when_only_the_mode_changed(old, new):
+    from cadenza.operator.render import render_retiring
+
+    before = by_name(render_all(pool(mode=old), OWNER))
+    after = pool(mode=new)
+    retiring = tuple(name.removeprefix("chat-") for name in stale_deployments(after, after.roles())
+                     if ("Deployment", name) in before)
+    assert retiring and by_name(render_retiring(after, retiring, OWNER)) == {
+        key: obj for key, obj in before.items() if key[0] == "Deployment" and key[1].removeprefix("chat-") in retiring}
+    # a split the spec no longer allows (one replica cannot be split in two roles) renders nothing
+    assert render_retiring(pool(mode="colocated", replicas=1), ("interactive", "batch"), OWNER) == []
 
 
 def test_autoscaling_renders_a_scaler_of_the_pools_own_scale_subresource():

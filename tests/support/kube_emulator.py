@@ -1,7 +1,9 @@
 """kmock's Kubernetes emulator over real HTTP on 127.0.0.1, in a thread, with a kubeconfig for it.
 
 What the emulator does not do, and how the tests live with it: it sets no ``resourceVersion``
-or ``generation`` (create custom objects with the first), and no ``uid`` (set here), ignores label
+or ``generation`` (create custom objects with the first), no ``uid`` and no name from
+``metadata.generateName`` (both set here, as the API server does: the operator's Events are
+posted with ``generateName``, so without it every Event after the first collides), ignores label
 selectors, has no PUT, no server-side apply (a PATCH is merged whatever its content type, and does
 not create) and no garbage collection (:meth:`KubeEmulator.collect_garbage` plays it), never
 updates Deployment status, and fails a
@@ -14,6 +16,8 @@ and keep each scenario to a few changes.
 from __future__ import annotations
 
 import asyncio
+import secrets
+import string
 import threading
 import uuid
 from pathlib import Path
@@ -22,15 +26,23 @@ import kmock
 import yaml
 
 
+_SUFFIX = string.ascii_lowercase + string.digits
+
+
 class _Emulator(kmock.KubernetesEmulator):
     """kmock's emulator, giving each object it creates a ``uid`` as the API server does (kopf's
-    indexes tell objects apart by it; objects of different kinds share names), and keeping only
-    the requests in flight in kmock's own log: kmock matches each request by scanning every
-    request it has logged, which grows quadratic over a scale test. ``served`` logs them all."""
+    indexes tell objects apart by it; objects of different kinds share names) and a name from its
+    ``generateName`` when it has none (the prefix and five random characters, as the API server's
+    ``SimpleNameGenerator``), and keeping only the requests in flight in kmock's own log: kmock
+    matches each request by scanning every request it has logged, which grows quadratic over a
+    scale test. ``served`` logs them all."""
 
     async def _handle(self, request):
         if request.resource is not None and request.action == kmock.action.CREATE and isinstance(request.data, dict):
-            request.data.setdefault("metadata", {}).setdefault("uid", str(uuid.uuid4()))
+            meta = request.data.setdefault("metadata", {})
+            meta.setdefault("uid", str(uuid.uuid4()))
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + "".join(secrets.choice(_SUFFIX) for _ in range(5))
         state = self.__dict__.setdefault("_log", {"served": [], "inflight": set()})
         state["served"].append((request.method.value.upper(), request.url.path, request.url.query_string))
         state["inflight"].add(id(request))
