@@ -160,22 +160,37 @@ class KVLink:
 
     def after_forward(self, out: SchedulerOutput) -> None:
         """The step's KV is written: share and offer the full prompt blocks of published requests
-        (before the scheduler applies the step, which may finish and free them)."""
-        bs = self.kv.block_size
+        (before the scheduler applies the step, which may finish and free them).
+
+        Every row counts, decodes too: a prompt whose last chunk is one token (the chunk before
+        it ended one short, as a full budget or the chunk size leaves it) computes that token
+        as a decode row, and the step that does so completes the prompt and writes its partial
+        last block. Only published prompts still computing are looked for among the decodes."""
+        published = self._published
         for row in out.prefill_rows:
-            req = row.request
-            shared = self._published.get(req.request_id)
-            if shared is None:
-                continue
-            computed = min(row.start + row.num_tokens, req.num_prompt_tokens)
-            complete = computed == req.num_prompt_tokens
-            full = -(-computed // bs) if complete else computed // bs  # the prompt's partial last block too, at its end
-            if complete:
-                self._computing.discard(req.request_id)
-            if full > shared:
-                self.kv.share(HOLDER + req.request_id, self.kv.block_table(req.request_id)[shared:full])
-                self._published[req.request_id] = full
-            self._loop.call_soon_threadsafe(self.producer.progress, req.request_id, full, complete)
+            if row.request.request_id in published:
+                self._written(row.request, row.start + row.num_tokens)
+        computing = self._computing
+        if computing:
+            for req, position in zip(out.decodes, out.decode_positions):
+                if req.request_id in computing and position == req.num_prompt_tokens - 1:
+                    self._written(req, position + 1)
+
+    def _written(self, req: Request, computed: int) -> None:
+        """``req``'s first ``computed`` tokens hold their KV: share its blocks the decode side
+        may take now (whole ones; the partial last one once the prompt is complete) and offer
+        them to the endpoint."""
+        rid, bs = req.request_id, self.kv.block_size
+        shared = self._published[rid]
+        computed = min(computed, req.num_prompt_tokens)
+        complete = computed == req.num_prompt_tokens
+        full = -(-computed // bs) if complete else computed // bs  # the prompt's partial last block too, at its end
+        if complete:
+            self._computing.discard(rid)
+        if full > shared:
+            self.kv.share(HOLDER + rid, self.kv.block_table(rid)[shared:full])
+            self._published[rid] = full
+        self._loop.call_soon_threadsafe(self.producer.progress, rid, full, complete)
 
     def unpublish(self, request_id: str) -> None:
         """The request was aborted: end its lease (its blocks are freed at the next drain)."""
