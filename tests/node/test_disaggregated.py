@@ -30,10 +30,10 @@ _ids = itertools.count()
 
 
 @contextlib.contextmanager
-def engines(model, chunk_size, prefix_caching, token_budget=64, num_kv_blocks=160, lease_s=LEASE_S):
+def engines(model, chunk_size, prefix_caching, token_budget=64, num_kv_blocks=160, lease_s=LEASE_S, **more):
     """(prefill, decode, colocated) engine cores; the two with endpoints are closed after."""
     knobs = dict(token_budget=token_budget, chunk_size=chunk_size, max_model_len=512, num_kv_blocks=num_kv_blocks,
-                 block_size=BS, prefix_caching=prefix_caching, attention_backend="torch")
+                 block_size=BS, prefix_caching=prefix_caching, attention_backend="torch", **more)
     prefill = EngineCore.from_model(model, kv_transfer_port=0, kv_lease_s=lease_s, **knobs)
     decode = EngineCore.from_model(model, kv_transfer_port=0, kv_lease_s=lease_s, **knobs)
     try:
@@ -153,6 +153,56 @@ def run_together(*cores: EngineCore, timeout_s: float = 60.0) -> list[dict[str, 
         if not ran:
             time.sleep(0.001)
     return tokens
+
+
+def queue_behind_a_long_request(decode: EngineCore, add: AddRequest, seconds: float) -> None:
+    """Add a long local request, then ``add``, to a decode engine with one running slot, and
+    step it for ``seconds``: ``add`` waits in the queue all along; the long one is then aborted."""
+    decode.add_request(AddRequest("long", list(range(3, 23)), greedy(480)))
+    decode.add_request(add)
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        decode.step()
+        time.sleep(0.02)
+    assert decode.scheduler.requests[add.request_id].admitted_time is None  # it queued the whole time
+    decode.abort_request("long")
+
+
+def test_a_request_queued_longer_than_the_lease_keeps_its_source_and_pulls_it_whole(tiny_llama_dir):
+    """A decode replica whose one slot is busy holds a moved request queued for three leases: it
+    renews the source's lease meanwhile, so the KV is still there when the request runs."""
+    with engines(tiny_llama_dir, 64, False, lease_s=1.0, max_num_seqs=1) as (prefill, decode, colocated):
+        prompt = [random.Random(5).randrange(3, 300) for _ in range(100)]
+        want = run(colocated, AddRequest("c-queued", prompt, greedy(4)))
+        run(prefill, AddRequest("queued", prompt, greedy(1), publish_kv=True))
+        source = RemoteKV("127.0.0.1", prefill.kv_link.port, "queued", prefill.kv_link.boot_id, len(prompt))
+        queue_behind_a_long_request(decode, AddRequest("queued", prompt, greedy(4), remote_kv=source), 3.0)
+        (got,) = run_together(decode)
+        assert got["queued"] == want
+        assert decode.scheduler.stats.remote_kv_tokens == 99 and decode.scheduler.stats.remote_kv_failed_loads == 0
+        assert prefill.kv_link.producer.stats.expired == 0
+        settle(prefill)
+        assert prefill.block_manager.num_used_blocks == 0  # released once pulled
+
+
+def test_past_its_maximum_hold_a_queued_request_releases_its_source_and_computes_the_prompt_itself(tiny_llama_dir):
+    """The hold is bounded: after ``kv_max_hold_s`` in the queue the decode replica releases the
+    source, whose blocks are freed at once (not at the lease's end), and prefills the prompt itself."""
+    with engines(tiny_llama_dir, 64, False, lease_s=2.0, max_num_seqs=1, kv_max_hold_s=0.5) as (
+            prefill, decode, colocated):
+        prompt = [random.Random(6).randrange(3, 300) for _ in range(100)]
+        want = run(colocated, AddRequest("c-held", prompt, greedy(4)))
+        run(prefill, AddRequest("held", prompt, greedy(1), publish_kv=True))
+        assert any(k.startswith(HOLDER) for k in prefill.block_manager.tables)
+        source = RemoteKV("127.0.0.1", prefill.kv_link.port, "held", prefill.kv_link.boot_id, len(prompt))
+        queue_behind_a_long_request(decode, AddRequest("held", prompt, greedy(4), remote_kv=source), 1.5)
+        settle(prefill, timeout_s=0.5)  # well before the 2 s lease could have ended
+        assert prefill.block_manager.num_used_blocks == 0 and prefill.kv_link.producer.stats.expired == 0
+        (got,) = run_together(decode)
+        assert got["held"] == want
+        s = decode.scheduler.stats
+        assert s.remote_kv_released_holds == 1 and s.remote_kv_loads == 0 and s.remote_kv_failed_loads == 0
+        assert decode.stats().remote_kv_released_holds == 1
 
 
 def test_a_prefix_cached_on_the_decode_side_is_not_pulled_again(tiny_llama_dir):
