@@ -5,7 +5,8 @@ client gone, or a stop string the front end matched), :class:`Reconfigure` (answ
 :class:`ReconfigureResult`), :class:`Shutdown`. Out: :class:`EngineReady` once the model is
 loaded (or :class:`EngineDead` if it cannot be), then one :class:`StepOutputs` per step — each
 request's new token ids and finish reason, the step's record for telemetry, and now and then the
-typed :class:`~cadenza.node.core.stats.EngineStats`.
+typed :class:`~cadenza.node.core.stats.EngineStats` — and, before the step, :class:`RequestsQueued`
+for the requests that asked to hear when the core's admission control let them in.
 
 Every type is a slotted dataclass with a type tag; :func:`encode` / :func:`decode` write them as
 msgpack with each object an extension of its tag (no pickle: a frame can only ever build these
@@ -47,6 +48,8 @@ class AddRequest:
     process of a machine); ``traceparent`` is the W3C trace context of the request's span.
     ``remote_kv``: pull the prompt's KV from this prefill replica; ``publish_kv``: hold the
     prompt's KV for a decode replica to pull (:mod:`cadenza.node.core.kv_link`).
+    ``acknowledge``: say when the core has queued it (:class:`RequestsQueued`; a refusal is a
+    :class:`RequestFailure` as always), for a caller that must not answer before that.
     """
 
     request_id: str
@@ -59,6 +62,7 @@ class AddRequest:
     traceparent: str | None = None
     remote_kv: RemoteKV | None = None
     publish_kv: bool = False
+    acknowledge: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +153,14 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestsQueued:
+    """The core's admission control let these requests (each added with ``acknowledge``) into
+    their queues; sent as soon as their AddRequests are applied, before the next step runs."""
+
+    request_ids: list[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +280,7 @@ _TYPES: dict[int, tuple[type, Callable[[Any], list], Callable[[list], Any]]] = {
     17: (EngineStats, _fields_to_wire, _plain(EngineStats)),
     18: (ClassStats, _fields_to_wire, _plain(ClassStats)),
     19: (TenantLoad, _fields_to_wire, _plain(TenantLoad)),
+    21: (RequestsQueued, _fields_to_wire, _plain(RequestsQueued)),
 }
 _TAG_OF = {cls: tag for tag, (cls, _enc, _dec) in _TYPES.items()}
 MESSAGE_TYPES = tuple(cls for cls, _enc, _dec in _TYPES.values())
