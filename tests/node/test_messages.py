@@ -1,12 +1,12 @@
-"""The engine core's messages: every type survives msgpack, nothing else gets in."""
+"""The engine core's messages and their codec: every type survives msgpack, nothing else gets in."""
 
 from __future__ import annotations
 
 import msgpack
 import pytest
 
+from cadenza.node.core.codec import MESSAGE_TYPES, decode, encode, frame
 from cadenza.node.core.messages import (
-    MESSAGE_TYPES,
     AbortRequests,
     AddRequest,
     EngineDead,
@@ -21,9 +21,6 @@ from cadenza.node.core.messages import (
     StartCore,
     StepOutputs,
     StepRecord,
-    decode,
-    encode,
-    frame,
 )
 from cadenza.node.core.request import RemoteKV, SamplingParams
 from cadenza.node.core.stats import ClassStats, EngineStats, TenantLoad
