@@ -106,6 +106,7 @@ async def test_a_decode_replica_pulls_the_prefill_replicas_kv_and_answers_as_col
     assert decode.app[ENGINE].core.scheduler.stats.remote_kv_tokens == 99
     metrics = await (await decode.get("/metrics")).text()
     assert "cadenza_kv_transfer_loaded_tokens" in metrics and "cadenza_kv_transfer_loads" in metrics
+    assert "cadenza_kv_transfer_released_holds" in metrics
 
 
 async def test_the_headers_need_the_pools_token_and_an_endpoint_and_a_well_formed_source(pair):
