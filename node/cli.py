@@ -114,6 +114,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "or CADENZA_ADMIN_TOKEN_FILE, which peers prove they hold")
     g.add_argument("--kv-transfer-host", default="127.0.0.1", metavar="HOST",
                    help="address the KV transfer endpoint binds and peers reach it at (the pod IP in a cluster)")
+    g.add_argument("--kv-lease-s", type=float, default=30.0, metavar="SECONDS",
+                   help="how long published KV waits for a decode replica's next sign of life (the same on every "
+                        "replica of a pool; default 30)")
+    g.add_argument("--kv-max-hold-s", type=float, default=120.0, metavar="SECONDS",
+                   help="how long a request queued here keeps a prefill replica's KV leased; past it the source is "
+                        "released and the prompt computed here (default 120)")
     g.add_argument("--engine-process", choices=("on", "off"), default="on",
                    help="run the engine core in its own process (on), or in a thread of the server (off)")
     p.add_argument("--policy", type=Path, default=None, metavar="FILE",
@@ -160,6 +166,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=device,
         kv_transfer_port=args.kv_transfer_port,
         kv_transfer_host=args.kv_transfer_host,
+        kv_lease_s=args.kv_lease_s,
+        kv_max_hold_s=args.kv_max_hold_s,
         **sections["engine"],
         scheduler=SchedulerConfig(**sections["scheduler"], policy=policy),
         cache=CacheConfig(**sections["cache"], kv_cache_bytes=kv_bytes),

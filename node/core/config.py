@@ -135,7 +135,10 @@ class EngineConfig:
             prefill replicas serve their KV there, decode replicas pull from their peers'); 0 picks
             a free one; None: no endpoint, every prompt is prefilled here.
         kv_transfer_host: the address it binds (and that peers reach it at).
-        kv_lease_s: seconds published KV is held for a decode replica without its progress.
+        kv_lease_s: seconds published KV is held for a decode replica without its progress (the
+            same on every replica of a pool: both sides renew leases every third of it).
+        kv_max_hold_s: seconds a request queued on a decode replica keeps its prefill replica's
+            KV leased; past it the source is released and the prompt is computed where it decodes.
     """
 
     model: str
@@ -149,6 +152,7 @@ class EngineConfig:
     kv_transfer_port: int | None = None
     kv_transfer_host: str = "127.0.0.1"
     kv_lease_s: float = 30.0
+    kv_max_hold_s: float = 120.0
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", "must be a model folder path")
@@ -170,6 +174,9 @@ class EngineConfig:
                "kv_transfer_port", f"must be a port number from 0 to 65535, got {port!r}")
         _check(isinstance(self.kv_lease_s, (int, float)) and not isinstance(self.kv_lease_s, bool)
                and 0 < self.kv_lease_s <= 3600, "kv_lease_s", f"must be seconds in (0, 3600], got {self.kv_lease_s!r}")
+        _check(isinstance(self.kv_max_hold_s, (int, float)) and not isinstance(self.kv_max_hold_s, bool)
+               and 0 < self.kv_max_hold_s <= 3600, "kv_max_hold_s",
+               f"must be seconds in (0, 3600], got {self.kv_max_hold_s!r}")
 
     @property
     def model_name(self) -> str:

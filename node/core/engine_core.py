@@ -64,7 +64,7 @@ class EngineCore:
         )
         self.kv_link = None if config.kv_transfer_port is None else KVLink(
             self._fingerprint(), self.runner, self.block_manager, config.kv_transfer_host, config.kv_transfer_port,
-            config.kv_lease_s)
+            config.kv_lease_s, config.kv_max_hold_s)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, connector=self.kv_link)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(extra_eos_token_ids)
         self.last_step_tokens = 0  # tokens the last step computed (0: nothing was schedulable)

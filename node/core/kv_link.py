@@ -15,7 +15,9 @@ Every replica of a disaggregated pool may play either side, so one object does b
   :class:`~cadenza.node.core.remote_kv.KVConnector`. A load starts a pull on the transfer thread,
   whose verified frames are queued. Between steps (:meth:`KVLink.drain`) the engine writes them
   into the request's blocks, then reports the end of the load to the scheduler with the blocks
-  good up to the first failure.
+  good up to the first failure. Before that, while a request waits in a queue here (the
+  scheduler's ``remote.held``), its source's lease is renewed (``renew`` frames) every
+  :attr:`KVLink.renew_every_s`, for at most ``max_hold_s`` (then the scheduler releases it).
 
 Threads: the engine thread calls every method here; the transfer thread runs the asyncio loop
 of the endpoint and the pulls. They meet in a thread-safe queue and ``call_soon_threadsafe``.
@@ -48,7 +50,8 @@ log = logging.getLogger(__name__)
 
 HOLDER = "kv-lease:"  # the block-manager table holding a published request's blocks
 DRAIN_BYTES = 4 * 2**20  # received KV written between two steps at most (more waits for the next gap)
-RENEW_EVERY_S = 1.0  # how often the engine renews the leases of prompts it still computes
+RENEW_EVERY_S = 1.0  # how often leases are renewed (prompts computing here, requests queued here), at most
+DEFAULT_MAX_HOLD_S = 120.0  # how long a request queued here keeps its source's KV leased (then computed here)
 LOCAL_TOKENS = 1  # of a moved prompt, computed where it decodes: its last token (remote_kv)
 ASSUMED_LINK_BYTES_PER_S = 1.25e9  # 10 Gbit/s, a common pod network, until pulls have measured the link
 
@@ -93,19 +96,26 @@ class KVLink:
         kv: the engine's block manager.
         host, port: where the endpoint listens (port 0: a free one; :attr:`port` says which).
         lease_s: how long published KV waits for a decode replica's progress (seconds); a pull
-            waits as long for the producer's next frame.
+            waits as long for the producer's next frame. The pool's replicas share it: leases
+            are renewed every :attr:`renew_every_s`, a third of it at most.
+        max_hold_s: how long a request queued here keeps its source's lease renewed, from its
+            arrival (seconds); past it the source is released and the prompt computed here.
         token: reads the pool's token at each handshake, both ways
             (:func:`cadenza.node.credentials.admin_token`).
     """
 
     def __init__(self, fingerprint: Fingerprint, runner, kv: KVBlockManager, host: str = "127.0.0.1",
-                 port: int = 0, lease_s: float = 30.0, token: Callable[[], str | None] = admin_token) -> None:
+                 port: int = 0, lease_s: float = 30.0, max_hold_s: float = DEFAULT_MAX_HOLD_S,
+                 token: Callable[[], str | None] = admin_token) -> None:
         self.fingerprint, self.runner, self.kv, self.host = fingerprint, runner, kv, host
+        self.max_hold_s = max_hold_s
+        self.renew_every_s = min(RENEW_EVERY_S, lease_s / 3)
         self.stats = LinkStats()
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (kind, request id, detail) from the loop
         self._published: dict[str, int] = {}  # request id -> blocks shared into its holder so far
         self._computing: set[str] = set()  # published, prompt not computed yet: the engine renews their leases
         self._renewed = time.monotonic()
+        self._holding = None  # the last renewal of held sources, while it runs (one at a time)
         self._loads: dict[str, _Load] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-transfer", daemon=True)
@@ -164,22 +174,37 @@ class KVLink:
 
     def after_forward(self, out: SchedulerOutput) -> None:
         """The step's KV is written: share and offer the full prompt blocks of published requests
-        (before the scheduler applies the step, which may finish and free them)."""
-        bs = self.kv.block_size
+        (before the scheduler applies the step, which may finish and free them).
+
+        Every row counts, decodes too: a prompt whose last chunk is one token (the chunk before
+        it ended one short, as a full budget or the chunk size leaves it) computes that token
+        as a decode row, and the step that does so completes the prompt and writes its partial
+        last block. Only published prompts still computing are looked for among the decodes."""
+        published = self._published
         for row in out.prefill_rows:
-            req = row.request
-            shared = self._published.get(req.request_id)
-            if shared is None:
-                continue
-            computed = min(row.start + row.num_tokens, req.num_prompt_tokens)
-            complete = computed == req.num_prompt_tokens
-            full = -(-computed // bs) if complete else computed // bs  # the prompt's partial last block too, at its end
-            if complete:
-                self._computing.discard(req.request_id)
-            if full > shared:
-                self.kv.share(HOLDER + req.request_id, self.kv.block_table(req.request_id)[shared:full])
-                self._published[req.request_id] = full
-            self._loop.call_soon_threadsafe(self.producer.progress, req.request_id, full, complete)
+            if row.request.request_id in published:
+                self._written(row.request, row.start + row.num_tokens)
+        computing = self._computing
+        if computing:
+            for req, position in zip(out.decodes, out.decode_positions):
+                if req.request_id in computing and position == req.num_prompt_tokens - 1:
+                    self._written(req, position + 1)
+
+    def _written(self, req: Request, computed: int) -> None:
+        """``req``'s first ``computed`` tokens hold their KV: share its blocks the decode side
+        may take now (whole ones; the partial last one once the prompt is complete) and offer
+        them to the endpoint."""
+        rid, bs = req.request_id, self.kv.block_size
+        shared = self._published[rid]
+        computed = min(computed, req.num_prompt_tokens)
+        complete = computed == req.num_prompt_tokens
+        full = -(-computed // bs) if complete else computed // bs  # the prompt's partial last block too, at its end
+        if complete:
+            self._computing.discard(rid)
+        if full > shared:
+            self.kv.share(HOLDER + rid, self.kv.block_table(rid)[shared:full])
+            self._published[rid] = full
+        self._loop.call_soon_threadsafe(self.producer.progress, rid, full, complete)
 
     def unpublish(self, request_id: str) -> None:
         """The request was aborted: end its lease (its blocks are freed at the next drain)."""
@@ -211,6 +236,28 @@ class KVLink:
 
         asyncio.run_coroutine_threadsafe(release(), self._loop)
 
+    def _renew_held(self, held) -> None:
+        """Renew the sources' leases of the requests queued here (``scheduler.remote.held``),
+        one connection per producer, off the engine thread; skipped while the last renewal
+        still runs (a producer slow to answer)."""
+        if self._holding is not None and not self._holding.done():
+            return
+        by_producer: dict[tuple[str, int, str], list[str]] = {}
+        for req, _until in held:
+            source = req.remote_kv
+            by_producer.setdefault((source.host, source.port, source.boot_id), []).append(source.request_id)
+
+        async def renew(host: str, port: int, boot_id: str, request_ids: list[str]) -> None:
+            try:
+                await self.consumer.renew(host, port, boot_id, request_ids)
+            except TransferError as e:  # its pull fails the same way and is recomputed
+                log.debug("renewing %d leases at %s:%s: %s", len(request_ids), host, port, e)
+
+        async def renew_all() -> None:
+            await asyncio.gather(*(renew(*where, ids) for where, ids in by_producer.items()))
+
+        self._holding = asyncio.run_coroutine_threadsafe(renew_all(), self._loop)
+
     async def _pull(self, rid: str, source, first_block: int, num_blocks: int) -> None:
         try:
             async for frame in self.consumer.pull(source.host, source.port, source.request_id, source.boot_id,
@@ -230,10 +277,14 @@ class KVLink:
         end finished loads (``scheduler.remote_kv_loaded``). On the engine thread, between steps;
         at most :data:`DRAIN_BYTES` of KV are written per call, so a burst of frames is spread
         over several steps rather than stalling one (the decode streams' ITL)."""
-        if self._computing and time.monotonic() - self._renewed >= RENEW_EVERY_S:
+        held = scheduler.remote.held
+        if (self._computing or held) and time.monotonic() - self._renewed >= self.renew_every_s:
             self._renewed = time.monotonic()
-            self._computing &= scheduler.requests.keys()  # one refused or finished early runs out its lease
-            self._loop.call_soon_threadsafe(self.producer.renew, list(self._computing))
+            if self._computing:
+                self._computing &= scheduler.requests.keys()  # one refused or finished early runs out its lease
+                self._loop.call_soon_threadsafe(self.producer.renew, list(self._computing))
+            if held:
+                self._renew_held(list(held.values()))
         written = 0
         while written < DRAIN_BYTES:
             try:

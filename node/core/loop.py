@@ -25,6 +25,7 @@ from cadenza.node.core.messages import (
     Reconfigure,
     ReconfigureResult,
     RequestFailure,
+    RequestsQueued,
     Shutdown,
     StepOutputs,
 )
@@ -59,6 +60,7 @@ class CoreLoop:
         self.inbox = inbox
         self.emit = emit
         self._stats_time = 0.0
+        self._queued: list[str] = []  # added with ``acknowledge`` since the last RequestsQueued
 
     def run(self) -> None:
         """Loop until shut down (then the core is closed). An exception here is a bug the loop
@@ -82,6 +84,9 @@ class CoreLoop:
                 if message is None or isinstance(message, Shutdown):
                     return
                 self._apply(message, failures)
+            if self._queued:  # their callers answer now, not after the step
+                self.emit(RequestsQueued(self._queued))
+                self._queued = []
             if not core.has_unfinished_requests():
                 transferring = core.poll()  # ended leases free their blocks even when idle
                 stats = self._stats(force=not transferring)
@@ -143,6 +148,8 @@ class CoreLoop:
     def _add(self, add: AddRequest, failures: list[RequestFailure]) -> None:
         try:
             self.core.add_request(add)
+            if add.acknowledge:
+                self._queued.append(add.request_id)
         except AdmissionError as exc:
             failures.append(RequestFailure(add.request_id, "admission", str(exc), exc.status, exc.reason,
                                            exc.retry_after))

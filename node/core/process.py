@@ -25,15 +25,8 @@ import sys
 import threading
 
 from cadenza.node.core.config import EngineConfig
-from cadenza.node.core.messages import (
-    FRAME_HEADER,
-    EngineDead,
-    MessageError,
-    StartCore,
-    check_frame_length,
-    decode,
-    frame,
-)
+from cadenza.node.core.codec import FRAME_HEADER, check_frame_length, decode, frame
+from cadenza.node.core.messages import EngineDead, MessageError, StartCore
 
 logger = logging.getLogger("cadenza.core")
 

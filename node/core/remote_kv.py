@@ -10,6 +10,12 @@ When the connector reports the load (:meth:`RemoteLoads.finished`), the verified
 as computed and the full ones enter the prefix cache. The request then runs as a partial
 prefill of what is left: the blocks from the first one that failed, and the prompt's last token.
 
+Before its admission such a request may wait in its class's queue behind others, longer than
+the source's lease. Meanwhile it is **held** (:attr:`RemoteLoads.held`): the connector renews
+the source's lease for it, for at most :attr:`KVConnector.max_hold_s` from its arrival here. Past
+that the source is released (its blocks freed there at once) and the prompt is computed here when
+the request is admitted: a busy decode replica pins another replica's KV for a bounded time only.
+
 Invariants:
 - **Verified KV only.** A token is never produced from unverified KV. Only blocks the
   connector verified count as computed, and a failed block and every block after it are
@@ -22,6 +28,9 @@ Invariants:
   a queue, so it is neither scheduled nor preempted.
 - **Remote KV only at first admission.** The source is forgotten once the load ends or is not
   made (then the source is told to release it); a request preempted later recomputes locally.
+- **A hold is bounded and ends once.** A request is held from its arrival until its admission,
+  its end, or ``max_hold_s``, whichever comes first; the source is released when it ends
+  without a pull (an end before admission, or the bound), and never renewed after.
 - **Cancelling stops writes.** Aborting a loading request cancels its load before its blocks
   are freed. The engine writes received blocks on the scheduler's thread, between steps, and
   only into requests still loading.
@@ -40,7 +49,10 @@ from cadenza.node.core.stats import SchedulerStats
 
 
 class KVConnector(Protocol):
-    """Moves a request's prompt KV from its source into local blocks (the engine's side)."""
+    """Moves a request's prompt KV from its source into local blocks (the engine's side), and
+    keeps the sources of the requests in :attr:`RemoteLoads.held` leased meanwhile."""
+
+    max_hold_s: float  # seconds a queued request may keep its source leased (from its arrival here)
 
     def start_load(self, request: Request, first_block: int, block_ids: list[int]) -> None:
         """Begin pulling the request's blocks ``first_block ..`` from ``request.remote_kv`` into
@@ -72,9 +84,34 @@ class RemoteLoads:
         self.loading: dict[str, tuple[Request, int, int, int]] = {}
         # (id, tokens loaded, tokens left to compute here) of loads ended since the last drain (spans)
         self.ended: list[tuple[str, int, int]] = []
+        # id -> (request, when its hold ends) of queued requests with a source, by arrival: the
+        # connector renews their sources' leases until then
+        self.held: dict[str, tuple[Request, float]] = {}
 
     def __len__(self) -> int:
         return len(self.loading)
+
+    def hold(self, req: Request, now: float) -> None:
+        """``req`` was queued (``now``: seconds, the scheduler's clock): while it waits, keep
+        its source leased, for at most the connector's ``max_hold_s``."""
+        if req.remote_kv is not None and self.connector is not None and not req.num_preemptions:
+            self.held[req.request_id] = (req, now + self.connector.max_hold_s)
+
+    def release_overdue(self, now: float) -> int:
+        """End the holds past their bound: release those sources (their blocks are freed there)
+        and forget them, so those prompts are computed here. How many were released."""
+        held, released = self.held, 0
+        while held:
+            request_id = next(iter(held))  # arrival order: the oldest hold ends first
+            req, until = held[request_id]
+            if until > now:
+                break
+            del held[request_id]
+            self.connector.release(req)
+            req.remote_kv = None
+            released += 1
+        self.stats.remote_kv_released_holds += released
+        return released
 
     def blocks_to_load(self, req: Request, cached_blocks: int) -> int:
         """Blocks of ``req``'s prompt to pull from its source, after ``cached_blocks`` hit the
@@ -93,6 +130,7 @@ class RemoteLoads:
         """``req`` was just admitted with ``first_block`` blocks from the prefix cache: start loading
         ``num_blocks`` (:meth:`blocks_to_load`) and say True, or say False (it is prefilled here)
         after releasing a source it will not pull from."""
+        self.held.pop(req.request_id, None)  # loading (its pull keeps the lease) or computed here
         if num_blocks:
             self.start(req, first_block, num_blocks)
             return True
@@ -147,3 +185,9 @@ class RemoteLoads:
         """Forget a loading request that is ending (aborted); its blocks are freed by the caller."""
         if self.loading.pop(req.request_id, None) is not None and self.connector is not None:
             self.connector.cancel(req.request_id)
+
+    def dequeued(self, req: Request) -> None:
+        """A queued request is ending (aborted, or stopped) before its admission: release the
+        source it held, so that replica frees the blocks now rather than at its lease's end."""
+        if self.held.pop(req.request_id, None) is not None:
+            self.connector.release(req)

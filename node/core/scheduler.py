@@ -113,6 +113,7 @@ class Scheduler(SchedulerInterface):
         self.requests[request.request_id] = request
         self.tenant_live[request.tenant] += 1
         self.queues[request.traffic_class].push(request)
+        self.remote.hold(request, self.clock())  # a source's lease runs on while it waits here
 
     def check_admission(self, request: Request) -> None:
         """Would :meth:`add_request` refuse this request now? Only reads state, so another thread
@@ -170,6 +171,8 @@ class Scheduler(SchedulerInterface):
     def schedule(self) -> SchedulerOutput:
         """Choose the rows of the next step; never more than ``token_budget`` tokens."""
         self.stats.num_steps += 1
+        if self.remote.held:  # queued past the bound: their prompts are computed here
+            self.remote.release_overdue(self.clock())
         step = Step(self.config.token_budget)
         failures = self.stats.allocation_failures
         prefilling = schedule_decodes(step, self.running, self.block_manager, self.preemption, self.stats)
@@ -290,6 +293,7 @@ class Scheduler(SchedulerInterface):
             self.remote.cancel(req)
         else:
             self.queues[req.traffic_class].pop(req)
+            self.remote.dequeued(req)
         self._finish(req, status)
 
     def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:

@@ -39,6 +39,7 @@ class SchedulerStats:
     remote_kv_tokens: int = 0  # prompt tokens whose KV arrived verified
     remote_kv_failed_loads: int = 0  # loads that failed from some block on (recomputed here)
     remote_kv_recomputed_tokens: int = 0  # tokens of those blocks, computed here instead
+    remote_kv_released_holds: int = 0  # queued past the maximum hold: the source released, computed here
     rejected: Counter = field(default_factory=Counter)  # by reason
     prefill_tokens_by_class: Counter = field(default_factory=Counter)
     preemptions_by_class: Counter = field(default_factory=Counter)  # by the victim's class
@@ -115,6 +116,7 @@ class EngineStats:
     remote_kv_tokens: int = 0
     remote_kv_failed_loads: int = 0
     remote_kv_recomputed_tokens: int = 0
+    remote_kv_released_holds: int = 0  # sources released unpulled: queued here past the maximum hold
     # the replica's KV transfer endpoint (all 0 / None without one): both sides' traffic, failures
     # by kind (pulls made here: TransferError kinds; pulls served: the error codes sent), and the
     # disaggregation rule it computes (:meth:`KVLink.rule`: a header value) and its threshold
@@ -202,6 +204,7 @@ def snapshot_of(sched) -> EngineStats:
         prefix_cache_hit_tokens=s.prefix_cache_hit_tokens, prefix_cache_evictions=bm.num_evictions,
         remote_kv_loads=s.remote_kv_loads, remote_kv_tokens=s.remote_kv_tokens,
         remote_kv_failed_loads=s.remote_kv_failed_loads, remote_kv_recomputed_tokens=s.remote_kv_recomputed_tokens,
+        remote_kv_released_holds=s.remote_kv_released_holds,
         rejected=dict(s.rejected), cost_model_error=round(error, 4) if error is not None else None,
         classes=classes, tenants=tenants,
     )

@@ -23,6 +23,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cadenza.node.core.admission import AdmissionError, check_published
@@ -35,6 +36,7 @@ from cadenza.node.core.messages import (
     EngineReady,
     Reconfigure,
     ReconfigureResult,
+    RequestsQueued,
     StepOutputs,
 )
 from cadenza.node.core.request import RemoteKV, Request, SamplingParams
@@ -58,7 +60,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineClient", "EngineCommandError", "EngineDeadError", "EngineLoadError"]
+__all__ = ["EngineClient", "EngineCommandError", "EngineDeadError", "EngineLoadError", "Queued"]
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """The first item :meth:`EngineClient.generate` yields with ``acknowledge``: the core's
+    admission control has queued the request (its outputs follow)."""
+
+    request_id: str
 
 
 # -- the client ------------------------------------------------------------------------------------
@@ -193,6 +203,10 @@ class EngineClient:
             self._on_step(message)
         elif isinstance(message, ReconfigureResult):
             self._on_reconfigured(message)
+        elif isinstance(message, RequestsQueued):
+            for request_id in message.request_ids:
+                if (stream := self._streams.get(request_id)) is not None:
+                    stream.put_nowait(Queued(request_id))
         elif isinstance(message, EngineReady):
             self.info = message
             self._set_config(message.config)
@@ -284,14 +298,18 @@ class EngineClient:
         traceparent: str | None = None,
         remote_kv: RemoteKV | None = None,
         publish_kv: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
+        acknowledge: bool = False,
+    ) -> AsyncIterator[RequestOutput | Queued]:
         """Submit a request and yield its outputs until one is finished (``remote_kv`` /
         ``publish_kv``: pull its prompt's KV from a prefill replica / hold it for a decode one).
 
         Admission control runs here first against the last published stats (a full queue or a
         tenant at its quota is refused at once, not after the core's current step); the core
-        checks again. Leaving the iteration early (client gone, task cancelled) aborts the
-        request: its KV blocks are freed before the core's next step.
+        checks again, and its answer is the one that holds: with ``acknowledge`` the first item
+        is :class:`Queued` once the core has queued the request, so a caller can promise it
+        (a publish call's KV source) knowing the core will not refuse it. Leaving the iteration
+        early (client gone, task cancelled) aborts the request: its KV blocks are freed before
+        the core's next step.
 
         Raises:
             AdmissionError: refused (400/413/429 with ``retry_after``).
@@ -309,7 +327,7 @@ class EngineClient:
         stream: asyncio.Queue = asyncio.Queue()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         add = AddRequest(request_id, list(prompt_token_ids), sampling, probe.traffic_class, tenant, arrival,
-                         cache_salt, traceparent, remote_kv, publish_kv)
+                         cache_salt, traceparent, remote_kv, publish_kv, acknowledge)
         finished = False
         self._streams[request_id] = stream
         self.outputs.add_request(request_id, sampling)
@@ -324,6 +342,9 @@ class EngineClient:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                if isinstance(item, Queued):
+                    yield item
+                    continue
                 finished = item.finished
                 yield item
                 if finished:

@@ -182,6 +182,8 @@ class Telemetry:
                                                  "remote_kv_failed_loads"),
             "cadenza.kv_transfer.recomputed_tokens": ("{token}", "Tokens of failed pulls computed here instead",
                                                       "remote_kv_recomputed_tokens"),
+            "cadenza.kv_transfer.released_holds": ("{request}", "Prompts queued here past the maximum hold: "
+                                                   "their source released, computed here", "remote_kv_released_holds"),
             "cadenza.kv_transfer.published": ("{request}", "Prompts whose KV was held for a decode replica",
                                               "kv_transfer_published"),
             "cadenza.kv_transfer.bytes": ("By", "KV bytes moved, by direction", _kv_transfer_bytes),

@@ -18,16 +18,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cadenza.node.core.config import EngineConfig
-from cadenza.node.core.messages import (
-    FRAME_HEADER,
-    EngineDead,
-    MessageError,
-    Shutdown,
-    StartCore,
-    check_frame_length,
-    decode,
-    frame,
-)
+from cadenza.node.core.codec import FRAME_HEADER, check_frame_length, decode, frame
+from cadenza.node.core.messages import EngineDead, MessageError, Shutdown, StartCore
 
 if TYPE_CHECKING:
     from cadenza.node.core.engine_core import EngineCore

@@ -5,10 +5,13 @@ rule says it pays:
 
 1. **Prefill.** The gateway sends the request's body as it is to the least busy prefill replica,
    with ``x-cadenza-kv-publish: 1``. The replica validates it as the decode call will be (a bad
-   request is refused before anything is computed), and streams a one-token answer whose headers
-   say at once where the prompt's KV will be (``x-cadenza-kv-source``); then it computes it, holding each block
-   under a lease as soon as a step has written it. The gateway reads that call to its end in the
-   background.
+   request is refused before anything is computed), and once its engine has queued it, streams a
+   one-token answer whose headers say where the prompt's KV will be (``x-cadenza-kv-source``);
+   then it computes it, holding each block under a lease as soon as a step has written it. The
+   gateway reads that call to its end in the background. A replica whose queue is full answers
+   429 instead (never a 200 whose KV never comes): the gateway backs off from it for its
+   ``Retry-After`` and tries the next prefill replica, and with none left the decode replica
+   prefills the prompt at once (``fallback_busy``).
 2. **Decode.** Right after those headers, the gateway sends the original request to a decode
    replica of the request's class, naming that source. The decode replica pulls the prompt's
    blocks while they are being computed (the transfer overlaps the prefill), prefills only the
@@ -17,8 +20,8 @@ rule says it pays:
 
 Any failure of the prefill call falls back to step 2 without a source: the decode replica then
 prefills the prompt itself, so the client gets the same answer, only later. A prefill replica
-that is down is never picked, and one that sends no headers within :data:`HEADERS_TIMEOUT_S` is
-given up on. When the decode call ends, however it ends, the prefill call is closed, so the
+that is down or backed off is never picked, and one that sends no headers within
+:data:`HEADERS_TIMEOUT_S` is given up on. When the decode call ends, however it ends, the prefill call is closed, so the
 prefill replica stops computing a prompt nobody waits for. Both calls carry the
 pool's bearer token (``$CADENZA_ADMIN_TOKEN``), which replicas require before they move KV.
 
@@ -67,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # the usual BPE average for English text, for prompts sent as text
 PREFILL_TIMEOUT_S = 120.0  # a prefill call that takes longer falls back to local prefill
-HEADERS_TIMEOUT_S = 5.0  # a prefill replica answers its headers before it prefills: longer is a hung one
+HEADERS_TIMEOUT_S = 5.0  # a prefill replica answers once it queued the prompt, before it prefills: longer is a hung one
 PREFILL_TASK = "cadenza_prefill_call"  # the request's prefill call being read, in the request's storage
 DISAGG_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -131,15 +134,19 @@ async def route(request: web.Request, decode: list[Upstream]) -> CIMultiDict[str
     tokens = prompt_tokens(parsed)
     if (idle := threshold(app)) is None or tokens < idle:
         return None  # not worth moving even to an idle prefill replica
-    upstream = app[UPSTREAMS].least_queued(app[UPSTREAMS].of_role("prefill"), limit)
-    if upstream is None:
-        app[METRICS].count_disagg("fallback_busy")
-        return None
-    if tokens < threshold(app, upstream):  # a queue only raises the threshold (never to None)
-        app[METRICS].count_disagg("kept_queued")
-        return None
-    source = await prefill(request, parsed, upstream, tokens)
-    return None if source is None else CIMultiDict({**_auth(), KV_SOURCE_HEADER: source})
+    full: list[Upstream] = []  # prefill replicas that answered 429 to this request
+    while (upstream := app[UPSTREAMS].least_queued(app[UPSTREAMS].of_role("prefill"), limit, full)) is not None:
+        if tokens < threshold(app, upstream):  # a queue only raises the threshold (never to None)
+            app[METRICS].count_disagg("kept_queued")
+            return None
+        try:
+            source = await prefill(request, parsed, upstream, tokens)
+        except PrefillFull:
+            full.append(upstream)
+            continue
+        return None if source is None else CIMultiDict({**_auth(), KV_SOURCE_HEADER: source})
+    app[METRICS].count_disagg("fallback_busy")
+    return None
 
 
 def cancel_prefill(request: web.Request) -> None:
@@ -150,10 +157,19 @@ def cancel_prefill(request: web.Request) -> None:
         task.cancel()
 
 
+class PrefillFull(Exception):
+    """The prefill replica's queue is full (it answered 429, and is backed off from): try another."""
+
+
 async def prefill(request: web.Request, parsed: dict, upstream: Upstream, tokens: int) -> str | None:
     """Run the prefill call of a ``tokens``-token prompt on ``upstream``; the
     ``x-cadenza-kv-source`` to hand the decode replica, or None to fall back (the call failed:
-    logged and counted)."""
+    logged and counted).
+
+    Raises:
+        PrefillFull: ``upstream`` answered 429 (its engine refused to queue the prompt; nothing
+            was published there): counted by the caller, who picks another or falls back.
+    """
     app = request.app
     upstreams, metrics = app[UPSTREAMS], app[METRICS]
     headers = request_headers(request.headers, request.remote)
@@ -174,8 +190,13 @@ async def prefill(request: web.Request, parsed: dict, upstream: Upstream, tokens
         queued.done()
         raise
     upstreams.answered(upstream)
+    if resp.status == 429:
+        resp.close()
+        queued.done()
+        upstreams.back_off(upstream, retry_after_s(resp.headers.get("Retry-After")))
+        raise PrefillFull(upstream.url)
     source = resp.headers.get(KV_SOURCE_HEADER)
-    if 400 <= resp.status < 500 and resp.status != 429:  # the request's own fault: decode answers it alike
+    if 400 <= resp.status < 500:  # the request's own fault: decode answers it alike
         metrics.count_disagg("fallback_refused")
     elif resp.status != 200 or source is None:
         logger.warning("prefill replica %s answered %d%s; prefilling on the decode replica", upstream.url,
@@ -183,8 +204,6 @@ async def prefill(request: web.Request, parsed: dict, upstream: Upstream, tokens
         metrics.count_disagg("fallback_failed")
     else:
         metrics.count_disagg("prefilled")
-    if resp.status == 429:
-        upstreams.back_off(upstream, retry_after_s(resp.headers.get("Retry-After")))
     # read the prefill call to its end while the decode call runs (closing it early would abort it)
     task = asyncio.create_task(_finish(resp, upstream, queued))
     request[PREFILL_TASK] = task

@@ -11,11 +11,13 @@ Two OpenTelemetry histograms, exported like the engines' (Prometheus text at the
 
 Both carry ``cadenza.traffic_class``. Answers that are not streamed have no TTFT or ITL to
 measure and are not recorded. A counter, ``cadenza.gateway.disagg.requests``, counts the requests
-the selective rule sent through a prefill replica, by ``cadenza.disagg.outcome``: ``prefilled``,
-``fallback_busy`` (no prefill replica free), ``fallback_failed`` (its call failed; the decode
-replica prefilled), ``fallback_refused`` (the prefill replica refused the request itself, a 4xx
-other than 429: the decode replica gives the client the same answer) or ``kept_queued`` (long
-enough for an idle prefill replica, not after the chosen one's queue: prefilled where it decodes).
+the selective rule sent through a prefill replica, by ``cadenza.disagg.outcome``: ``prefilled``
+(a prefill replica queued it and answered with its KV source), ``fallback_busy`` (no prefill
+replica free, or each one tried answered 429: prefilled where it decodes), ``fallback_failed``
+(its call failed; the decode replica prefilled), ``fallback_refused`` (the prefill replica
+refused the request itself, a 4xx other than 429: the decode replica gives the client the same
+answer) or ``kept_queued`` (long enough for an idle prefill replica, not after the chosen one's
+queue: prefilled where it decodes). One request counts once, whichever replicas it tried.
 A gauge, ``cadenza.gateway.disagg.min_prompt_tokens``, is the threshold the rule applies with an
 idle prefill replica (pinned or computed from the decode replicas' rules; absent while there is
 none).

@@ -228,6 +228,28 @@ class KVConsumer:
             raise TransferError("connection", f"{host}:{port}: {e}") from None
         self._return(host, port, conn)
 
+    async def renew(self, host: str, port: int, boot_id: str, request_ids: list[str]) -> bool:
+        """Tell the producer that this side still holds ``request_ids`` queued, so their leases
+        run on (best effort, like :meth:`release`). False, with nothing sent, when the producer
+        is no longer the process ``boot_id`` names (it holds none of them, and an id there may
+        be another request's).
+
+        Raises:
+            TransferError: the producer could not be reached or refused the handshake.
+        """
+        conn = await self._connection(host, port)
+        if conn.boot_id != boot_id:
+            self._return(host, port, conn)
+            return False
+        try:
+            for request_id in request_ids:
+                conn.write(protocol.encode("renew", request_id=request_id))
+        except (ConnectionError, OSError) as e:
+            conn.close()
+            raise TransferError("connection", f"{host}:{port}: {e}") from None
+        self._return(host, port, conn)
+        return True
+
     def _return(self, host: str, port: int, conn: _Connection) -> None:
         idle = self._idle.setdefault((host, port), [])
         if len(idle) < MAX_IDLE_PER_PRODUCER and conn.boot_id == self._boot.get((host, port)):

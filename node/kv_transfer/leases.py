@@ -2,8 +2,9 @@
 
 A prefill replica keeps a request's blocks after the request's prefill ends only under a lease:
 taken when the request is published (default :data:`DEFAULT_LEASE_S`), renewed each time
-the decode side makes progress (a frame it consumed) and while the prefill replica's engine still
-works on the prompt (queued or part computed), and ended by the first of: release (the
+the decode side makes progress (a frame it consumed), while the prefill replica's engine still
+works on the prompt (queued or part computed) and while the decode replica holds the request in
+its queue (its ``renew`` frames, for at most its maximum hold), and ended by the first of: release (the
 decode side has every block, or gave up), abort, or expiry. Whoever owns the blocks frees them on
 each end — :meth:`LeaseTable.release` and :meth:`LeaseTable.expire` hand back what was held.
 

@@ -12,9 +12,10 @@ A pull may come before its request is published (the decode side heard of it fir
 to :data:`PUBLISH_WAIT_S` for it. Frames hold at most :data:`MAX_FRAME_BYTES`.
 
 Every published request is held under a lease (:mod:`.leases`): renewed by each frame the decode
-side's socket takes (TCP flow control makes a frame's ``drain`` wait on it) and, until its prompt is
-computed, by the engine's steps (:meth:`KVProducer.renew`: a prompt queued on a busy replica is not
-lost), ended by its
+side's socket takes (TCP flow control makes a frame's ``drain`` wait on it), until its prompt is
+computed by the engine's steps (:meth:`KVProducer.renew`: a prompt queued on a busy replica is not
+lost), and by the decode side's ``renew`` frames while the request waits in its queue (bounded
+there: :mod:`cadenza.node.core.remote_kv`), ended by its
 ``release`` (read at any time, mid-stream too), by the consumer going away mid-stream, by
 :meth:`KVProducer.abort`, or by expiry, which a timer checks every :data:`EXPIRY_CHECK_S`; the
 blocks are freed on the end, whichever it is. A pull of a request that holds no lease gets
@@ -276,6 +277,8 @@ class KVProducer:
                     conn.pulls.put_nowait(msg)
                 elif msg["kind"] == "release":
                     self._end(msg["request_id"], "released")
+                elif msg["kind"] == "renew":
+                    self.leases.renew(msg["request_id"], self.clock())
                 else:
                     raise TransferError("protocol", f"a {msg['kind']} frame from a consumer")
         except (TransferError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:

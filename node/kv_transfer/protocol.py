@@ -27,6 +27,8 @@ kind           direction  fields
                           were sent (fewer than asked: the producer holds no more)
 ``error``      P -> C     ``request_id``, ``code`` (a :class:`TransferError` kind), ``message``
 ``release``    C -> P     ``request_id``: the consumer holds what it needs; free the blocks
+``renew``      C -> P     ``request_id``: the consumer still holds the request queued (it will
+                          pull it once it runs); its lease runs on from now
 =============  =========  =============================================================
 
 The first four frames are the handshake (:mod:`.handshake`): a mutual HMAC challenge-response
@@ -203,6 +205,7 @@ _REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
     "done": {"request_id": str, "num_blocks": int},
     "error": {"request_id": str, "code": str, "message": str},
     "release": {"request_id": str},
+    "renew": {"request_id": str},
 }
 
 

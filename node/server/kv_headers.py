@@ -2,9 +2,11 @@
 
 - ``x-cadenza-kv-publish: 1`` on a completion call: run it (the gateway asks for one token) and
   hold its prompt's KV for a decode replica to pull. The response says where, in
-  ``x-cadenza-kv-source``; a streamed one sends its headers at once, before the prompt is
-  prefilled, so the decode replica can pull each block as soon as it is computed (an error after
-  that comes as an SSE ``error`` event).
+  ``x-cadenza-kv-source``; it is streamed and sends its headers as soon as the engine core has
+  queued the request — admitted first, then answered: a full queue is a 429 with ``Retry-After``,
+  never a 200 whose KV never comes — and before the prompt is prefilled, so the decode replica
+  can pull each block as soon as it is computed (an error after that, such as a failed step,
+  comes as an SSE ``error`` event).
 - ``x-cadenza-kv-source: kv://HOST:PORT/REQUEST_ID?boot=BOOT_ID&tokens=N`` on a completion call:
   pull the prompt's KV from that replica instead of prefilling it here; whatever cannot be pulled
   is prefilled here, so the answer is the same either way.

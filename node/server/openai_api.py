@@ -21,7 +21,7 @@ from aiohttp import web
 from cadenza.node.core.admission import AdmissionError
 from cadenza.node.core.policy import DEFAULT_TENANT, PolicyError, check_class, check_tenant
 from cadenza.node.core.request import RemoteKV, SamplingParams
-from cadenza.node.frontend.client import EngineClient, EngineDeadError
+from cadenza.node.frontend.client import EngineClient, EngineDeadError, Queued
 from cadenza.node.frontend.input_processor import InputError, InputProcessor
 from cadenza.node.frontend.telemetry import Telemetry
 from cadenza.node.server.access_log import ACCESS
@@ -199,7 +199,7 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
     if endpoint is not None and (rule := client.stats().kv_transfer_rule) is not None:
         headers[DISAGG_RULE_HEADER] = rule  # for the gateway's selective rule
     if publish_kv:  # validated as the decode call will be; computed for its KV: one token is enough,
-        call.sampling = replace(call.sampling, max_tokens=1)  # streamed so the headers go out at once
+        call.sampling = replace(call.sampling, max_tokens=1)  # streamed so the headers go out once queued
         call.stream = True
         # where the decode replica pulls this prompt's KV from
         headers[KV_SOURCE_HEADER] = format_source(RemoteKV(endpoint["host"], endpoint["port"], call.request_id,
@@ -207,7 +207,7 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
     stream = client.generate(call.request_id, call.prompt_ids, call.sampling, call.traffic_class, call.tenant,
                              arrival_time=call.arrival, cache_salt=call.cache_salt,
                              traceparent=request.headers.get(TRACEPARENT_HEADER), remote_kv=remote_kv,
-                             publish_kv=publish_kv)
+                             publish_kv=publish_kv, acknowledge=publish_kv)
     chat = call.kind == "chat.completion"
     access = request.get(ACCESS, {})
     access["id"] = call.request_id
@@ -245,11 +245,13 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
         return body
 
     last = None
-    if publish_kv:  # the headers now, not at the first token: the decode side pulls while this prefills
-        await response.prepare(request)
     async with aclosing(stream) as outputs:
         try:
-            async for last in _guard(outputs):
+            async for item in _guard(outputs):
+                if isinstance(item, Queued):  # a publish call the core queued (a refusal raised: a 429):
+                    await response.prepare(request)  # the headers now, so the decode side pulls as this prefills
+                    continue
+                last = item
                 if not response.prepared:
                     await response.prepare(request)
                     if chat:

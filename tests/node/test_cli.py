@@ -135,6 +135,7 @@ def test_serve_logs_its_threads_and_whether_the_admin_api_is_on(tiny_llama_dir, 
 
 def test_policy_file_and_flags_reach_the_engine_config(tmp_path, tiny_llama_dir):
     from cadenza.node.cli import build_parser, engine_config_from_args
+    from cadenza.node.core.config import ConfigError
 
     policy = tmp_path / "policy.yaml"
     policy.write_text("classes:\n  batch:\n    max_prefill_tokens: 64\ntenants:\n  gold:\n    weight: 3\n")
@@ -144,6 +145,13 @@ def test_policy_file_and_flags_reach_the_engine_config(tmp_path, tiny_llama_dir)
     assert config.scheduler.policy.classes["batch"].max_prefill_tokens == 64
     assert config.scheduler.policy.tenant("gold").weight == 3
     assert config.scheduler.policy.step_time_target_ms == 80 and not config.scheduler.prefix_caching
+    args = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--kv-transfer-port", "0",
+                                      "--kv-lease-s", "4", "--kv-max-hold-s", "9.5"])
+    config = engine_config_from_args(args)
+    assert (config.kv_transfer_port, config.kv_lease_s, config.kv_max_hold_s) == (0, 4.0, 9.5)
+    args = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--kv-max-hold-s", "0"])
+    with pytest.raises(ConfigError, match="kv_max_hold_s: must be seconds in"):
+        engine_config_from_args(args)
 
 
 def test_an_invalid_policy_file_is_refused_naming_the_setting(tmp_path, tiny_llama_dir):

@@ -1,6 +1,7 @@
 """Disaggregated serving, engine to engine: a prefill engine publishes a prompt's KV, a decode
 engine pulls it over loopback TCP and generates — and its greedy output equals a colocated
-engine's, token for token, whatever the prompt length, chunk size and prefix caching.
+engine's, token for token, whatever the prompt length, chunk size and prefix caching, with every
+pull complete well within the lease (a short one here: a pull that stalls fails fast).
 
 Three engine cores in this process on the tiny random Llama (fp32): the prefill one and the
 decode one each with a KV transfer endpoint, and a plain one for the colocated reference. A
@@ -25,7 +26,10 @@ from cadenza.node.credentials import TOKEN_ENV, TOKEN_FILE_ENV
 from tiny_models import build_tiny_model
 
 BS = 16
-LENGTHS = (1, 2, 15, 16, 17, 31, 33, 64, 65, 100, 127, 128, 129, 200, 255, 257, 300)
+# 25 and 217 end in a one-token chunk with chunks of 24 (its last token a decode row) in a block
+# the decode side needs; 17 and 65 do so too with chunks of 16 and 64, in a block it does not
+LENGTHS = (1, 2, 15, 16, 17, 25, 31, 33, 64, 65, 100, 127, 128, 129, 200, 217, 255, 257, 300)
+LEASE_S = 5.0  # a pull that waits for a block never sent fails with this, not after 30 s
 _ids = itertools.count()
 
 
@@ -42,12 +46,12 @@ def other_weights_dir(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def engines(model, chunk_size, prefix_caching):
+def engines(model, chunk_size, prefix_caching, token_budget=64, num_kv_blocks=160, lease_s=LEASE_S, **more):
     """(prefill, decode, colocated) engine cores; the two with endpoints are closed after."""
-    knobs = dict(token_budget=64, chunk_size=chunk_size, max_model_len=512, num_kv_blocks=160, block_size=BS,
-                 prefix_caching=prefix_caching, attention_backend="torch")
-    prefill = EngineCore.from_model(model, kv_transfer_port=0, **knobs)
-    decode = EngineCore.from_model(model, kv_transfer_port=0, **knobs)
+    knobs = dict(token_budget=token_budget, chunk_size=chunk_size, max_model_len=512, num_kv_blocks=num_kv_blocks,
+                 block_size=BS, prefix_caching=prefix_caching, attention_backend="torch", **more)
+    prefill = EngineCore.from_model(model, kv_transfer_port=0, kv_lease_s=lease_s, **knobs)
+    decode = EngineCore.from_model(model, kv_transfer_port=0, kv_lease_s=lease_s, **knobs)
     try:
         yield prefill, decode, EngineCore.from_model(model, **knobs)
     finally:
@@ -91,8 +95,8 @@ def settle(core: EngineCore, timeout_s: float = 5.0) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk_size", [16, 64, None])
-@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("chunk_size, prefix_caching", [(16, True), (16, False), (24, False), (64, True), (64, False),
+                                                         (None, True), (None, False)])
 def test_greedy_output_of_a_disaggregated_pair_equals_colocated(tiny_llama_dir, chunk_size, prefix_caching):
     with engines(tiny_llama_dir, chunk_size, prefix_caching) as (prefill, decode, colocated):
         rng = random.Random(chunk_size or 0)
@@ -104,9 +108,117 @@ def test_greedy_output_of_a_disaggregated_pair_equals_colocated(tiny_llama_dir, 
             loaded += n - 1
         assert decode.scheduler.stats.remote_kv_tokens == loaded  # every prompt token's KV but the last came over
         assert decode.scheduler.stats.remote_kv_failed_loads == 0
+        assert prefill.kv_link.producer.stats.expired == 0
         settle(prefill)
         assert prefill.block_manager.num_used_blocks == 0  # every lease released, every block freed
         assert not any(k.startswith(HOLDER) for k in prefill.block_manager.tables)
+
+
+def test_a_prompt_whose_last_chunk_is_one_token_is_pulled_at_once(tiny_llama_dir):
+    """Budget and chunk 24: 217 tokens are nine chunks of 24 and one token, which the prefill
+    replica computes as a decode row; that step completes the prompt and its partial last block
+    (tokens 208-216) goes out with it, so the pull ends without waiting out a lease."""
+    with engines(tiny_llama_dir, 24, False, token_budget=24) as (prefill, decode, colocated):
+        for n in (216, 217):
+            prompt = [random.Random(n).randrange(3, 300) for _ in range(n)]
+            want = run(colocated, AddRequest(f"c{next(_ids)}", prompt, greedy(4)))
+            began = time.monotonic()
+            assert disaggregated(prefill, decode, prompt, 4) == want, f"prompt of {n} tokens"
+            assert time.monotonic() - began < LEASE_S / 2, f"prompt of {n} tokens"
+        assert decode.scheduler.stats.remote_kv_tokens == 215 + 216  # every token but the last came over
+        assert decode.scheduler.stats.remote_kv_failed_loads == 0 and not decode.kv_link.stats.failures
+        assert prefill.kv_link.producer.stats.expired == 0
+
+
+def test_concurrent_prompts_split_by_a_shared_budget_are_all_pulled_whole(tiny_llama_dir):
+    """24 prompts prefilled at once (budget 64, chunks of 16) while the decode replica pulls them:
+    whichever chunk a shared budget leaves a prompt with, one token included, every prompt's KV
+    arrives whole, no lease expires, and every answer equals the colocated one."""
+    pick, rng = random.Random(8), random.Random(24)
+    lengths = [pick.randrange(40, 200) for _ in range(24)]
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
+    with engines(tiny_llama_dir, 16, False, num_kv_blocks=640) as (prefill, decode, colocated):
+        want = [run(colocated, AddRequest(f"c{next(_ids)}", p, greedy(3))) for p in prompts]
+        link, ids = prefill.kv_link, [f"d{next(_ids)}" for _ in prompts]
+        for rid, prompt in zip(ids, prompts):
+            prefill.add_request(AddRequest(rid, prompt, greedy(1), publish_kv=True))
+            source = RemoteKV("127.0.0.1", link.port, rid, link.boot_id, len(prompt))
+            decode.add_request(AddRequest(rid, prompt, greedy(3), remote_kv=source))
+        _, got = run_together(prefill, decode)
+        assert [got[rid] for rid in ids] == want
+        # the case arose: prompts whose last token was not in a chunk but a decode row
+        assert sum(lengths) - prefill.scheduler.stats.prefill_tokens_admitted >= 2
+        assert decode.scheduler.stats.remote_kv_tokens == sum(len(p) - 1 for p in prompts)
+        assert decode.scheduler.stats.remote_kv_failed_loads == 0 and not decode.kv_link.stats.failures
+        assert link.producer.stats.expired == 0
+
+
+def run_together(*cores: EngineCore, timeout_s: float = 60.0) -> list[dict[str, list[int]]]:
+    """Step ``cores`` in turn until none has work; per core, each request's tokens."""
+    tokens: list[dict[str, list[int]]] = [{} for _ in cores]
+    deadline = time.monotonic() + timeout_s
+    while any(core.has_unfinished_requests() for core in cores):
+        assert time.monotonic() < deadline, "the requests never finished"
+        ran = False
+        for core, got in zip(cores, tokens):
+            if core.has_unfinished_requests():
+                deltas, record = core.step()
+                ran |= record is not None
+                for d in deltas:
+                    got.setdefault(d.request_id, []).extend(d.new_token_ids)
+        if not ran:
+            time.sleep(0.001)
+    return tokens
+
+
+def queue_behind_a_long_request(decode: EngineCore, add: AddRequest, seconds: float) -> None:
+    """Add a long local request, then ``add``, to a decode engine with one running slot, and
+    step it for ``seconds``: ``add`` waits in the queue all along; the long one is then aborted."""
+    decode.add_request(AddRequest("long", list(range(3, 23)), greedy(480)))
+    decode.add_request(add)
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        decode.step()
+        time.sleep(0.02)
+    assert decode.scheduler.requests[add.request_id].admitted_time is None  # it queued the whole time
+    decode.abort_request("long")
+
+
+def test_a_request_queued_longer_than_the_lease_keeps_its_source_and_pulls_it_whole(tiny_llama_dir):
+    """A decode replica whose one slot is busy holds a moved request queued for three leases: it
+    renews the source's lease meanwhile, so the KV is still there when the request runs."""
+    with engines(tiny_llama_dir, 64, False, lease_s=1.0, max_num_seqs=1) as (prefill, decode, colocated):
+        prompt = [random.Random(5).randrange(3, 300) for _ in range(100)]
+        want = run(colocated, AddRequest("c-queued", prompt, greedy(4)))
+        run(prefill, AddRequest("queued", prompt, greedy(1), publish_kv=True))
+        source = RemoteKV("127.0.0.1", prefill.kv_link.port, "queued", prefill.kv_link.boot_id, len(prompt))
+        queue_behind_a_long_request(decode, AddRequest("queued", prompt, greedy(4), remote_kv=source), 3.0)
+        (got,) = run_together(decode)
+        assert got["queued"] == want
+        assert decode.scheduler.stats.remote_kv_tokens == 99 and decode.scheduler.stats.remote_kv_failed_loads == 0
+        assert prefill.kv_link.producer.stats.expired == 0
+        settle(prefill)
+        assert prefill.block_manager.num_used_blocks == 0  # released once pulled
+
+
+def test_past_its_maximum_hold_a_queued_request_releases_its_source_and_computes_the_prompt_itself(tiny_llama_dir):
+    """The hold is bounded: after ``kv_max_hold_s`` in the queue the decode replica releases the
+    source, whose blocks are freed at once (not at the lease's end), and prefills the prompt itself."""
+    with engines(tiny_llama_dir, 64, False, lease_s=2.0, max_num_seqs=1, kv_max_hold_s=0.5) as (
+            prefill, decode, colocated):
+        prompt = [random.Random(6).randrange(3, 300) for _ in range(100)]
+        want = run(colocated, AddRequest("c-held", prompt, greedy(4)))
+        run(prefill, AddRequest("held", prompt, greedy(1), publish_kv=True))
+        assert any(k.startswith(HOLDER) for k in prefill.block_manager.tables)
+        source = RemoteKV("127.0.0.1", prefill.kv_link.port, "held", prefill.kv_link.boot_id, len(prompt))
+        queue_behind_a_long_request(decode, AddRequest("held", prompt, greedy(4), remote_kv=source), 1.5)
+        settle(prefill, timeout_s=0.5)  # well before the 2 s lease could have ended
+        assert prefill.block_manager.num_used_blocks == 0 and prefill.kv_link.producer.stats.expired == 0
+        (got,) = run_together(decode)
+        assert got["held"] == want
+        s = decode.scheduler.stats
+        assert s.remote_kv_released_holds == 1 and s.remote_kv_loads == 0 and s.remote_kv_failed_loads == 0
+        assert decode.stats().remote_kv_released_holds == 1
 
 
 def test_a_prefix_cached_on_the_decode_side_is_not_pulled_again(tiny_llama_dir):
@@ -120,7 +232,7 @@ def test_a_prefix_cached_on_the_decode_side_is_not_pulled_again(tiny_llama_dir):
 
 
 def test_a_failed_transfer_is_recomputed_locally_with_the_same_output(tiny_llama_dir):
-    with engines(tiny_llama_dir, 16, False) as (prefill, decode, colocated):
+    with engines(tiny_llama_dir, 16, False, lease_s=30.0) as (prefill, decode, colocated):
         prompt = [random.Random(3).randrange(3, 300) for _ in range(90)]
         want = run(colocated, AddRequest("c-failed", prompt, greedy(5)))
         link = prefill.kv_link

@@ -397,6 +397,26 @@ async def test_a_prompt_queued_behind_others_outlives_many_leases_while_its_engi
     await consumer.close(); await p.close()
 
 
+async def test_a_decode_side_that_holds_a_request_queued_keeps_its_lease_with_renew_frames():
+    """``renew`` frames from the decode side keep a computed prompt's lease running past many
+    leases; one naming another boot id sends nothing; once they stop, the lease ends as usual."""
+    p = KVProducer(FP, lease_s=0.6)
+    port = await p.start()
+    kept, dropped = Published(10, 3), Published(11, 3)
+    for rid, blocks in (("r10", kept), ("r11", dropped)):
+        p.publish(rid, blocks.read, blocks.free)
+        p.progress(rid, 3, complete=True)
+    consumer = KVConsumer(FP)
+    for _ in range(10):  # 2 s: more than three leases
+        await asyncio.sleep(0.2)
+        assert await consumer.renew("127.0.0.1", port, p.boot_id, ["r10"])
+        assert not await consumer.renew("127.0.0.1", port, "an-older-boot", ["r11"])  # nothing renewed there
+    assert p.held() == ["r10"] and dropped.freed == 1 and p.stats.expired == 1
+    assert await collect(consumer, port, "r10", boot_id=p.boot_id) == kept.data
+    await wait_freed(p, kept, within_s=1.0)
+    await consumer.close(); await p.close()
+
+
 async def test_a_restarted_producer_is_detected_by_its_boot_id_and_stale_connections_dropped():
     p = KVProducer(FP, token=TOKEN)
     port = await p.start()

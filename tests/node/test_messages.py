@@ -1,12 +1,12 @@
-"""The engine core's messages: every type survives msgpack, nothing else gets in."""
+"""The engine core's messages and their codec: every type survives msgpack, nothing else gets in."""
 
 from __future__ import annotations
 
 import msgpack
 import pytest
 
+from cadenza.node.core.codec import MESSAGE_TYPES, decode, encode, frame
 from cadenza.node.core.messages import (
-    MESSAGE_TYPES,
     AbortRequests,
     AddRequest,
     EngineDead,
@@ -16,13 +16,11 @@ from cadenza.node.core.messages import (
     ReconfigureResult,
     RequestDelta,
     RequestFailure,
+    RequestsQueued,
     Shutdown,
     StartCore,
     StepOutputs,
     StepRecord,
-    decode,
-    encode,
-    frame,
 )
 from cadenza.node.core.request import RemoteKV, SamplingParams
 from cadenza.node.core.stats import ClassStats, EngineStats, TenantLoad
@@ -35,7 +33,8 @@ STATS = EngineStats(num_running=2, kv_blocks_total=64, rejected={"queue_full": 3
 EXAMPLES = [
     AddRequest("cmpl-1", [1, 2, 3], SAMPLING, "batch", "acme", 12.5, "salt", "00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
     AddRequest("cmpl-4", [1] * 40, SAMPLING, remote_kv=RemoteKV("10.1.2.3", 7100, "cmpl-9", "f" * 32, 32)),
-    AddRequest("cmpl-9", [1] * 40, SAMPLING, publish_kv=True),
+    AddRequest("cmpl-9", [1] * 40, SAMPLING, publish_kv=True, acknowledge=True),
+    RequestsQueued(["cmpl-9", "cmpl-10"]),
     RemoteKV("10.1.2.3", 7100, "cmpl-9", "f" * 32, 32),
     AbortRequests(["a", "b"], "stop"),
     Reconfigure(4, {"token_budget": 64, "classes": {"batch": {"min_share": 0.2}}, "chunk_size": None}),

@@ -9,15 +9,18 @@ from __future__ import annotations
 import pytest
 
 from cadenza.node.core.request import RemoteKV, RequestStatus
-from fake_engine import make_request, make_scheduler
+from fake_engine import FakeClock, make_request, make_scheduler
 
 BS = 4  # make_scheduler's block size
 
 
 class FakeConnector:
+    max_hold_s = 60.0
+
     def __init__(self) -> None:
         self.loads: dict[str, tuple[int, list[int]]] = {}  # request id -> (first block, local block ids)
         self.cancelled: list[str] = []
+        self.released: list[str] = []
 
     def start_load(self, request, first_block, block_ids):
         self.loads[request.request_id] = (first_block, block_ids)
@@ -26,7 +29,7 @@ class FakeConnector:
         self.cancelled.append(request_id)
 
     def release(self, request):
-        pass
+        self.released.append(request.request_id)
 
 
 def remote(num_tokens: int) -> RemoteKV:
@@ -158,10 +161,47 @@ def test_without_a_connector_or_after_a_preemption_the_prompt_is_computed_here()
 
 def test_a_request_that_needs_nothing_from_its_source_releases_it_once():
     conn = FakeConnector()
-    conn.released = []
-    conn.release = lambda req: conn.released.append(req.request_id)  # type: ignore[method-assign]
     sched = make_scheduler(connector=conn)
     req = make_request(1, remote_kv=remote(1))  # the one token is the last: computed here
     sched.add_request(req)
     step(sched)
     assert conn.released == [req.request_id] and req.remote_kv is None and conn.loads == {}
+
+
+def test_a_queued_request_holds_its_source_until_admitted_and_no_longer_than_the_bound():
+    clock, conn = FakeClock(), FakeConnector()
+    sched = make_scheduler(max_num_seqs=1, connector=conn, clock=clock)
+    busy, early, late = make_request(8, max_tokens=100), make_request(30, remote_kv=remote(30)), make_request(
+        30, remote_kv=remote(30))
+    sched.add_request(busy)
+    step(sched)  # the one slot is taken
+    sched.add_request(early)
+    clock.now += 20
+    sched.add_request(late)
+    step(sched)
+    assert list(sched.remote.held) == [early.request_id, late.request_id]  # the connector renews both sources
+    clock.now += 41  # early: 61 s queued, past the 60 s bound; late: 41 s
+    step(sched)
+    assert list(sched.remote.held) == [late.request_id] and conn.released == [early.request_id]
+    assert early.remote_kv is None and sched.stats.remote_kv_released_holds == 1
+    sched.abort_request(busy.request_id)
+    step(sched)  # early is admitted and prefilled here: nothing is loaded for it
+    assert early.status is RequestStatus.RUNNING and early.num_computed_tokens == 16 and conn.loads == {}
+    sched.abort_request(early.request_id)
+    sched.schedule()  # late is admitted within its bound: it loads, and is held no more
+    assert late.status is RequestStatus.WAITING_FOR_REMOTE_KV and late.request_id in conn.loads
+    assert sched.remote.held == {} and conn.released == [early.request_id]
+
+
+def test_a_queued_request_that_ends_before_its_admission_releases_its_source_at_once():
+    conn = FakeConnector()
+    sched = make_scheduler(max_num_seqs=1, connector=conn)
+    busy, queued = make_request(8, max_tokens=100), make_request(30, remote_kv=remote(30))
+    sched.add_request(busy)
+    step(sched)
+    sched.add_request(queued)
+    step(sched)
+    sched.abort_request(queued.request_id)
+    assert conn.released == [queued.request_id] and sched.remote.held == {}
+    sched.abort_request(busy.request_id)
+    assert conn.released == [queued.request_id]  # a request that held nothing releases nothing

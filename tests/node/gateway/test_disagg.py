@@ -8,35 +8,49 @@ import asyncio
 import dataclasses
 import json
 import re
+import time
 
 import pytest
 
 from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cadenza.node.gateway.state import METRICS, PREFILL_CALLS, UPSTREAMS
-from cadenza.node.gateway.disagg import prompt_tokens
+from cadenza.node.gateway.disagg import HEADERS_TIMEOUT_S, prompt_tokens
 from cadenza.node.server.app import create_app
 from cadenza.node.server.auth import TOKEN_ENV
 from cadenza.node.server.openai_api import ENGINE
 from cadenza.node.kv_transfer.threshold import Rule
 from cadenza.node.wire import DISAGG_RULE_HEADER, KV_SOURCE_HEADER
+from step_gate import StepGate
+from waiting import until
 
 MODEL = "tiny"
 LONG, SHORT = list(range(5, 105)), list(range(5, 25))  # 100 and 20 token ids; the threshold is 32
 
 
-@pytest.fixture
-async def pool(aiohttp_server, start_gateway, tiny_llama_dir, monkeypatch, dead_url):
-    monkeypatch.setenv(TOKEN_ENV, "pool-token")
+async def start_engines(aiohttp_server, tiny_llama_dir, prefill_seqs: int = 64) -> list:
+    """A prefill and a decode engine server (the prefill one with ``prefill_seqs`` running slots)."""
     servers = []
-    for _ in range(2):
+    for seqs in (prefill_seqs, 64):
         config = EngineConfig(model=str(tiny_llama_dir), served_model_name=MODEL, attention_backend="torch",
-                              scheduler=SchedulerConfig(token_budget=64, chunk_size=32, max_model_len=512),
+                              scheduler=SchedulerConfig(token_budget=64, chunk_size=32, max_num_seqs=seqs,
+                                                        max_model_len=512),
                               cache=CacheConfig(block_size=16, num_kv_blocks=96), kv_transfer_port=0)
         app = create_app(config, MODEL)
         server = await aiohttp_server(app)
         await app[ENGINE].wait_ready()
         servers.append(server)
-    prefill, decode = (str(s.make_url("")).rstrip("/") for s in servers)
+    return servers
+
+
+def url_of(server) -> str:
+    return str(server.make_url("")).rstrip("/")
+
+
+@pytest.fixture
+async def pool(aiohttp_server, start_gateway, tiny_llama_dir, monkeypatch, dead_url):
+    monkeypatch.setenv(TOKEN_ENV, "pool-token")
+    servers = await start_engines(aiohttp_server, tiny_llama_dir)
+    prefill, decode = map(url_of, servers)
 
     async def gateway(prefill_url=prefill, threshold=32, decode_url=decode):
         return await start_gateway({"interactive": [decode_url], "prefill": [prefill_url]},
@@ -199,6 +213,11 @@ async def test_with_auto_a_prefill_replica_with_a_queue_is_sent_only_prompts_tha
     assert (prefill.queued_tokens, prefill.queued_pairs, prefill.outstanding) == (0, 0.0, 0)  # its call ended
 
 
+async def generated(app, prompt: list[int]) -> str:
+    """What ``app``'s engine answers ``body(prompt)`` with, called directly (the reference)."""
+    return "".join([o.text async for o in app[ENGINE].generate(f"ref-{prompt[0]}", prompt, _greedy(6))])
+
+
 def _greedy(n):
     from cadenza.node.core.request import SamplingParams
 
@@ -238,3 +257,63 @@ async def test_a_request_invalid_only_in_how_it_streams_is_refused_before_any_pr
     assert resp.status == 400
     assert gw.app[METRICS].disagg_outcomes == {"fallback_refused": 1}
     assert prefill_app[ENGINE].core.scheduler.stats.prefill_tokens_admitted == 0
+
+
+async def test_a_prefill_replica_with_a_full_queue_is_backed_off_from_and_the_next_one_prefills(pool, start_replica):
+    gateway, prefill_app, decode_app = pool
+    full = await start_replica("full", mode="429", retry_after="30")
+    (real,) = [u for u in (await gateway()).app[UPSTREAMS].of_role("prefill")]
+    gw = await gateway()
+    gw.app[UPSTREAMS].replace({"interactive": [u.url for u in gw.app[UPSTREAMS].of_role("interactive")],
+                               "prefill": [full.url, real.url]})
+    by_url = {u.url: u for u in gw.app[UPSTREAMS].of_role("prefill")}
+    by_url[real.url].queued_tokens = 1  # so the full one, with none queued, is tried first
+    want = await generated(prefill_app, LONG)
+    assert await text_of(await gw.post("/v1/completions", json=body(LONG))) == want
+    assert full.calls == 1 and gw.app[METRICS].disagg_outcomes == {"prefilled": 1}
+    assert by_url[full.url].is_full(100, gw.app[UPSTREAMS].clock())  # 30 s of Retry-After
+    decode = decode_app[ENGINE].core
+    assert decode.scheduler.stats.remote_kv_tokens == 99 and not decode.kv_link.stats.failures
+
+
+async def test_when_every_prefill_replica_is_full_the_decode_replica_prefills_at_once(pool, start_replica):
+    gateway, prefill_app, decode_app = pool
+    full = await start_replica("full", mode="429")
+    want = await generated(prefill_app, LONG)
+    gw = await gateway(prefill_url=full.url)
+    assert await text_of(await gw.post("/v1/completions", json=body(LONG))) == want
+    assert full.calls == 1 and gw.app[METRICS].disagg_outcomes == {"fallback_busy": 1}
+    decode = decode_app[ENGINE].core
+    assert decode.scheduler.stats.remote_kv_loads == 0 and not decode.kv_link.stats.failures
+
+
+async def test_concurrent_prompts_beyond_a_prefill_replicas_queue_are_prefilled_where_they_decode(
+        aiohttp_server, start_gateway, tiny_llama_dir, monkeypatch):
+    """Six long prompts at once through the gateway; the prefill replica has one running slot
+    and room for two more: it queues three and refuses three with 429 (never a 200 without KV).
+    Every client gets the colocated answer; the gateway counts three prefilled, three prefilled
+    where they decode; the decode replica pulls exactly the three, and waits for no KV that
+    never comes."""
+    monkeypatch.setenv(TOKEN_ENV, "pool-token")
+    prefill, decode = await start_engines(aiohttp_server, tiny_llama_dir, prefill_seqs=1)
+    gw = await start_gateway({"interactive": [url_of(decode)], "prefill": [url_of(prefill)]},
+                             disagg_min_prompt_tokens=32)
+    prompts = [[5 + i] + LONG[1:] for i in range(6)]
+    want = [await generated(prefill.app, p) for p in prompts]
+    engine = prefill.app[ENGINE]
+    gate = StepGate(engine.core.runner, monkeypatch)
+    try:
+        gate.hold()
+        first = asyncio.create_task(gw.post("/v1/completions", json=body(prompts[0])))
+        await gate.held()  # the first is running on the prefill replica, parked in its step
+        rest = [asyncio.create_task(gw.post("/v1/completions", json=body(p))) for p in prompts[1:]]
+        await until(lambda: len(engine._streams) == 6, what="the six prefill calls to reach the core")
+    finally:
+        gate.release()
+    began = time.monotonic()
+    assert [await text_of(resp) for resp in await asyncio.gather(first, *rest)] == want
+    assert time.monotonic() - began < HEADERS_TIMEOUT_S  # nobody waited for KV that never came
+    assert gw.app[METRICS].disagg_outcomes == {"prefilled": 3, "fallback_busy": 3}
+    core = decode.app[ENGINE].core
+    assert core.scheduler.stats.remote_kv_loads == 3 and core.scheduler.stats.remote_kv_tokens == 3 * 99
+    assert core.scheduler.stats.remote_kv_failed_loads == 0 and not core.kv_link.stats.failures

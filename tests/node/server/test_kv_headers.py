@@ -3,6 +3,9 @@ pulls it and answers exactly what a colocated call would; the headers need the p
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 
 from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -12,6 +15,8 @@ from cadenza.node.server.auth import TOKEN_ENV
 from cadenza.node.server.kv_headers import format_source, parse_source
 from cadenza.node.server.openai_api import ENGINE
 from cadenza.node.wire import KV_PUBLISH_HEADER, KV_SOURCE_HEADER
+from step_gate import StepGate
+from waiting import until
 
 MODEL = "tiny"
 TOKEN = "pool-token"
@@ -19,9 +24,10 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPT = list(range(5, 105))  # 100 token ids: all but the last one's KV comes over
 
 
-def config(tiny_llama_dir, kv: bool) -> EngineConfig:
+def config(tiny_llama_dir, kv: bool, max_num_seqs: int = 64) -> EngineConfig:
     return EngineConfig(model=str(tiny_llama_dir), served_model_name=MODEL, attention_backend="torch",
-                        scheduler=SchedulerConfig(token_budget=64, chunk_size=32, max_model_len=512),
+                        scheduler=SchedulerConfig(token_budget=64, chunk_size=32, max_num_seqs=max_num_seqs,
+                                                  max_model_len=512),
                         cache=CacheConfig(block_size=16, num_kv_blocks=96), kv_transfer_port=0 if kv else None)
 
 
@@ -34,6 +40,52 @@ async def pair(aiohttp_client, tiny_llama_dir, monkeypatch):
         clients.append(await aiohttp_client(app))
         await app[ENGINE].wait_ready()
     return clients
+
+
+async def test_a_publish_call_answers_once_the_core_has_queued_it_and_a_full_queue_is_a_429(
+        aiohttp_client, tiny_llama_dir, monkeypatch):
+    """Six publish calls at once on a prefill replica with one running slot (two may wait): the
+    core takes three and refuses three. The front end's published stats cannot know that, so the
+    calls answer only after the core has: three 200s, each with a KV source the decode replica
+    pulls whole and a stream that ends cleanly, and three 429s with Retry-After and no source."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    prefill, decode = [await aiohttp_client(create_app(config(tiny_llama_dir, True, max_num_seqs=seqs), MODEL))
+                       for seqs in (1, 64)]
+    for client in (prefill, decode):
+        await client.app[ENGINE].wait_ready()
+    engine = prefill.app[ENGINE]
+    gate = StepGate(engine.core.runner, monkeypatch)
+    publish = {**AUTH, KV_PUBLISH_HEADER: "1"}
+
+    async def call(i: int):
+        prompt = [5 + i] + PROMPT[1:]
+        resp = await prefill.post("/v1/completions", json={**body(1), "prompt": prompt}, headers=publish)
+        return resp, prompt, await resp.text()
+
+    try:
+        gate.hold()
+        first = asyncio.create_task(call(0))
+        await gate.held()  # the first is running, parked in its step; the others arrive meanwhile
+        rest = [asyncio.create_task(call(i)) for i in range(1, 6)]
+        await until(lambda: len(engine._streams) == 6, what="the six calls to reach the core")
+    finally:
+        gate.release()
+    answers = await asyncio.gather(first, *rest)
+    ok = [(resp, prompt, text) for resp, prompt, text in answers if resp.status == 200]
+    refused = [(resp, text) for resp, _prompt, text in answers if resp.status != 200]
+    assert len(ok) == 3 and len(refused) == 3
+    for resp, text in refused:
+        assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1 and KV_SOURCE_HEADER not in resp.headers
+        assert json.loads(text)["error"]["code"] == "queue_full"
+    for resp, prompt, text in ok:
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and not any("error" in json.loads(e) for e in events[:-1])
+        got = await decode.post("/v1/completions", json={**body(4), "prompt": prompt},
+                                headers={**AUTH, KV_SOURCE_HEADER: resp.headers[KV_SOURCE_HEADER]})
+        assert got.status == 200, await got.text()
+    decode_core = decode.app[ENGINE].core
+    assert decode_core.scheduler.stats.remote_kv_tokens == 3 * 99 and not decode_core.kv_link.stats.failures
+    assert engine.core.kv_link.stats.published == 3
 
 
 def body(max_tokens: int) -> dict:
@@ -54,6 +106,7 @@ async def test_a_decode_replica_pulls_the_prefill_replicas_kv_and_answers_as_col
     assert decode.app[ENGINE].core.scheduler.stats.remote_kv_tokens == 99
     metrics = await (await decode.get("/metrics")).text()
     assert "cadenza_kv_transfer_loaded_tokens" in metrics and "cadenza_kv_transfer_loads" in metrics
+    assert "cadenza_kv_transfer_released_holds" in metrics
 
 
 async def test_the_headers_need_the_pools_token_and_an_endpoint_and_a_well_formed_source(pair):
