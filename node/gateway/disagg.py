@@ -71,7 +71,8 @@ logger = logging.getLogger(__name__)
 CHARS_PER_TOKEN = 4  # the usual BPE average for English text, for prompts sent as text
 PREFILL_TIMEOUT_S = 120.0  # a prefill call that takes longer falls back to local prefill
 HEADERS_TIMEOUT_S = 5.0  # a prefill replica answers once it queued the prompt, before it prefills: longer is a hung one
-PREFILL_TASK = "cadenza_prefill_call"  # the request's prefill call being read, in the request's storage
+# the request's prefill call being read, in the request's storage
+PREFILL_TASK: web.RequestKey[asyncio.Task] = web.RequestKey("cadenza_prefill_call", asyncio.Task)
 DISAGG_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 

@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 2  # the first try and at most one retry
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
+# the class and arrival of a proxied request, for the latency histograms
+TIMED: web.RequestKey[tuple] = web.RequestKey("cadenza_timed", tuple)
 
 
 class _Failed(NamedTuple):
@@ -79,7 +81,7 @@ async def proxy_by_class(request: web.Request) -> web.StreamResponse:
     """Any ``/v1/...`` request: forwarded to the replicas of its class's role."""
     started = time.monotonic()
     cls = request_class(request)
-    request["cadenza_timed"] = (cls, started)  # the class and arrival, for the latency histograms
+    request[TIMED] = (cls, started)  # the class and arrival, for the latency histograms
     role = ROLE_OF_CLASS[cls]
     candidates = request.app[UPSTREAMS].of_role(role)
     extra = await disagg.route(request, candidates)  # a long prompt is prefilled on a prefill replica first
@@ -203,7 +205,7 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse, upstream: U
         upstream.disagg_rule = rule
     out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=response_headers(resp.headers))
     await out.prepare(request)
-    timed = request.get("cadenza_timed")
+    timed = request.get(TIMED)
     timer = (request.app[METRICS].stream(*timed)
              if timed and resp.status == 200 and resp.content_type == "text/event-stream" else None)
     while True:

@@ -19,7 +19,7 @@ from aiohttp import web
 
 logger = logging.getLogger("cadenza.access")
 
-ACCESS = "cadenza.access"  # request key: a dict a handler fills (class, tenant, tokens, id)
+ACCESS: web.RequestKey[dict] = web.RequestKey("cadenza.access", dict)  # a dict a handler fills (class, tenant, tokens, id)
 PROBES = frozenset({"/health", "/ready", "/metrics"})
 
 

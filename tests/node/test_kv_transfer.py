@@ -400,13 +400,13 @@ async def test_a_prompt_queued_behind_others_outlives_many_leases_while_its_engi
 async def test_a_decode_side_that_holds_a_request_queued_keeps_its_lease_with_renew_frames():
     """``renew`` frames from the decode side keep a computed prompt's lease running past many
     leases; one naming another boot id sends nothing; once they stop, the lease ends as usual."""
-    p = KVProducer(FP, lease_s=0.6)
+    p = KVProducer(FP, token=TOKEN, lease_s=0.6)
     port = await p.start()
     kept, dropped = Published(10, 3), Published(11, 3)
     for rid, blocks in (("r10", kept), ("r11", dropped)):
         p.publish(rid, blocks.read, blocks.free)
         p.progress(rid, 3, complete=True)
-    consumer = KVConsumer(FP)
+    consumer = KVConsumer(FP, token=TOKEN)
     for _ in range(10):  # 2 s: more than three leases
         await asyncio.sleep(0.2)
         assert await consumer.renew("127.0.0.1", port, p.boot_id, ["r10"])
