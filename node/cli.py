@@ -18,6 +18,7 @@ from cadenza.node.core.config import (
     ConfigError,
     EngineConfig,
     SchedulerConfig,
+    check_chunk_within_budget,
     listen_problem,
     port_argument,
 )
@@ -152,6 +153,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             sections[knob.section][knob.name] = getattr(args, knob.name)
     if sections["policy"]:
         policy = policy.updated(sections["policy"])
+    check_chunk_within_budget(args.token_budget, args.chunk_size)  # as a pool's settings and a live change are
     return EngineConfig(
         model=model,
         served_model_name=args.served_model_name,

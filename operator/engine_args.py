@@ -13,7 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from cadenza.node.core.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+    check_chunk_within_budget,
+)
 from cadenza.node.core.knobs import BY_CRD, BY_NAME
 from cadenza.node.core.policy import Policy, PolicyError
 
@@ -72,12 +78,14 @@ def engine_config(model: str, engine: Mapping[str, Any], served_model_name: str 
     except PolicyError as exc:
         raise ConfigError(f"spec.engine: {exc}") from None
     try:
-        return EngineConfig(
+        config = EngineConfig(
             model=model,
             served_model_name=served_model_name,
             scheduler=SchedulerConfig(**sections["scheduler"], policy=policy),
             cache=CacheConfig(**sections["cache"]),
         )
+        check_chunk_within_budget(config.scheduler.token_budget, config.scheduler.chunk_size)
+        return config
     except ConfigError as exc:
         field, _, message = str(exc).partition(": ")
         key = next((k for k, (_s, name, _f) in ENGINE_KNOBS.items() if name == field), field)

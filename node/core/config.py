@@ -76,6 +76,23 @@ class SchedulerConfig:
         return self.token_budget if self.chunk_size is None else min(self.chunk_size, self.token_budget)
 
 
+def check_chunk_within_budget(token_budget: int, chunk_size: int | None) -> None:
+    """Refuse a chunk larger than the token budget: a chunk is part of one step's tokens.
+
+    The rule for settings a person gives — ``cadenza serve`` flags, a pool's ``spec.engine`` (each
+    role's, overrides applied) and a live ``PUT /admin/config`` touching either knob — so every
+    door answers the same. :class:`SchedulerConfig` itself caps such a chunk instead
+    (:attr:`~SchedulerConfig.effective_chunk_size`), so code that builds configurations need not
+    order two changes.
+
+    Raises:
+        ConfigError: naming ``chunk_size`` and the budget.
+    """
+    _check(chunk_size is None or chunk_size <= token_budget, "chunk_size",
+           f"{chunk_size} is over the token budget ({token_budget} tokens per step): a chunk is part of one step "
+           "(lower chunk_size or raise token_budget)")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Paged KV cache size.

@@ -18,7 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cadenza.node.core.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, ConfigError, SchedulerConfig
+from cadenza.node.core.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    CacheConfig,
+    ConfigError,
+    SchedulerConfig,
+    check_chunk_within_budget,
+)
 from cadenza.node.core.policy import Policy
 
 SECTIONS = ("engine", "scheduler", "cache", "policy")
@@ -131,7 +138,9 @@ def reconfigured(config: SchedulerConfig, changes: Mapping[str, Any]) -> Schedul
 
     Raises:
         ConfigError: a key that is not a knob, or one a running engine cannot change (naming
-            it); PolicyError / ConfigError: an invalid value. Nothing changes on an error.
+            it); PolicyError / ConfigError: an invalid value, or a chunk over the token budget
+            once applied (:func:`check_chunk_within_budget`, as a pool file or the flags are
+            checked). Nothing changes on an error.
     """
     if not isinstance(changes, Mapping):
         raise ConfigError("changes: must be an object of settings")
@@ -145,7 +154,10 @@ def reconfigured(config: SchedulerConfig, changes: Mapping[str, Any]) -> Schedul
     plain = {k: v for k, v in changes.items() if BY_NAME[k].section == "scheduler"}
     policy_changes = {k: v for k, v in changes.items() if BY_NAME[k].section == "policy"}
     policy = config.policy.updated(policy_changes) if policy_changes else config.policy
-    return dataclasses.replace(config, **plain, policy=policy)
+    new = dataclasses.replace(config, **plain, policy=policy)
+    if "token_budget" in changes or "chunk_size" in changes:
+        check_chunk_within_budget(new.token_budget, new.chunk_size)
+    return new
 
 
 def check_live_changes(changes: Mapping[str, Any]) -> None:

@@ -241,6 +241,17 @@ async def test_odd_admin_changes_get_an_answer_and_the_server_keeps_serving(clie
     assert (await client.get("/health")).status == 200 and client.app[ENGINE].is_alive
 
 
+@pytest.mark.parametrize("change", [{"chunk_size": 100000}, {"token_budget": 8}, {"token_budget": 32, "chunk_size": 48}])
+async def test_a_live_chunk_over_the_token_budget_is_a_400_naming_it_and_nothing_changes(client, change):
+    before = await (await client.get("/admin/config", headers=AUTH)).json()
+    resp = await client.put("/admin/config", json=change, headers=AUTH)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["message"].startswith("chunk_size: ")
+    assert await (await client.get("/admin/config", headers=AUTH)).json() == before
+    config = client.app[ENGINE].core.scheduler.config
+    assert (config.token_budget, config.chunk_size) == (64, 16)
+
+
 async def test_a_bug_in_an_engine_command_is_a_500_and_the_engine_goes_on(client, monkeypatch):
     engine = client.app[ENGINE].core
 
