@@ -26,7 +26,7 @@ from cadenza.node.core.config import (
     SchedulerConfig,
     check_chunk_within_budget,
 )
-from cadenza.node.core.policy import Policy
+from cadenza.node.core.policy import MAX_TENANTS, Policy, PolicyError
 
 SECTIONS = ("engine", "scheduler", "cache", "policy")
 
@@ -161,17 +161,21 @@ def reconfigured(config: SchedulerConfig, changes: Mapping[str, Any]) -> Schedul
 
 
 def check_live_changes(changes: Mapping[str, Any]) -> None:
-    """The registry's bounds on the plain knobs of a ``PUT /admin/config`` body (the front end
-    checks them before sending; the core checks them again).
+    """The registry's bounds on the plain knobs of a ``PUT /admin/config`` body, and the size of
+    its tenant map (the front end checks them before sending; the core checks them again).
 
     Raises:
-        ConfigError: a number out of its knob's bounds.
+        ConfigError: a number out of its knob's bounds; PolicyError: more than
+            :data:`~cadenza.node.core.policy.MAX_TENANTS` tenants in the body.
     """
     if isinstance(changes, Mapping):
         for key, value in changes.items():
             knob = BY_NAME.get(key)
             if knob is not None and knob.kind in (int, float):
                 knob.check(value)
+        tenants = changes.get("tenants")
+        if isinstance(tenants, Mapping) and len(tenants) > MAX_TENANTS:
+            raise PolicyError(f"tenants: at most {MAX_TENANTS} tenants may be listed, got {len(tenants)} in the change")
 
 
 def policy_from_view(view: Mapping[str, Any]) -> Policy:

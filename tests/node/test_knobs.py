@@ -121,3 +121,17 @@ def test_a_live_change_that_leaves_the_chunk_and_budget_alone_is_not_held_to_the
     config = SchedulerConfig(token_budget=64, chunk_size=256)
     assert reconfigured(config, {"max_num_seqs": 4}).max_num_seqs == 4
     assert reconfigured(config, {"token_budget": 256}).token_budget == 256
+
+
+def test_a_policy_file_over_the_tenant_limit_is_refused_as_a_pool_and_a_live_change_are(tmp_path):
+    from cadenza.node.core.policy import MAX_TENANTS
+
+    many = {f"t{i}": {"weight": 2} for i in range(MAX_TENANTS + 1)}
+    policy = tmp_path / "policy.json"
+    policy.write_text(__import__("json").dumps({"tenants": many}))
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    with pytest.raises(ValueError, match=f"^tenants: at most {MAX_TENANTS} tenants"):
+        engine_config_from_args(parser.parse_args(["--model", "/model", "--policy", str(policy)]))
+    with pytest.raises(ValueError, match=f"at most {MAX_TENANTS} tenants"):
+        reconfigured(SchedulerConfig(), {"tenants": many})
