@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from cadenza.node.core.policy import Policy
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+TEXT_SPECIAL_TOKENS = ("control", "plain")  # special-token text in requests: control tokens, or plain text
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
@@ -153,6 +154,11 @@ class EngineConfig:
             a free one; None: no endpoint, every prompt is prefilled here.
         kv_transfer_host: the address it binds (and that peers reach it at).
         kv_lease_s: seconds published KV is held for a decode replica without its progress.
+        text_special_tokens: special-token text in requests (``<|im_start|>`` in a chat message or
+            a completion prompt): ``control`` makes it the control tokens it spells, as
+            ``transformers`` and vLLM do (a user can forge a turn of another role); ``plain``
+            encodes it as text, the chat template's own markup staying control tokens
+            (:mod:`cadenza.node.frontend.tokenizer`). Read by the front end only.
     """
 
     model: str
@@ -166,6 +172,7 @@ class EngineConfig:
     kv_transfer_port: int | None = None
     kv_transfer_host: str = "127.0.0.1"
     kv_lease_s: float = 30.0
+    text_special_tokens: str = "control"
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", "must be a model folder path")
@@ -187,6 +194,8 @@ class EngineConfig:
                "kv_transfer_port", f"must be a port number from 0 to 65535, got {port!r}")
         _check(isinstance(self.kv_lease_s, (int, float)) and not isinstance(self.kv_lease_s, bool)
                and 0 < self.kv_lease_s <= 3600, "kv_lease_s", f"must be seconds in (0, 3600], got {self.kv_lease_s!r}")
+        _check(self.text_special_tokens in TEXT_SPECIAL_TOKENS, "text_special_tokens",
+               f"must be one of {', '.join(TEXT_SPECIAL_TOKENS)}, got {self.text_special_tokens!r}")
 
     @property
     def model_name(self) -> str:

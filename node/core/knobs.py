@@ -23,6 +23,7 @@ from cadenza.node.core.config import (
     DTYPES,
     CacheConfig,
     ConfigError,
+    TEXT_SPECIAL_TOKENS,
     SchedulerConfig,
     check_chunk_within_budget,
 )
@@ -105,6 +106,11 @@ KNOBS: tuple[Knob, ...] = (
          cli="--attention-backend", choices=ATTENTION_BACKENDS),
     Knob("seed", "engine", int, 0, "Seed of every request that brings no seed of its own.", cli="--seed",
          minimum=-(2**63), maximum=2**63 - 1),
+    Knob("text_special_tokens", "engine", str, "control",
+         "Special-token text in requests (<|im_start|> in chat content or a prompt): control makes it control "
+         "tokens, as vLLM and transformers do (a user can forge a system turn); plain encodes it as text, the chat "
+         "template's own markup staying control tokens.",
+         cli="--text-special-tokens", crd="textSpecialTokens", choices=TEXT_SPECIAL_TOKENS),
     Knob("step_time_target_ms", "policy", float, None,
          "Shrink prefill chunks so predicted steps stay within this while interactive streams decode.",
          cli="--step-time-target-ms", crd="stepTimeTargetMs", live=True, minimum=1, nullable=True),

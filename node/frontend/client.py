@@ -219,7 +219,8 @@ class EngineClient:
             if self.tokenizer is not None:
                 from cadenza.node.runner.models.generation import SamplingDefaults
 
-                self.inputs = InputProcessor(self.tokenizer, message, SamplingDefaults.from_model_dir(self.config.model))
+                self.inputs = InputProcessor(self.tokenizer, message, SamplingDefaults.from_model_dir(self.config.model),
+                                             special_tokens_as_text=self.config.text_special_tokens == "plain")
             assert self._ready is not None
             self._ready.set()
             if self.stall_timeout_s is not None:  # from now on: loading may take any time, a step may not
