@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from importlib.metadata import entry_points
@@ -18,6 +19,7 @@ from cadenza.node.core.config import (
     ConfigError,
     EngineConfig,
     SchedulerConfig,
+    check_chunk_within_budget,
     listen_problem,
     port_argument,
 )
@@ -57,6 +59,17 @@ environment:
   OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_*  export traces and metrics over OTLP/HTTP
   CADENZA_ATTENTION_BACKEND overrides --attention-backend auto (torch | triton)
 """
+
+
+def _stall_seconds(value: str) -> float:
+    """``--engine-stall-timeout-s``: seconds >= 0 (0: no watch)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value!r}")
+    return seconds
 
 
 def _knob_type(knob: Knob):
@@ -122,6 +135,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "released and the prompt computed here (default 120)")
     g.add_argument("--engine-process", choices=("on", "off"), default="on",
                    help="run the engine core in its own process (on), or in a thread of the server (off)")
+    g.add_argument("--engine-stall-timeout-s", type=_stall_seconds, default=None, metavar="SECONDS",
+                   help="a ready engine core that sends nothing this long (it reports every step, and every second "
+                        "when idle) is stopped or stuck: /health turns 503, requests in flight fail, the core process "
+                        "is killed and the server exits 1 for its supervisor to restart it; keep it above the longest "
+                        "step (first-run kernel compiles, the largest prefill chunk on a CPU); 0: never "
+                        "(default: 300, SGLang's watchdog timeout)")
     p.add_argument("--policy", type=Path, default=None, metavar="FILE",
                    help="JSON or YAML with classes/tenants settings (the shape of GET /admin/config)")
 
@@ -160,6 +179,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             sections[knob.section][knob.name] = getattr(args, knob.name)
     if sections["policy"]:
         policy = policy.updated(sections["policy"])
+    check_chunk_within_budget(args.token_budget, args.chunk_size)  # as a pool's settings and a live change are
     return EngineConfig(
         model=model,
         served_model_name=args.served_model_name,
@@ -175,6 +195,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from cadenza.node.frontend.client import STALL_TIMEOUT_S
     from cadenza.node.runner.models.config import check_model_folder
     from cadenza.node.server.app import serve
     from cadenza.node.server.http import http_timeouts_from_args
@@ -206,8 +227,10 @@ def _serve(args: argparse.Namespace) -> int:
         apply_threads(threads)
     logger.info("serving %s from %s on http://%s:%d/v1 (engine core %s)", config.model_name, config.model,
                 args.host, args.port, "in its own process" if engine_process else "in a thread")
+    stall = args.engine_stall_timeout_s
     return serve(config, args.host, args.port, args.default_class, timeouts=timeouts,
-                 engine_process=engine_process, threads=threads, step_log=args.step_log)
+                 engine_process=engine_process, threads=threads, step_log=args.step_log,
+                 stall_timeout_s=STALL_TIMEOUT_S if stall is None else stall)
 
 
 def _model_hint(model: str | None) -> str:

@@ -13,13 +13,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from cadenza.node.core.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+    check_chunk_within_budget,
+)
 from cadenza.node.core.knobs import BY_CRD, BY_NAME
 from cadenza.node.core.policy import Policy, PolicyError
 
 # spec.engine key -> (config section, field, `cadenza serve` flag): the plain knobs of the registry
 ENGINE_KNOBS: dict[str, tuple[str, str, str]] = {
-    crd: (k.section, k.name, k.cli) for crd, k in BY_CRD.items() if k.section in ("scheduler", "cache") and k.cli}
+    crd: (k.section, k.name, k.cli) for crd, k in BY_CRD.items() if k.section in ("engine", "scheduler", "cache")
+    and k.cli}
 POLICY_KEYS = tuple(crd for crd, k in BY_CRD.items() if k.section == "policy")
 _CLASS_FIELDS = {"maxPrefillTokens": "max_prefill_tokens", "minShare": "min_share",
                  "maxQueueAgeS": "max_queue_age_s", "maxQueueDepth": "max_queue_depth"}
@@ -59,7 +66,7 @@ def engine_config(model: str, engine: Mapping[str, Any], served_model_name: str 
     Raises:
         ConfigError: an unknown knob, or a value the engine refuses (message names the CRD key).
     """
-    sections: dict[str, dict[str, Any]] = {"scheduler": {}, "cache": {}}
+    sections: dict[str, dict[str, Any]] = {"engine": {}, "scheduler": {}, "cache": {}}
     for key, value in engine.items():
         if key in POLICY_KEYS:
             continue
@@ -72,12 +79,15 @@ def engine_config(model: str, engine: Mapping[str, Any], served_model_name: str 
     except PolicyError as exc:
         raise ConfigError(f"spec.engine: {exc}") from None
     try:
-        return EngineConfig(
+        config = EngineConfig(
             model=model,
             served_model_name=served_model_name,
+            **sections["engine"],
             scheduler=SchedulerConfig(**sections["scheduler"], policy=policy),
             cache=CacheConfig(**sections["cache"]),
         )
+        check_chunk_within_budget(config.scheduler.token_budget, config.scheduler.chunk_size)
+        return config
     except ConfigError as exc:
         field, _, message = str(exc).partition(": ")
         key = next((k for k, (_s, name, _f) in ENGINE_KNOBS.items() if name == field), field)

@@ -174,6 +174,8 @@ def _schema_problems(pool: dict, schema: dict) -> Iterator[tuple[str, str, bool]
         elif kind in ("minimum", "maximum"):
             relation = "greater" if kind == "minimum" else "less"
             message = f"Invalid value: {value}: should be {relation} than or equal to {expected}"
+        elif kind in ("maxProperties", "maxItems"):  # the API server's field.TooMany, without the value
+            message = f"Too many: {len(error.instance)}: must have at most {expected} items"
         else:
             message = f"Invalid value: {error.message}"
         yield functools.reduce(_join, parts, "") or "<root>", message, kind in _BLOCKING

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from cadenza.node.core.policy import Policy
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+TEXT_SPECIAL_TOKENS = ("control", "plain")  # special-token text in requests: control tokens, or plain text
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
@@ -74,6 +75,23 @@ class SchedulerConfig:
     def effective_chunk_size(self) -> int:
         """The chunk cap actually applied (the budget bounds it anyway)."""
         return self.token_budget if self.chunk_size is None else min(self.chunk_size, self.token_budget)
+
+
+def check_chunk_within_budget(token_budget: int, chunk_size: int | None) -> None:
+    """Refuse a chunk larger than the token budget: a chunk is part of one step's tokens.
+
+    The rule for settings a person gives — ``cadenza serve`` flags, a pool's ``spec.engine`` (each
+    role's, overrides applied) and a live ``PUT /admin/config`` touching either knob — so every
+    door answers the same. :class:`SchedulerConfig` itself caps such a chunk instead
+    (:attr:`~SchedulerConfig.effective_chunk_size`), so code that builds configurations need not
+    order two changes.
+
+    Raises:
+        ConfigError: naming ``chunk_size`` and the budget.
+    """
+    _check(chunk_size is None or chunk_size <= token_budget, "chunk_size",
+           f"{chunk_size} is over the token budget ({token_budget} tokens per step): a chunk is part of one step "
+           "(lower chunk_size or raise token_budget)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +157,11 @@ class EngineConfig:
             same on every replica of a pool: both sides renew leases every third of it).
         kv_max_hold_s: seconds a request queued on a decode replica keeps its prefill replica's
             KV leased; past it the source is released and the prompt is computed where it decodes.
+        text_special_tokens: special-token text in requests (``<|im_start|>`` in a chat message or
+            a completion prompt): ``control`` makes it the control tokens it spells, as
+            ``transformers`` and vLLM do (a user can forge a turn of another role); ``plain``
+            encodes it as text, the chat template's own markup staying control tokens
+            (:mod:`cadenza.node.frontend.tokenizer`). Read by the front end only.
     """
 
     model: str
@@ -153,6 +176,7 @@ class EngineConfig:
     kv_transfer_host: str = "127.0.0.1"
     kv_lease_s: float = 30.0
     kv_max_hold_s: float = 120.0
+    text_special_tokens: str = "control"
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", "must be a model folder path")
@@ -177,6 +201,8 @@ class EngineConfig:
         _check(isinstance(self.kv_max_hold_s, (int, float)) and not isinstance(self.kv_max_hold_s, bool)
                and 0 < self.kv_max_hold_s <= 3600, "kv_max_hold_s",
                f"must be seconds in (0, 3600], got {self.kv_max_hold_s!r}")
+        _check(self.text_special_tokens in TEXT_SPECIAL_TOKENS, "text_special_tokens",
+               f"must be one of {', '.join(TEXT_SPECIAL_TOKENS)}, got {self.text_special_tokens!r}")
 
     @property
     def model_name(self) -> str:

@@ -18,8 +18,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cadenza.node.core.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, ConfigError, SchedulerConfig
-from cadenza.node.core.policy import Policy
+from cadenza.node.core.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    CacheConfig,
+    ConfigError,
+    TEXT_SPECIAL_TOKENS,
+    SchedulerConfig,
+    check_chunk_within_budget,
+)
+from cadenza.node.core.policy import MAX_TENANTS, Policy, PolicyError
 
 SECTIONS = ("engine", "scheduler", "cache", "policy")
 
@@ -98,6 +106,11 @@ KNOBS: tuple[Knob, ...] = (
          cli="--attention-backend", choices=ATTENTION_BACKENDS),
     Knob("seed", "engine", int, 0, "Seed of every request that brings no seed of its own.", cli="--seed",
          minimum=-(2**63), maximum=2**63 - 1),
+    Knob("text_special_tokens", "engine", str, "control",
+         "Special-token text in requests (<|im_start|> in chat content or a prompt): control makes it control "
+         "tokens, as vLLM and transformers do (a user can forge a system turn); plain encodes it as text, the chat "
+         "template's own markup staying control tokens.",
+         cli="--text-special-tokens", crd="textSpecialTokens", choices=TEXT_SPECIAL_TOKENS),
     Knob("step_time_target_ms", "policy", float, None,
          "Shrink prefill chunks so predicted steps stay within this while interactive streams decode.",
          cli="--step-time-target-ms", crd="stepTimeTargetMs", live=True, minimum=1, nullable=True),
@@ -131,7 +144,9 @@ def reconfigured(config: SchedulerConfig, changes: Mapping[str, Any]) -> Schedul
 
     Raises:
         ConfigError: a key that is not a knob, or one a running engine cannot change (naming
-            it); PolicyError / ConfigError: an invalid value. Nothing changes on an error.
+            it); PolicyError / ConfigError: an invalid value, or a chunk over the token budget
+            once applied (:func:`check_chunk_within_budget`, as a pool file or the flags are
+            checked). Nothing changes on an error.
     """
     if not isinstance(changes, Mapping):
         raise ConfigError("changes: must be an object of settings")
@@ -145,21 +160,28 @@ def reconfigured(config: SchedulerConfig, changes: Mapping[str, Any]) -> Schedul
     plain = {k: v for k, v in changes.items() if BY_NAME[k].section == "scheduler"}
     policy_changes = {k: v for k, v in changes.items() if BY_NAME[k].section == "policy"}
     policy = config.policy.updated(policy_changes) if policy_changes else config.policy
-    return dataclasses.replace(config, **plain, policy=policy)
+    new = dataclasses.replace(config, **plain, policy=policy)
+    if "token_budget" in changes or "chunk_size" in changes:
+        check_chunk_within_budget(new.token_budget, new.chunk_size)
+    return new
 
 
 def check_live_changes(changes: Mapping[str, Any]) -> None:
-    """The registry's bounds on the plain knobs of a ``PUT /admin/config`` body (the front end
-    checks them before sending; the core checks them again).
+    """The registry's bounds on the plain knobs of a ``PUT /admin/config`` body, and the size of
+    its tenant map (the front end checks them before sending; the core checks them again).
 
     Raises:
-        ConfigError: a number out of its knob's bounds.
+        ConfigError: a number out of its knob's bounds; PolicyError: more than
+            :data:`~cadenza.node.core.policy.MAX_TENANTS` tenants in the body.
     """
     if isinstance(changes, Mapping):
         for key, value in changes.items():
             knob = BY_NAME.get(key)
             if knob is not None and knob.kind in (int, float):
                 knob.check(value)
+        tenants = changes.get("tenants")
+        if isinstance(tenants, Mapping) and len(tenants) > MAX_TENANTS:
+            raise PolicyError(f"tenants: at most {MAX_TENANTS} tenants may be listed, got {len(tenants)} in the change")
 
 
 def policy_from_view(view: Mapping[str, Any]) -> Policy:

@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 0.2  # stats ride with a step's outputs at most this often (and on finish / idle)
 IDLE_WAIT_S = 1.0  # with nothing to run, wait this long for a message, then publish stats again
+# So the loop sends something at least every max(IDLE_WAIT_S, one step): the front end's stall
+# watch (cadenza.node.frontend.client) takes silence beyond its timeout for a stopped or stuck core.
 STALLED_WAIT_S = 0.01  # the last step could schedule nothing (KV full): do not spin
 TRANSFER_WAIT_S = 0.1  # idle, but a KV transfer holds blocks: free them soon after their lease ends
 

@@ -20,6 +20,11 @@ CLASS_RANK = {name: rank for rank, name in enumerate(CLASSES)}
 # "retry later"; batch and background tolerate long queues, not unbounded ones.
 QUEUE_DEPTH_PER_SLOT = {"interactive": 2, "batch": 16, "background": 16}
 DEFAULT_TENANT = "default"
+# Most tenants a policy may list (a --policy file, a pool's spec.engine.tenants, PUT /admin/config):
+# every tenant not listed takes ``default_tenant``, so the list holds only tenants with settings
+# of their own. The bound keeps a policy document within a ConfigMap (1 MiB) and an admin call
+# cheap; a listed tenant costs nothing per step while it has no live request.
+MAX_TENANTS = 1024
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
 
 
@@ -128,7 +133,8 @@ class Policy:
 
     Attributes:
         classes: one :class:`ClassPolicy` per class (all three).
-        tenants: per-tenant settings; tenants not listed get ``default_tenant``.
+        tenants: per-tenant settings (at most :data:`MAX_TENANTS`); tenants not listed get
+            ``default_tenant``.
         default_tenant: settings of every unlisted tenant.
         step_time_target_ms: when set, prefill chunks shrink so the cost model's predicted step
             time stays within it (the reservation for decodes, in time).
@@ -154,6 +160,8 @@ class Policy:
             cls.validate(f"classes.{name}")
         if sum(c.min_share for c in self.classes.values()) > 1:
             raise PolicyError("classes: the min_share values add up to more than 1")
+        if len(self.tenants) > MAX_TENANTS:
+            raise PolicyError(_too_many_tenants(len(self.tenants)))
         for name, tenant in self.tenants.items():
             check_tenant(name)
             tenant.validate(f"tenants.{name}")
@@ -195,7 +203,8 @@ class Policy:
         Classes and tenants merge field by field; ``"tenants": {"t": null}`` removes a tenant.
 
         Raises:
-            PolicyError: an unknown key or an invalid value (nothing is changed).
+            PolicyError: an unknown key, an invalid value, or more than :data:`MAX_TENANTS`
+                tenants once applied (nothing is changed).
         """
         changes = _mapping(changes, "policy")
         unknown = set(changes) - {"classes", "tenants", "default_tenant", "step_time_target_ms",
@@ -214,7 +223,12 @@ class Policy:
             seen[name] = given
             classes[name] = _merge(ClassPolicy, classes[name], patch, f"classes.{name}")
         tenants = dict(self.tenants)
-        for name, patch in _mapping(changes.get("tenants", {}), "tenants").items():
+        tenant_changes = _mapping(changes.get("tenants", {}), "tenants")
+        count = len(tenants.keys() | tenant_changes.keys()) - sum(
+            1 for name, patch in tenant_changes.items() if patch is None and name in tenants)
+        if count > MAX_TENANTS:  # before any tenant is merged: a huge map is refused at the cost of counting it
+            raise PolicyError(_too_many_tenants(count))
+        for name, patch in tenant_changes.items():
             try:
                 check_tenant(name)
             except PolicyError as exc:
@@ -235,6 +249,11 @@ class Policy:
             watermark=changes.get("watermark", self.watermark),
             tenant_cache_isolation=changes.get("tenant_cache_isolation", self.tenant_cache_isolation),
         )
+
+
+def _too_many_tenants(count: int) -> str:
+    return (f"tenants: at most {MAX_TENANTS} tenants may be listed, got {count} (tenants not listed take "
+            "default_tenant's settings)")
 
 
 def _mapping(value: object, path: str) -> Mapping[str, Any]:

@@ -75,7 +75,8 @@ class ClassStats:
 
 @dataclass(slots=True)
 class TenantLoad:
-    """A tenant with a quota: its live requests and queued prompt tokens."""
+    """A tenant with a quota and live requests: how many, and its queued prompt tokens (a tenant
+    absent from :attr:`EngineStats.tenants` has none of either)."""
 
     live: int = 0
     queued_prompt_tokens: int = 0
@@ -133,7 +134,7 @@ class EngineStats:
     rejected: dict[str, int] = field(default_factory=dict)  # refused requests, by reason
     cost_model_error: float | None = None  # mean relative error of the step-time model
     classes: dict[str, ClassStats] = field(default_factory=dict)
-    tenants: dict[str, TenantLoad] = field(default_factory=dict)  # tenants with a quota only
+    tenants: dict[str, TenantLoad] = field(default_factory=dict)  # tenants with a quota and live requests
     step_time_ms_mean: float | None = None  # over the last 1,024 steps
     step_time_ms_p99: float | None = None
 
@@ -183,11 +184,14 @@ def snapshot_of(sched) -> EngineStats:
             len(queue), running[name], sched.queue_limit(name),
             round(now - oldest.arrival_time, 6) if oldest else 0.0,
             s.prefill_tokens_by_class[name], s.preemptions_by_class[name], sched.drain[name].per_second(now))
+    # Only tenants with live requests cost anything here: a snapshot is O(live tenants), never
+    # O(configured tenants) (a tenant with a quota and nothing live has no load to show).
     tenants = {}
-    for name, tenant in [*sched.policy.tenants.items(), *((t, sched.policy.default_tenant) for t in sched.tenant_live)]:
-        if name not in tenants and (tenant.max_concurrent is not None or tenant.max_queued_prompt_tokens is not None):
-            queued = sum(q.queued_prompt_tokens.get(name, 0) for q in sched.queues.values())
-            tenants[name] = TenantLoad(sched.tenant_live.get(name, 0), queued)
+    policy = sched.policy
+    for name, live in sched.tenant_live.items():
+        tenant = policy.tenant(name)
+        if tenant.max_concurrent is not None or tenant.max_queued_prompt_tokens is not None:
+            tenants[name] = TenantLoad(live, sum(q.queued_prompt_tokens.get(name, 0) for q in sched.queues.values()))
     error = sched.cost_model.mean_relative_error
     return EngineStats(
         num_running=sched.num_running, num_waiting=sched.num_waiting,

@@ -13,6 +13,16 @@ strings, telemetry records the step and every token, and each request's ``asynci
 its delta. If the core dies — its process exits or is killed, its loop raises — every request in
 flight gets :class:`EngineDeadError` at once and ``is_alive`` turns False (``/health`` answers 503;
 the server then exits so that its supervisor restarts the replica).
+
+The core is known alive by what it sends, not by its process id: its loop sends one message per
+step, and stats at least every ``IDLE_WAIT_S`` (1 s) when there is nothing to step
+(:mod:`cadenza.node.core.loop`). Once it is ready, a core that sends nothing for
+``stall_timeout_s`` — a process stopped (SIGSTOP, a frozen node) or a step that never returns (a
+hung kernel or collective) — is declared dead the same way, and a core process is killed. The
+timeout must be longer than the longest legitimate step; the default, :data:`STALL_TIMEOUT_S`,
+is SGLang's ``--watchdog-timeout`` (300 s) for the same reason — first-run kernel compiles on a
+GPU and huge prefill chunks on a CPU take tens of seconds (vLLM V0's iteration timeout,
+``VLLM_ENGINE_ITERATION_TIMEOUT_S``, was 60 s, and users of long steps raise it).
 """
 
 from __future__ import annotations
@@ -60,7 +70,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineClient", "EngineCommandError", "EngineDeadError", "EngineLoadError", "Queued"]
+__all__ = ["EngineClient", "EngineCommandError", "EngineDeadError", "EngineLoadError", "Queued", "STALL_TIMEOUT_S"]
+
+STALL_TIMEOUT_S = 300.0  # a ready core silent this long is dead (see the module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +97,13 @@ class EngineClient:
         core_factory: with ``process`` False, builds the core (tests inject one); default
             ``EngineCore(config, eos_token_ids)``.
         threads: torch threads of a core process.
+        stall_timeout_s: seconds a ready core may send nothing before it is declared dead (and a
+            core process killed); None or 0: never.
     """
 
     def __init__(self, config: EngineConfig, process: bool = True, telemetry: "Telemetry | None" = None,
                  load_tokenizer: bool = True, core_factory: Callable[[list[int]], "EngineCore"] | None = None,
-                 threads: "ThreadChoice | None" = None) -> None:
+                 threads: "ThreadChoice | None" = None, stall_timeout_s: float | None = STALL_TIMEOUT_S) -> None:
         self.config = config
         self.telemetry = telemetry
         self._process = process
@@ -113,6 +127,9 @@ class EngineClient:
         self._died: asyncio.Event | None = None
         self._starting: asyncio.Task | None = None
         self._stopping = False
+        self.stall_timeout_s = stall_timeout_s or None
+        self._last_heard = 0.0  # time.monotonic() of the core's last message
+        self._watch: asyncio.Task | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -190,6 +207,8 @@ class EngineClient:
     async def shutdown(self) -> None:
         """Stop the core after its current step; live requests end with EngineDeadError."""
         self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
         if self._starting is not None and not self._starting.done():
             await asyncio.wait({self._starting}, timeout=SHUTDOWN_TIMEOUT_S)
         if self.transport is not None:
@@ -199,6 +218,7 @@ class EngineClient:
     # -- messages from the core -----------------------------------------------------------------
 
     def _on_message(self, message: object) -> None:
+        self._last_heard = time.monotonic()
         if isinstance(message, StepOutputs):
             self._on_step(message)
         elif isinstance(message, ReconfigureResult):
@@ -213,11 +233,32 @@ class EngineClient:
             if self.tokenizer is not None:
                 from cadenza.node.runner.models.generation import SamplingDefaults
 
-                self.inputs = InputProcessor(self.tokenizer, message, SamplingDefaults.from_model_dir(self.config.model))
+                self.inputs = InputProcessor(self.tokenizer, message, SamplingDefaults.from_model_dir(self.config.model),
+                                             special_tokens_as_text=self.config.text_special_tokens == "plain")
             assert self._ready is not None
             self._ready.set()
+            if self.stall_timeout_s is not None:  # from now on: loading may take any time, a step may not
+                self._watch = asyncio.get_running_loop().create_task(self._watch_core(self.stall_timeout_s))
         elif isinstance(message, EngineDead):
             self._on_dead(message)
+
+    async def _watch_core(self, timeout: float) -> None:
+        """Declare the core dead once it has sent nothing for ``timeout`` seconds."""
+        period = min(1.0, timeout / 4)
+        while self.error is None and not self._stopping:
+            await asyncio.sleep(period)
+            if time.monotonic() - self._last_heard <= timeout:
+                continue
+            # This loop may itself have been held up (a stall of the event loop, not of the core):
+            # let whatever arrived meanwhile be read before judging.
+            await asyncio.sleep(period)
+            silent = time.monotonic() - self._last_heard
+            if silent > timeout and self.error is None and not self._stopping:
+                self._on_dead(EngineDead(
+                    f"the engine core sent nothing for {silent:.1f} s (stall timeout {timeout:g} s): its process "
+                    "is stopped or a step never returned", loaded=True, kind="EngineStalled"))
+                if self.transport is not None:
+                    self.transport.kill()  # a stopped process takes SIGKILL; it holds the device meanwhile
 
     def _on_step(self, message: StepOutputs) -> None:
         if message.stats is not None:
@@ -261,7 +302,7 @@ class EngineClient:
             kind = EngineLoadError if message.kind in CONFIG_ERRORS else RuntimeError
             self._fail_start(kind(message.error))
             return
-        if self._stopping:
+        if self._stopping or self.error is not None:  # said already (a killed stalled core's EOF)
             return
         logger.error("the engine core died: %s", message.error)
         self.error = EngineDeadError(message.error)

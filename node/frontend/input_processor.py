@@ -12,6 +12,7 @@ OpenAI's wording for context-length errors. No torch here.
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 from cadenza.node.core.messages import EngineReady
 from cadenza.node.core.request import SamplingParams
@@ -38,13 +39,17 @@ class InputProcessor:
         tokenizer: the model's tokenizer.
         info: what the core reported at start (``max_model_len``, vocabulary size).
         defaults: the model's sampling defaults.
+        special_tokens_as_text: special-token text in prompts and chat messages is encoded as plain
+            text (``--text-special-tokens plain``; the chat template's markup stays control tokens).
     """
 
-    def __init__(self, tokenizer: Tokenizer, info: EngineReady, defaults: SamplingDefaults) -> None:
+    def __init__(self, tokenizer: Tokenizer, info: EngineReady, defaults: SamplingDefaults,
+                 special_tokens_as_text: bool = False) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.defaults = defaults
+        self.special_tokens_as_text = special_tokens_as_text
 
     async def prompt(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt's token ids (text is tokenized off the event loop).
@@ -54,7 +59,8 @@ class InputProcessor:
         """
         if isinstance(prompt, str):
             self.refuse_oversized_text(len(prompt), "prompt")
-            return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, prompt)
+            return await asyncio.get_running_loop().run_in_executor(
+                None, partial(self.tokenizer.encode, prompt, special_tokens_as_text=self.special_tokens_as_text))
         ids = list(prompt)
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise InputError(400, f"prompt: token ids must be in [0, {self.vocab_size})", param="prompt")
@@ -69,7 +75,8 @@ class InputProcessor:
         self.refuse_oversized_text(sum(len(m["content"]) for m in messages), "messages",
                                    markup_tokens=len(messages) * self.tokenizer.chat_markup_tokens)
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode_chat, messages)
+            return await asyncio.get_running_loop().run_in_executor(
+                None, partial(self.tokenizer.encode_chat, messages, special_tokens_as_text=self.special_tokens_as_text))
         except ChatTemplateError as exc:
             raise InputError(400, f"messages: {exc}", param="messages") from None
 

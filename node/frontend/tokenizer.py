@@ -19,11 +19,25 @@ Chat templates render the way ``transformers.apply_chat_template`` renders them:
 
 The rendered prompt already holds any BOS the model wants, so encode it with
 ``add_special_tokens=False`` (``Tokenizer.encode_chat`` does both steps).
+
+**Special-token text in requests.** By default, text such as ``<|im_start|>system`` in a message
+becomes the control tokens it spells, as ``transformers`` and vLLM do: a user can forge a turn
+of another role. With ``special_tokens_as_text`` (``--text-special-tokens plain``), special tokens
+in the caller's text are encoded as plain text (``tokenizers``' ``encode_special_tokens``), while
+the template's own markup stays control tokens. The template is still rendered once, with the
+real content: each special-token occurrence in a message's strings (found by the tokenizer
+itself, so its matching rules hold) is wrapped in two Unicode noncharacters that nothing the
+template renders holds (a client may send noncharacters too: a free pair is picked), and which
+templates copy as they copy any character. After rendering, the wrapped spans are where the
+caller's special text landed. The prompt is encoded as usual, and the tokens over each such span
+are re-encoded as plain text. A conversation without special-token text is encoded exactly as
+by default.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -38,6 +52,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 Message = Mapping[str, Any]  # {"role": str, "content": str}; the server flattens content parts
+# Unicode noncharacters ("for internal use", never interchanged): a pair of them, absent from the
+# request, wraps each special-token occurrence in a message while the template renders.
+_NONCHARACTERS = tuple(chr(c) for c in range(0xFDD0, 0xFDF0))
 
 
 class ChatTemplateError(ValueError):
@@ -203,15 +220,30 @@ class Tokenizer:
         """The vocabulary string of ``token_id`` (byte-level form), or None if out of range."""
         return self.hf.id_to_token(token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    @cached_property
+    def _plain(self) -> _HFTokenizer:
+        """A copy of :attr:`hf` that encodes special-token text as plain text."""
+        plain = _HFTokenizer.from_str(self.hf.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the added tokens marked special (control tokens: ``<|im_start|>``, ``</s>``...)."""
+        return frozenset(i for i, token in self.hf.get_added_tokens_decoder().items() if token.special)
+
+    def encode(self, text: str, add_special_tokens: bool = True, special_tokens_as_text: bool = False) -> list[int]:
         """Token ids of ``text``.
 
         ``add_special_tokens`` runs the post-processor (and ``add_bos_token``); use False for a
-        rendered chat prompt, which already holds its special tokens.
+        rendered chat prompt, which already holds its special tokens. ``special_tokens_as_text``:
+        special-token text in ``text`` is encoded as plain text, not as control tokens (the
+        post-processor's own tokens are still added).
         """
+        hf = self._plain if special_tokens_as_text else self.hf
         # encode_batch releases the GIL (encode does not): a long prompt tokenized in a worker
         # thread must not stall the server's event loop.
-        ids: list[int] = self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        ids: list[int] = hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos:
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
         elif add_special_tokens and self._strip_bos:
@@ -286,8 +318,97 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True, **extra: Any
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, special_tokens_as_text: bool = False,
+        **extra: Any,
     ) -> list[int]:
-        """``encode(apply_chat_template(...), add_special_tokens=False)``."""
-        prompt = self.apply_chat_template(messages, add_generation_prompt, **extra)
-        return self.encode(prompt, add_special_tokens=False)
+        """``encode(apply_chat_template(...), add_special_tokens=False)``.
+
+        ``special_tokens_as_text``: special-token text in the messages' strings (content, name) is
+        encoded as plain text; the template's own markup stays control tokens (see the module
+        docstring). ``extra`` goes to the template as it is.
+
+        Raises:
+            ChatTemplateError: as :meth:`apply_chat_template`.
+        """
+        if not special_tokens_as_text:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
+                               add_special_tokens=False)
+        wrapped, marks = self._wrap_special_text(messages, extra)
+        prompt = self.apply_chat_template(wrapped, add_generation_prompt, **extra)
+        if marks is None:  # no special-token text in any message: the default encoding, exactly
+            return self.encode(prompt, add_special_tokens=False)
+        text, spans = _unwrap(prompt, *marks)
+        encoding = self.hf.encode_batch([text], add_special_tokens=False)[0]
+        ids, offsets = encoding.ids, encoding.offsets
+        out: list[int] = []
+        i = 0
+        for start, end in spans:  # the tokens over each span, again as plain text
+            j = i
+            while j < len(ids) and offsets[j][1] <= start:
+                j += 1
+            k = j
+            while k < len(ids) and offsets[k][0] < end:
+                k += 1
+            if k == j:
+                continue
+            low, high = offsets[j][0], max(offsets[m][1] for m in range(j, k))
+            out += ids[i:j]
+            out += self._plain.encode_batch([text[low:high]], add_special_tokens=False)[0].ids
+            i = k
+        return out + ids[i:]
+
+    def _wrap_special_text(
+        self, messages: Sequence[Message], extra: Mapping[str, Any]
+    ) -> tuple[list[dict], tuple[str, str] | None]:
+        """``messages`` with each special-token occurrence in their strings (all but ``role``)
+        wrapped in a pair of noncharacters, and that pair; ``(messages, None)`` without any.
+        The pair is one that nothing the template renders holds: not the messages (any field,
+        nested too), ``extra`` or the template itself.
+
+        Raises:
+            ChatTemplateError: those hold every noncharacter of U+FDD0..U+FDEF (no pair is free).
+        """
+        copies = [dict(m) for m in messages]
+        fields = [(m, key) for m in copies for key, value in m.items() if key != "role" and isinstance(value, str)]
+        if not fields:
+            return copies, None
+        found = self.hf.encode_batch([m[key] for m, key in fields], add_special_tokens=False)
+        special = self.special_token_ids
+        hits = [[(a, b) for t, (a, b) in zip(e.ids, e.offsets) if t in special and b > a] for e in found]
+        if not any(hits):
+            return copies, None
+        rendered = json.dumps([copies, extra], ensure_ascii=False, default=str) + (self.chat_template or "")
+        free = [c for c in _NONCHARACTERS if c not in rendered]
+        if len(free) < 2:
+            raise ChatTemplateError("the messages hold every Unicode noncharacter U+FDD0..U+FDEF; they cannot "
+                                    "be encoded with special tokens as text")
+        open_, close = free[0], free[1]
+        for (m, key), spans in zip(fields, hits):
+            text, parts, at = m[key], [], 0
+            for a, b in spans:
+                parts += [text[at:a], open_, text[a:b], close]
+                at = b
+            m[key] = "".join(parts) + text[at:]
+        return copies, (open_, close)
+
+
+def _unwrap(prompt: str, open_: str, close: str) -> tuple[str, list[tuple[int, int]]]:
+    """``prompt`` without the wrapping noncharacters, and the character spans they wrapped (in
+    order). An opening mark the template cut from its closing one wraps to the end: what the
+    caller wrote is never trusted as markup."""
+    out: list[str] = []
+    spans: list[tuple[int, int]] = []
+    length, start = 0, None
+    for piece in re.split(f"([{open_}{close}])", prompt):
+        if piece == open_:
+            start = length if start is None else start
+        elif piece == close:
+            if start is not None:
+                spans.append((start, length))
+            start = None
+        else:
+            out.append(piece)
+            length += len(piece)
+    if start is not None:
+        spans.append((start, length))
+    return "".join(out), spans

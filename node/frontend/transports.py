@@ -42,6 +42,7 @@ class ThreadCore:
         self._factory = factory
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._abandoned = False
         self.core: EngineCore | None = None  # white-box tests reach in; HTTP code never does
 
     def start(self, on_message: Callable[[object], None], loop: asyncio.AbstractEventLoop) -> None:
@@ -75,12 +76,17 @@ class ThreadCore:
         self._inbox.put(message)
 
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._abandoned
+
+    def kill(self) -> None:
+        """Give up on a stalled loop: a thread cannot be killed, so it is left behind (a daemon:
+        it goes with the process, which exits next) and :meth:`stop` no longer waits for it."""
+        self._abandoned = True
 
     async def stop(self) -> None:
-        if self._thread is not None:
+        if self._thread is not None and not self._abandoned:
             self._inbox.put(Shutdown())
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, SHUTDOWN_TIMEOUT_S)
 
 
 class ProcessCore:
@@ -154,6 +160,12 @@ class ProcessCore:
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the core process (a stalled one: stopped or stuck in a step); its connection
+        then closes, and :meth:`stop` does not wait for it to finish a step."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
 
     async def stop(self) -> None:
         self._closing = True

@@ -10,12 +10,15 @@ missing or wrong token is a 401; an invalid change is a 400 and nothing changes.
 ``chunk_size`` (``null`` = no cap), ``max_num_seqs``, ``prefix_caching``, ``step_time_target_ms``,
 ``classes`` (per class, any of ``max_prefill_tokens``, ``min_share``, ``max_queue_age_s``,
 ``max_queue_depth``), ``tenants`` (per tenant ``weight``, ``max_concurrent``,
-``max_queued_prompt_tokens``; ``null`` removes a tenant), ``default_tenant``, ``max_preemptions``,
-``watermark``, ``tenant_cache_isolation``. ``max_model_len`` is shown but cannot change.
+``max_queued_prompt_tokens``; ``null`` removes a tenant; at most ``MAX_TENANTS``, 1,024, listed),
+``default_tenant``, ``max_preemptions``, ``watermark``, ``tenant_cache_isolation``.
+``max_model_len`` is shown but cannot change. The checks are those of a pool file and the flags
+(:mod:`cadenza.node.core.knobs`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from aiohttp import web
@@ -24,7 +27,7 @@ from cadenza.node.frontend.client import EngineCommandError, EngineDeadError
 from cadenza.node.server.auth import authorize
 from cadenza.node.server.errors import APIError
 from cadenza.node.server.http import body_timeout
-from cadenza.node.server.openai_api import ENGINE
+from cadenza.node.server.openai_api import ENGINE, INLINE_BODY_BYTES
 
 async def get_config(request: web.Request) -> web.Response:
     authorize(request)
@@ -36,9 +39,11 @@ async def get_config(request: web.Request) -> web.Response:
 
 async def put_config(request: web.Request) -> web.Response:
     authorize(request)
-    try:
-        async with body_timeout(request):
-            changes = await request.json(loads=json.loads)
+    async with body_timeout(request):
+        raw = await request.read()
+    try:  # a large body is parsed off the event loop: probes and streams go on meanwhile
+        changes = json.loads(raw) if len(raw) <= INLINE_BODY_BYTES else await asyncio.get_running_loop(
+            ).run_in_executor(None, json.loads, raw)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(changes, dict) or not changes:

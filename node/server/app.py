@@ -1,6 +1,7 @@
 """The aiohttp application: OpenAI-compatible routes, health probes, engine lifecycle.
 
-``/health`` is liveness (200 while the engine core runs or loads, 503 once it has died);
+``/health`` is liveness (200 while the engine core runs or loads, 503 once it has died — or has
+sent nothing for the stall timeout, see :mod:`cadenza.node.frontend.client`);
 ``/ready`` is readiness (200 once the model is loaded, with the engine's counters);
 ``/admin/config`` reads and changes scheduling knobs live (bearer token, :mod:`.admin`);
 ``/metrics`` is Prometheus text (:mod:`cadenza.node.frontend.telemetry`, which also exports OTLP). The engine starts loading when the app
@@ -20,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from cadenza.node.core.config import EngineConfig
 from cadenza.node.core.policy import check_class
-from cadenza.node.frontend.client import EngineClient
+from cadenza.node.frontend.client import STALL_TIMEOUT_S, EngineClient
 from cadenza.node.frontend.step_log import StepLog
 from cadenza.node.server import admin, auth, openai_api
 from cadenza.node.server.access_log import access_log_middleware
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 def create_app(config: EngineConfig, model_name: str | None = None, default_class: str = "interactive",
                engine_process: bool = False, threads=None,
-               core_factory: Callable | None = None, step_log: Path | None = None) -> web.Application:
+               core_factory: Callable | None = None, step_log: Path | None = None,
+               stall_timeout_s: float | None = STALL_TIMEOUT_S) -> web.Application:
     """Build the app; the engine core starts loading when the app starts.
 
     Args:
@@ -49,13 +51,15 @@ def create_app(config: EngineConfig, model_name: str | None = None, default_clas
         core_factory: with a thread, builds the core from the tokenizer's EOS ids (tests).
         step_log: append each step's composition and seconds to this JSONL file
             (:mod:`cadenza.node.frontend.step_log`: the table ``cadenza sim calibrate`` fits).
+        stall_timeout_s: a ready engine core that sends nothing this long is dead (None: never).
 
     Raises:
         OSError: ``step_log`` cannot be opened.
     """
     model_name = model_name or config.model_name
     app = web.Application(middlewares=[access_log_middleware, error_middleware], client_max_size=MAX_BODY_BYTES)
-    engine = EngineClient(config, process=engine_process, core_factory=core_factory, threads=threads)
+    engine = EngineClient(config, process=engine_process, core_factory=core_factory, threads=threads,
+                          stall_timeout_s=stall_timeout_s)
     telemetry = Telemetry(model_name, stats=engine.stats, step_log=StepLog(step_log) if step_log else None)
     engine.telemetry = telemetry
     app[openai_api.ENGINE] = engine
@@ -105,12 +109,13 @@ async def ready(request: web.Request) -> web.Response:
 
 def serve(config: EngineConfig, host: str, port: int, default_class: str = "interactive",
           timeouts: HttpTimeouts | None = None, engine_process: bool = True, threads=None,
-          step_log: Path | None = None) -> int:
+          step_log: Path | None = None, stall_timeout_s: float | None = STALL_TIMEOUT_S) -> int:
     """Serve until SIGINT/SIGTERM; return the process exit code.
 
     The server listens at once (probes get answers while the weights load). If the engine fails
     to load — a configuration that cannot work with this model, say — the server stops and the
-    exit code is 1, so a supervisor sees the failure instead of a replica that never gets ready.
+    exit code is 1, so a supervisor sees the failure instead of a replica that never gets ready;
+    so it does when a loaded core dies or stalls (``stall_timeout_s``).
     """
     if auth.admin_token() is None:
         logger.info("admin API off: set %s (or %s) to enable GET/PUT /admin/config", auth.TOKEN_ENV,
@@ -118,7 +123,7 @@ def serve(config: EngineConfig, host: str, port: int, default_class: str = "inte
     else:
         logger.info("admin API on: GET/PUT /admin/config with the bearer token")
     app = create_app(config, default_class=default_class, engine_process=engine_process, threads=threads,
-                     step_log=step_log)
+                     step_log=step_log, stall_timeout_s=stall_timeout_s)
     return asyncio.run(_serve(app, host, port, timeouts))
 
 
@@ -129,8 +134,9 @@ async def _serve(app: web.Application, host: str, port: int, timeouts: HttpTimeo
 async def until_stopped_or_failed(app: web.Application, stop: asyncio.Event) -> int:
     """Serve until ``stop`` is set (0), the engine fails to load (1) or a loaded engine dies (1).
 
-    A replica whose engine is gone cannot serve anything: rather than answer 503 forever while
-    its process lives, it exits, and its supervisor (Kubernetes, or ``cadenza up``) restarts it.
+    A replica whose engine is gone — dead, or silent past the stall timeout — cannot serve
+    anything: rather than answer 503 forever while its process lives, it exits, and its
+    supervisor (Kubernetes, or ``cadenza up``) restarts it.
     """
     engine = app[openai_api.ENGINE]
     ready = asyncio.ensure_future(engine.wait_ready())

@@ -18,7 +18,9 @@ offending bytes are not logged either.
 - *idle*: a keep-alive connection with no request in progress is closed ``idle_timeout_s`` after
   its last response.
 - *body*: a handler reads the request body inside ``async with body_timeout(request):``; a body
-  that has not fully arrived after ``body_timeout_s`` is a 408 and the connection is closed.
+  that has not fully arrived after ``body_timeout_s`` is a 408 and the connection is closed. A
+  body whose ``Content-Length`` is over the app's ``client_max_size`` (32 MiB, ``MAX_BODY_BYTES``
+  of :mod:`cadenza.node.wire`) is a 413 at once, before any of it is waited for.
 - *send*: a streamed response is written with :func:`send`; a client that reads nothing for
   ``send_timeout_s`` (its socket buffers stay full) loses the connection, so the handler ends and
   the generation is aborted instead of holding its KV blocks for as long as the client likes.
@@ -138,10 +140,18 @@ async def body_timeout(request: web.Request) -> AsyncIterator[None]:
 
     The limit is the app's ``HTTP_TIMEOUTS`` (set by ``run_app``), else the default 60 s. When it
     passes, the connection is closed after the answer (the rest of the body is not waited for).
+    A ``Content-Length`` over the app's ``client_max_size`` is refused before anything is read:
+    waiting for a body that would be refused anyway only holds the connection.
 
     Raises:
-        APIError: 408 ``body_timeout`` when the body has not arrived in time.
+        APIError: 413 ``body_too_large`` when the declared length is over the limit; 408
+            ``body_timeout`` when the body has not arrived in time.
     """
+    declared, most = request.content_length, request.client_max_size
+    if declared is not None and most and declared > most:
+        _close_after_answer(request)
+        raise APIError(413, f"the request body ({declared} bytes) is over the {most}-byte limit",
+                       code="body_too_large", headers={"Connection": "close"})
     limit = request.config_dict.get(HTTP_TIMEOUTS, _DEFAULTS).body_timeout_s
     try:
         async with asyncio.timeout(limit) as deadline:
@@ -149,12 +159,17 @@ async def body_timeout(request: web.Request) -> AsyncIterator[None]:
     except TimeoutError:
         if not deadline.expired():
             raise
-        # Close after the answer; EOF keeps aiohttp from lingering (up to 10 s) for the rest.
-        if request.protocol is not None:
-            request.protocol.close()
-        request.content.feed_eof()
+        _close_after_answer(request)
         raise APIError(408, f"the request body did not arrive within {limit:g} s", code="body_timeout",
                        headers={"Connection": "close"}) from None
+
+
+def _close_after_answer(request: web.Request) -> None:
+    """Close the connection after the answer without reading the rest of the body (EOF keeps
+    aiohttp from lingering, up to 10 s, for it)."""
+    if request.protocol is not None:
+        request.protocol.close()
+    request.content.feed_eof()
 
 
 # aiohttp waits for the client (drains) only once its write buffer passes 64 KiB; below a quarter of

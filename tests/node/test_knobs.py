@@ -66,7 +66,8 @@ def test_the_operator_renders_the_registrys_flags():
     # plain knobs become flags; the policy ones (step-time target, classes, tenants) a --policy document
     assert {flag for _section, _name, flag in ENGINE_KNOBS.values()} == {
         k.cli for k in KNOBS if k.crd and k.cli and k.section != "policy"}
-    assert serve_args({"tokenBudget": 64, "prefixCaching": False}) == ["--token-budget", "64", "--no-prefix-caching"]
+    assert serve_args({"tokenBudget": 64, "chunkSize": 32, "prefixCaching": False}) == [
+        "--token-budget", "64", "--chunk-size", "32", "--no-prefix-caching"]
 
 
 def test_the_admin_view_shows_every_scheduling_knob_and_reconfigure_takes_exactly_the_live_ones():
@@ -89,3 +90,48 @@ def test_the_admin_view_shows_every_scheduling_knob_and_reconfigure_takes_exactl
 def test_reconfigure_refuses_what_is_not_live_or_not_valid_naming_it(changes, message):
     with pytest.raises(ConfigError, match=message):
         reconfigured(SchedulerConfig(max_model_len=512), changes)
+
+
+@pytest.mark.parametrize("engine, changes", [
+    ({"tokenBudget": 512, "chunkSize": 100000}, {"chunk_size": 100000}),
+    ({"tokenBudget": 128}, {"token_budget": 128}),  # the default chunk (256) over a smaller budget
+])
+def test_a_chunk_over_the_budget_is_refused_alike_by_a_pool_the_flags_and_a_live_change(engine, changes):
+    """One rule, one message, from every door that takes settings (issue 28, point 8)."""
+    from cadenza.operator.engine_args import engine_config
+
+    with pytest.raises(ConfigError) as from_pool:
+        engine_config("/model", engine)
+    with pytest.raises(ConfigError) as live:
+        reconfigured(SchedulerConfig(token_budget=512, chunk_size=256), changes)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    flags = parser.parse_args(["--model", "/model", *(a for crd, v in engine.items() for a in (BY_CRD[crd].cli, str(v)))])
+    with pytest.raises(ConfigError) as from_flags:
+        engine_config_from_args(flags)
+    message = str(live.value).partition(": ")[2]
+    assert str(live.value).startswith("chunk_size: ") and "over the token budget" in message
+    assert str(from_pool.value) == f"spec.engine.chunkSize: {message}"
+    assert str(from_flags.value) == str(live.value)
+
+
+def test_a_live_change_that_leaves_the_chunk_and_budget_alone_is_not_held_to_the_rule():
+    """A replica started with a chunk over its budget (capped, as the engine always did) can still
+    take other changes."""
+    config = SchedulerConfig(token_budget=64, chunk_size=256)
+    assert reconfigured(config, {"max_num_seqs": 4}).max_num_seqs == 4
+    assert reconfigured(config, {"token_budget": 256}).token_budget == 256
+
+
+def test_a_policy_file_over_the_tenant_limit_is_refused_as_a_pool_and_a_live_change_are(tmp_path):
+    from cadenza.node.core.policy import MAX_TENANTS
+
+    many = {f"t{i}": {"weight": 2} for i in range(MAX_TENANTS + 1)}
+    policy = tmp_path / "policy.json"
+    policy.write_text(__import__("json").dumps({"tenants": many}))
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    with pytest.raises(ValueError, match=f"^tenants: at most {MAX_TENANTS} tenants"):
+        engine_config_from_args(parser.parse_args(["--model", "/model", "--policy", str(policy)]))
+    with pytest.raises(ValueError, match=f"at most {MAX_TENANTS} tenants"):
+        reconfigured(SchedulerConfig(), {"tenants": many})

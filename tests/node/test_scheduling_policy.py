@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import pytest
 
 from cadenza.node.core.admission import AdmissionError
-from cadenza.node.core.policy import ClassPolicy, Policy, TenantPolicy, default_class_policies
+from cadenza.node.core.codec import encode
+from cadenza.node.core.messages import StepOutputs
+from cadenza.node.core.policy import MAX_TENANTS, ClassPolicy, Policy, PolicyError, TenantPolicy, default_class_policies
 from cadenza.node.core.request import RequestStatus
 from fake_engine import FakeEngine, make_request, make_scheduler
 
@@ -511,6 +514,41 @@ def test_per_tenant_state_stays_bounded_with_many_distinct_tenants():
     engine.run()
     assert not sched.tenant_live and all(not q.service and not q.tenants for q in sched.queues.values())
     assert len(sched.stats.prefill_tokens_by_tenant) <= 1025
+
+
+def test_a_policy_lists_at_most_max_tenants_tenants_and_says_so():
+    full = Policy(tenants={f"t{i}": TenantPolicy(weight=2) for i in range(MAX_TENANTS)})
+    with pytest.raises(PolicyError, match=f"^tenants: at most {MAX_TENANTS} tenants may be listed, got {MAX_TENANTS + 1}"):
+        Policy(tenants={f"t{i}": TenantPolicy() for i in range(MAX_TENANTS + 1)})
+    with pytest.raises(PolicyError, match=f"at most {MAX_TENANTS}"):
+        full.updated({"tenants": {"one-more": {"weight": 2}}})
+    swapped = full.updated({"tenants": {"t0": None, "one-more": {"weight": 2}}})  # one out, one in: still the limit
+    assert len(swapped.tenants) == MAX_TENANTS and "one-more" in swapped.tenants
+    assert len(full.updated({"tenants": {"t1": {"weight": 3}}}).tenants) == MAX_TENANTS  # changing one is no new one
+
+
+def _publish_seconds(sched, rounds: int = 30) -> float:
+    """The fastest of ``rounds`` stats publications: a snapshot, encoded as the core sends it."""
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        encode(StepOutputs(0.0, stats=sched.snapshot()))
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def test_publishing_stats_costs_the_same_with_the_most_tenants_configured_as_with_none():
+    """Issue 28, point 7: stats walked every configured tenant on each update (100,000 tenants made
+    every request 0.86 s). Only tenants with live requests may cost anything."""
+    quotas = TenantPolicy(weight=2, max_concurrent=50, max_queued_prompt_tokens=100_000)
+    many = make_scheduler(tenants={f"t{i:04d}": quotas for i in range(MAX_TENANTS)})
+    none = make_scheduler()
+    for sched in (many, none):
+        for tenant in ("t0001", "t0002", "walk-in"):
+            sched.add_request(make_request(8, tenant=tenant))
+    assert set(many.snapshot().tenants) == {"t0001", "t0002"}  # the live tenants with a quota, no others
+    assert many.snapshot().tenants["t0001"].live == 1
+    assert _publish_seconds(many) < 2 * _publish_seconds(none)
 
 
 @pytest.mark.parametrize("change", [

@@ -61,3 +61,29 @@ def test_invalid_policy_values_are_refused_naming_the_setting():
         engine_config("/m", {"classes": {"batch": {"minShare": 2}}})
     with pytest.raises(ConfigError, match=r"spec\.engine\.classes\.batch\.speed"):
         engine_config("/m", {"classes": {"batch": {"speed": 2}}})
+
+
+def test_text_special_tokens_in_spec_engine_becomes_the_serve_flag_of_every_engine_pod():
+    """Issue 28, point 10: the safe encoding of special-token text is a pool setting too."""
+    from cadenza.operator.pool import Pool
+    from cadenza.operator.render import render_all
+    from cadenza.operator.validate import PoolValidationError, validate_pool
+
+    spec = {"model": {"name": "llama", "source": {"path": "/models/llama"}}, "image": "cadenza:test",
+            "engine": {**SPEC, "textSpecialTokens": "plain"}}
+    pool = validate_pool({"apiVersion": "serving.cadenza.dev/v1alpha1", "kind": "ServingPool",
+                          "metadata": {"name": "chat", "namespace": "prod"}, "spec": spec})
+    (deployment,) = [o for o in render_all(Pool("chat", "prod", pool["spec"]), {"name": "chat", "uid": "u"})
+                     if o["kind"] == "Deployment" and o["metadata"]["name"] == "chat-colocated"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--text-special-tokens") + 1] == "plain"
+    parsed = build_parser().parse_args(["serve", "--model", "/models/m", *serve_args(spec["engine"])])
+    assert engine_config_from_args(parsed).text_special_tokens == "plain"
+    assert "--text-special-tokens" not in serve_args(SPEC)  # unset: the engine's default, control
+    assert engine_config("/m", SPEC).text_special_tokens == "control"
+    with pytest.raises(ConfigError, match=r"^spec\.engine\.textSpecialTokens: must be one of control, plain"):
+        engine_config("/m", {"textSpecialTokens": "html"})
+    with pytest.raises(PoolValidationError, match="textSpecialTokens"):
+        validate_pool({"apiVersion": "serving.cadenza.dev/v1alpha1", "kind": "ServingPool",
+                       "metadata": {"name": "chat", "namespace": "prod"},
+                       "spec": {**spec, "engine": {"textSpecialTokens": "html"}}})

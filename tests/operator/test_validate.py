@@ -149,6 +149,21 @@ def test_a_chunk_bound_given_alone_keeps_the_other_default():
     assert knob_bounds(spec) == {"chunk_size": (2, 100), "token_budget": (512, 512)}  # integers round inwards
 
 
+def test_a_tenant_map_over_the_policy_limit_is_refused_by_the_schema_and_the_engine_rules():
+    from cadenza.node.core.policy import MAX_TENANTS
+
+    many = {f"t{i}": {"weight": 2} for i in range(MAX_TENANTS + 1)}
+    problem, skipped = problems_of(pool(engine={"tenants": many}))
+    assert problem == f"spec.engine.tenants: Too many: {MAX_TENANTS + 1}: must have at most {MAX_TENANTS} items"
+    assert "rules were not checked" in skipped
+    validate_pool(pool(engine={"tenants": dict(list(many.items())[:MAX_TENANTS])}))
+    half = dict(list(many.items())[:MAX_TENANTS // 2 + 1])
+    spec = validate_pool(pool(mode="dedicated", replicas=2, engine={"tenants": half},
+                              dedicated={"engine": {"tenants": {f"x{i}": {} for i in range(MAX_TENANTS // 2)}}}))["spec"]
+    with pytest.raises(PoolSpecError, match=f"at most {MAX_TENANTS} tenants"):  # each map fits, merged they do not
+        Pool("chat", "default", spec).roles()
+
+
 def test_the_interactive_role_engine_is_checked_too():
     [problem] = problems_of(pool(dedicated={"engine": {"chunkSize": 1024, "tokenBudget": 512}}))
     assert problem.startswith("spec.dedicated.engine: engine.chunkSize must not exceed")

@@ -29,6 +29,23 @@ def cadenza_server(args: list[str], log: Path, ready_timeout: float = 180.0,
     The server takes one torch thread (``OMP_NUM_THREADS=1``) unless ``--threads`` or ``env``
     says otherwise: tests run side by side, one per core. ``env`` adds to (or, with "" values,
     clears from) this process's environment."""
+    with cadenza_server_process(args, log, ready_timeout, env) as (url, _proc):
+        yield url
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux ``/proc``): a server's engine core process."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+@contextlib.contextmanager
+def cadenza_server_process(args: list[str], log: Path, ready_timeout: float = 180.0,
+                           env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """:func:`cadenza_server`, yielding the server's process too: ``(url, process)``."""
     port = free_port()
     cmd = [sys.executable, "-m", "cadenza.node.cli", "serve", "--port", str(port), *args]
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
@@ -49,7 +66,7 @@ def cadenza_server(args: list[str], log: Path, ready_timeout: float = 180.0,
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cadenza serve not ready after {ready_timeout}s:\n{log.read_text()}")
             time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}/v1", proc
     finally:
         proc.send_signal(signal.SIGINT)
         try:

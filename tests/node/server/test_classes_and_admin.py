@@ -241,6 +241,34 @@ async def test_odd_admin_changes_get_an_answer_and_the_server_keeps_serving(clie
     assert (await client.get("/health")).status == 200 and client.app[ENGINE].is_alive
 
 
+@pytest.mark.parametrize("change", [{"chunk_size": 100000}, {"token_budget": 8}, {"token_budget": 32, "chunk_size": 48}])
+async def test_a_live_chunk_over_the_token_budget_is_a_400_naming_it_and_nothing_changes(client, change):
+    before = await (await client.get("/admin/config", headers=AUTH)).json()
+    resp = await client.put("/admin/config", json=change, headers=AUTH)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["message"].startswith("chunk_size: ")
+    assert await (await client.get("/admin/config", headers=AUTH)).json() == before
+    config = client.app[ENGINE].core.scheduler.config
+    assert (config.token_budget, config.chunk_size) == (64, 16)
+
+
+async def test_a_tenant_map_over_the_limit_is_a_400_and_nothing_changes(client):
+    from cadenza.node.core.policy import MAX_TENANTS
+
+    before = await (await client.get("/admin/config", headers=AUTH)).json()
+    for count in (MAX_TENANTS + 1, 100_000):
+        resp = await client.put("/admin/config", json={"tenants": {f"t{i}": {"weight": 2} for i in range(count)}},
+                                headers=AUTH)
+        assert resp.status == 400
+        assert f"at most {MAX_TENANTS} tenants" in (await resp.json())["error"]["message"]
+    assert await (await client.get("/admin/config", headers=AUTH)).json() == before
+    full = {f"t{i}": {"weight": 2, "max_concurrent": 4} for i in range(MAX_TENANTS - 1)}  # "capped" is listed already
+    resp = await client.put("/admin/config", json={"tenants": full}, headers=AUTH)
+    assert resp.status == 200 and len((await resp.json())["tenants"]) == MAX_TENANTS
+    assert (await client.post("/v1/completions", json=body(), headers={"x-cadenza-tenant": "t7"})).status == 200
+    assert (await (await client.get("/ready")).json())["tenants"] == {}  # nothing live: no tenant to show
+
+
 async def test_a_bug_in_an_engine_command_is_a_500_and_the_engine_goes_on(client, monkeypatch):
     engine = client.app[ENGINE].core
 

@@ -21,12 +21,15 @@ import pytest
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from cadenza.node.core.config import ConfigError
+from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from cadenza.node.gateway.app import create_gateway_app
 from cadenza.node.gateway.upstreams import Upstreams
 from cadenza.node.server import admin, auth, http
 from cadenza.node.server.errors import error_middleware
+from cadenza.node.server.app import create_app
+from cadenza.node.server.openai_api import ENGINE
 from cadenza.node.server.runner import run_app
+from cadenza.node.wire import MAX_BODY_BYTES
 from waiting import until
 
 SECRET = "sk-cadenza-SECRET-0123456789"
@@ -272,6 +275,42 @@ async def test_a_prompt_body_within_the_timeout_is_read_and_the_connection_kept(
             assert (status, json.loads(body)) == (200, {"bytes": 5})
     finally:
         writer.close()
+
+
+async def declared_too_large(port: int, method: str, path: str, extra: str = "") -> tuple[int, dict, bytes, float]:
+    """``method path`` declaring a 1 GiB body and sending none of it: the answer and its delay."""
+    started = time.monotonic()
+    reader, writer = await connect(port)
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\n{extra}Content-Type: application/json\r\n"
+                 f"Content-Length: {2**30}\r\n\r\n".encode())
+    try:
+        status, headers, body = await read_response(reader)
+        assert await closed_by_server(reader) == b""  # the unsent body is not waited for either
+    finally:
+        writer.close()
+    return status, headers, body, time.monotonic() - started
+
+
+async def test_a_body_declared_over_the_limit_is_a_413_at_once_not_a_408_after_the_body_timeout(
+        serve, monkeypatch, tiny_llama_dir):
+    slow_body = dict(header_timeout_s=30, idle_timeout_s=30, body_timeout_s=30)
+    monkeypatch.setenv(auth.TOKEN_ENV, SECRET)
+    config = EngineConfig(model=str(tiny_llama_dir), served_model_name="tiny",
+                          scheduler=SchedulerConfig(token_budget=64, chunk_size=16, max_model_len=256),
+                          cache=CacheConfig(block_size=16, num_kv_blocks=64))
+    server = create_app(config, "tiny")
+    gateway = create_gateway_app(Upstreams({"interactive": []}), health_interval_s=0)
+    ports = {"server": await serve(server, **slow_body), "gateway": await serve(gateway, **slow_body)}
+    await server[ENGINE].wait_ready()
+    for name, method, path, extra in [
+            ("server", "POST", "/v1/chat/completions", ""), ("server", "POST", "/v1/completions", ""),
+            ("server", "PUT", "/admin/config", f"Authorization: Bearer {SECRET}\r\n"),
+            ("gateway", "POST", "/v1/completions", "")]:
+        status, headers, body, seconds = await declared_too_large(ports[name], method, path, extra)
+        assert status == 413, (name, path, body)
+        error = assert_json_error(status, headers, body, "body_too_large")
+        assert str(MAX_BODY_BYTES) in error["message"] and seconds < BOUND_S
+    assert server[ENGINE].stats().num_finished == 0  # nothing reached the engine
 
 
 # --- the real gateway, and run_app ---------------------------------------------------------------------
