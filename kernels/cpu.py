@@ -20,7 +20,8 @@ read. This module builds ``cpu_ops.cpp`` once per machine with ``torch.utils.cpp
 fp32 only. :func:`available` says whether the build succeeded (it needs a C++ compiler and
 ``ninja``); callers fall back to the references when it did not, and the reason is in
 :func:`build_error`. The first build on a machine takes about a minute on two cores (a later
-start loads the cached module in a moment): a log line says when it starts, another every
+start loads the cached module in a moment): a log line says when it starts (or, when the cache
+folder looked current, once loading has run for :data:`NOTICE_AFTER_S` seconds), another every
 :data:`NOTICE_EVERY_S` seconds while it runs, and one how it ended. A build
 interrupted by the user (Ctrl-C reaches ``ninja`` too) is not a failure to fall back from: it
 raises :class:`BuildInterrupted`, a :class:`KeyboardInterrupt`, and nothing is remembered, so the
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 SHORT_ROW = 16  # rows of at most this many query tokens are attended by the compiled kernel
+NOTICE_AFTER_S = 5.0  # loading a built module takes about a second: one still running after this is a build
 NOTICE_EVERY_S = 20.0  # while the kernels build, say it is still running this often
 INTERRUPTED_EXIT_CODES = (130, -signal.SIGINT)  # ninja >= 1.12 on SIGINT; a build killed by SIGINT
 _lock = threading.Lock()
@@ -110,24 +112,43 @@ def _needs_build(build_dir: Path) -> bool:
 
 class _BuildNotice:
     """While a build runs: a log line at its start, one every :data:`NOTICE_EVERY_S` seconds, and
-    how long it took at its end."""
+    how long it took at its end.
 
-    def __init__(self, build_dir: Path) -> None:
-        self._started = time.monotonic()
+    Args:
+        build_dir: where it builds.
+        expected: no module built from the current source is there: say so at once. Otherwise
+            (it will most likely just load) say so only if loading still runs after
+            :data:`NOTICE_AFTER_S` seconds: ninja rebuilds for reasons a look at the folder misses
+            (other compiler flags, the source at another path: a second checkout).
+    """
+
+    def __init__(self, build_dir: Path, expected: bool) -> None:
+        self._dir, self._started = build_dir, time.monotonic()
         self._stop = threading.Event()
-        logger.info("building the compiled CPU kernels (%s) into %s, once for this machine: about a minute on two "
-                    "cores; later starts load them at once", SOURCE.name, build_dir)
+        self._said = False
+        if expected:
+            self._say()
         self._thread = threading.Thread(target=self._run, name="cadenza-cpu-kernels-notice", daemon=True)
         self._thread.start()
 
+    def _say(self) -> None:
+        self._said = True
+        logger.info("building the compiled CPU kernels (%s) into %s, once for this machine: about a minute on two "
+                    "cores; later starts load them at once", SOURCE.name, self._dir)
+
     def _run(self) -> None:
+        if not self._said:
+            if self._stop.wait(NOTICE_AFTER_S):
+                return
+            self._say()
         while not self._stop.wait(NOTICE_EVERY_S):
             logger.info("still building the compiled CPU kernels (%.0f s so far)", time.monotonic() - self._started)
 
     def stop(self, outcome: str) -> None:
         self._stop.set()
         self._thread.join()
-        logger.info("compiled CPU kernels: %s in %.0f s", outcome, time.monotonic() - self._started)
+        if self._said:
+            logger.info("compiled CPU kernels: %s in %.0f s", outcome, time.monotonic() - self._started)
 
 
 def _load():
@@ -136,7 +157,7 @@ def _load():
         if _ops is not None or _error is not None:
             return _ops
         build_dir = _build_dir()
-        notice = _BuildNotice(build_dir) if _needs_build(build_dir) else None
+        notice = _BuildNotice(build_dir, expected=_needs_build(build_dir))
         outcome = "failed"
         try:
             from torch.utils.cpp_extension import load
@@ -161,8 +182,7 @@ def _load():
             _error = _reason(exc)
             logger.warning("compiled CPU kernels unavailable (%s); using the torch references", _error)
         finally:
-            if notice is not None:
-                notice.stop(outcome)
+            notice.stop(outcome)
         return _ops
 
 

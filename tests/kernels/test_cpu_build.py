@@ -119,3 +119,20 @@ def test_ctrl_c_during_the_first_build_stops_serve_cleanly_and_says_why(tmp_path
     text = log_path.read_text()
     assert "build interrupted" in text and "loading interrupted" in text
     assert "torch references" not in text and "model loaded" not in text and "Traceback" not in text
+
+
+def test_a_rebuild_the_cache_folder_did_not_predict_is_still_told(fresh, monkeypatch, caplog):
+    """A module built from the same source at another path (a second checkout) looks current, but
+    ninja rebuilds it: once loading runs long, the log says it is a build."""
+    monkeypatch.setattr(cpu, "NOTICE_AFTER_S", 0.05)
+    (cpu._build_dir() / "cadenza_cpu_ops.so").touch()
+
+    def rebuild(**_):
+        time.sleep(0.3)
+        return "the module"
+
+    fresh(rebuild)
+    with caplog.at_level(logging.INFO, logger="cadenza.kernels.cpu"):
+        assert cpu.available()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("building the compiled CPU kernels") and lines[-1].startswith("compiled CPU kernels: built")
