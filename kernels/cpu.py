@@ -19,7 +19,14 @@ read. This module builds ``cpu_ops.cpp`` once per machine with ``torch.utils.cpp
 
 fp32 only. :func:`available` says whether the build succeeded (it needs a C++ compiler and
 ``ninja``); callers fall back to the references when it did not, and the reason is in
-:func:`build_error`. This module imports nothing of cadenza outside kernels.
+:func:`build_error`. The first build on a machine takes about a minute on two cores (a later
+start loads the cached module in a moment): a log line says when it starts (or, when the cache
+folder looked current, once loading has run for :data:`NOTICE_AFTER_S` seconds), another every
+:data:`NOTICE_EVERY_S` seconds while it runs, and one how it ended. A build
+interrupted by the user (Ctrl-C reaches ``ninja`` too) is not a failure to fall back from: it
+raises :class:`BuildInterrupted`, a :class:`KeyboardInterrupt`, and nothing is remembered, so the
+next start builds again. This module imports nothing of cadenza outside kernels (it logs
+through the standard :mod:`logging` module).
 """
 
 from __future__ import annotations
@@ -28,7 +35,10 @@ import hashlib
 import logging
 import os
 import platform
+import signal
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -39,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 SHORT_ROW = 16  # rows of at most this many query tokens are attended by the compiled kernel
+NOTICE_AFTER_S = 5.0  # loading a built module takes about a second: one still running after this is a build
+NOTICE_EVERY_S = 20.0  # while the kernels build, say it is still running this often
+INTERRUPTED_EXIT_CODES = (130, -signal.SIGINT)  # ninja >= 1.12 on SIGINT; a build killed by SIGINT
 _lock = threading.Lock()
 _ops = None
 _error: str | None = None
@@ -73,11 +86,79 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+class BuildInterrupted(KeyboardInterrupt):
+    """The build of the compiled kernels was interrupted by the user (SIGINT, Ctrl-C): not a
+    failure to fall back from. Nothing is cached; the next start builds again."""
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether a failed build was stopped by SIGINT: torch raises its RuntimeError from ninja's
+    ``CalledProcessError``, whose exit code (or, for older ninja, output) says so."""
+    cause = exc.__cause__
+    if isinstance(cause, subprocess.CalledProcessError) and cause.returncode in INTERRUPTED_EXIT_CODES:
+        return True
+    return "interrupted by user" in str(exc)
+
+
+def _needs_build(build_dir: Path) -> bool:
+    """Whether ``build_dir`` lacks a module built from the current source (the folder is per torch
+    version and CPU, so the source is what can have changed)."""
+    built = build_dir / "cadenza_cpu_ops.so"
+    try:
+        return built.stat().st_mtime < SOURCE.stat().st_mtime
+    except OSError:
+        return True
+
+
+class _BuildNotice:
+    """While a build runs: a log line at its start, one every :data:`NOTICE_EVERY_S` seconds, and
+    how long it took at its end.
+
+    Args:
+        build_dir: where it builds.
+        expected: no module built from the current source is there: say so at once. Otherwise
+            (it will most likely just load) say so only if loading still runs after
+            :data:`NOTICE_AFTER_S` seconds: ninja rebuilds for reasons a look at the folder misses
+            (other compiler flags, the source at another path: a second checkout).
+    """
+
+    def __init__(self, build_dir: Path, expected: bool) -> None:
+        self._dir, self._started = build_dir, time.monotonic()
+        self._stop = threading.Event()
+        self._said = False
+        if expected:
+            self._say()
+        self._thread = threading.Thread(target=self._run, name="cadenza-cpu-kernels-notice", daemon=True)
+        self._thread.start()
+
+    def _say(self) -> None:
+        self._said = True
+        logger.info("building the compiled CPU kernels (%s) into %s, once for this machine: about a minute on two "
+                    "cores; later starts load them at once", SOURCE.name, self._dir)
+
+    def _run(self) -> None:
+        if not self._said:
+            if self._stop.wait(NOTICE_AFTER_S):
+                return
+            self._say()
+        while not self._stop.wait(NOTICE_EVERY_S):
+            logger.info("still building the compiled CPU kernels (%.0f s so far)", time.monotonic() - self._started)
+
+    def stop(self, outcome: str) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self._said:
+            logger.info("compiled CPU kernels: %s in %.0f s", outcome, time.monotonic() - self._started)
+
+
 def _load():
     global _ops, _error
     with _lock:
         if _ops is not None or _error is not None:
             return _ops
+        build_dir = _build_dir()
+        notice = _BuildNotice(build_dir, expected=_needs_build(build_dir))
+        outcome = "failed"
         try:
             from torch.utils.cpp_extension import load
 
@@ -87,12 +168,21 @@ def _load():
                 sources=[str(SOURCE)],
                 extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
-                build_directory=str(_build_dir()),
+                build_directory=str(build_dir),
                 verbose=False,
             )
+            outcome = "built"
+        except KeyboardInterrupt:
+            outcome = "build interrupted"
+            raise BuildInterrupted("the build of the compiled CPU kernels was interrupted") from None
         except Exception as exc:  # no compiler, no ninja, a read-only cache: keep the references
+            if _interrupted(exc):
+                outcome = "build interrupted"
+                raise BuildInterrupted("the build of the compiled CPU kernels was interrupted") from None
             _error = _reason(exc)
             logger.warning("compiled CPU kernels unavailable (%s); using the torch references", _error)
+        finally:
+            notice.stop(outcome)
         return _ops
 
 
@@ -104,7 +194,11 @@ def _reason(exc: Exception) -> str:
 
 
 def available() -> bool:
-    """Build (once per process; the compiled module is cached per machine) and report success."""
+    """Build (once per process; the compiled module is cached per machine) and report success.
+
+    Raises:
+        BuildInterrupted: the user interrupted the build (SIGINT).
+    """
     return _load() is not None
 
 

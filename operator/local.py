@@ -8,12 +8,20 @@ restarts one that dies (on the same port, with backoff), and on Ctrl-C or SIGTER
 gateway, then the replicas (SIGTERM, then SIGKILL after a grace period). Logs and the generated
 configuration go to a run folder it prints.
 
-With ``mode: auto`` every replica starts colocated with a per-run admin token, and the same SLO
-controller as the operator's keeps the pool's SLOs by retuning and moving replicas in place
-(:mod:`.local_control`); each decision is logged and the state file shows the shape.
+The admin token (:func:`choose_admin_token`): the user's, when ``$CADENZA_ADMIN_TOKEN`` (or the file
+named by ``$CADENZA_ADMIN_TOKEN_FILE``) is set where ``cadenza up`` runs, given to every replica
+(and to the gateway of a disaggregated pool); else, in ``auto`` and ``disaggregated`` mode, which
+need one, a per-run token written to ``admin-token`` in the run folder; else none (each replica's
+admin API is off). At start, ``cadenza up`` logs each replica's address and whether its
+``/admin/config`` is on and with which token: the gateway does not proxy the admin API (it is per
+replica) and does not list the replicas' addresses.
+
+With ``mode: auto`` every replica starts colocated, and the same SLO controller as the operator's
+keeps the pool's SLOs by retuning and moving replicas in place (:mod:`.local_control`) through
+their admin API; each decision is logged and the state file shows the shape.
 
 With ``mode: disaggregated`` the prefill and decode replicas each open a KV transfer endpoint (a
-free port, announced per request) and share a per-run token with the gateway, which sends every
+free port, announced per request) and share the admin token with the gateway, which sends every
 class to the decode replicas and long prompts through a prefill replica first.
 """
 
@@ -36,6 +44,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from cadenza.node.core.config import listen_problem as port_problem
 from cadenza.operator.actuator import Actuator
@@ -46,6 +55,57 @@ from cadenza.operator.render import cpu_threads
 logger = logging.getLogger("cadenza.up")
 GRACE_S = 30.0
 MAX_BACKOFF_S = 30.0
+# As `cadenza serve` reads its admin token (cadenza.node.server.auth, which the operator may not import).
+TOKEN_ENV, TOKEN_FILE_ENV = "CADENZA_ADMIN_TOKEN", "CADENZA_ADMIN_TOKEN_FILE"
+RUN_TOKEN_FILE = "admin-token"  # the per-run token, in the run folder (mode 0600)
+MODES_WITH_TOKEN = ("auto", "disaggregated")  # the controller's admin calls; the KV transfer headers
+
+
+class AdminToken(NamedTuple):
+    """The admin token of a local pool and where it came from.
+
+    Attributes:
+        value: the bearer token; None when the replicas' admin API is off.
+        source: ``"env"`` (``$CADENZA_ADMIN_TOKEN``), ``"file"`` (``$CADENZA_ADMIN_TOKEN_FILE``),
+            ``"run"`` (generated for this run) or ``"none"``.
+    """
+
+    value: str | None
+    source: str
+
+    def describe(self, run_dir: Path) -> str:
+        """How a user reaches a replica's ``/admin/config`` with it, for the start-up log."""
+        if self.source in ("env", "file"):
+            return f"on, with your token ({TOKEN_ENV if self.source == 'env' else TOKEN_FILE_ENV})"
+        if self.source == "run":
+            return (f"on, with the per-run token in {run_dir / RUN_TOKEN_FILE} "
+                    f"(set {TOKEN_ENV} before cadenza up to choose it)")
+        return f"off (set {TOKEN_ENV} before cadenza up to turn it on)"
+
+
+def choose_admin_token(mode: str, environ: dict[str, str] | None = None) -> AdminToken:
+    """The pool's admin token: the user's when one is set (``$CADENZA_ADMIN_TOKEN``, else the
+    content of the file ``$CADENZA_ADMIN_TOKEN_FILE`` names, read once, as ``cadenza serve`` reads
+    them), else a new random one in a mode that needs one (``auto``, ``disaggregated``), else none.
+
+    Raises:
+        PoolSpecError: ``$CADENZA_ADMIN_TOKEN_FILE`` names a file that cannot be read or is empty
+            (a typo must not silently turn the user's token into another).
+    """
+    environ = os.environ if environ is None else environ
+    if token := environ.get(TOKEN_ENV, "").strip():
+        return AdminToken(token, "env")
+    if path := environ.get(TOKEN_FILE_ENV):
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            raise PoolSpecError(f"{TOKEN_FILE_ENV}={path}: cannot read it ({exc.strerror or exc})") from None
+        if not token:
+            raise PoolSpecError(f"{TOKEN_FILE_ENV}={path}: the file is empty")
+        return AdminToken(token, "file")
+    if mode in MODES_WITH_TOKEN:
+        return AdminToken(secrets.token_hex(16), "run")
+    return AdminToken(None, "none")
 
 
 def free_port() -> int:
@@ -74,7 +134,7 @@ class Process:
     log: Path
     host: str = "127.0.0.1"
     role: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # over this process's environment; "" unsets
     proc: subprocess.Popen | None = None
     restarts: int = 0
     restart_at: float = 0.0
@@ -82,10 +142,11 @@ class Process:
 
     def start(self) -> None:
         # Its own session: a Ctrl-C in the terminal reaches the supervisor only, which stops the
-        # children in order (gateway first) instead of all at once.
+        # children in order (gateway first) instead of all at once. An empty value in `env` unsets.
+        env = {k: v for k, v in {**os.environ, **self.env}.items() if self.env.get(k) != ""}
         with open(self.log, "a") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+                                         env=env, preexec_fn=_die_with_parent)
         self.started = time.monotonic()
 
     @property
@@ -115,8 +176,9 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int, admin_token: str |
          ) -> tuple[list[Process], Process]:
     """The replicas and the gateway a pool needs, with their configuration files written.
 
-    ``admin_token``, when given, enables every replica's admin API with it (``mode: auto``), and
-    is the gateway's too (``mode: disaggregated``: its KV transfer headers need it).
+    ``admin_token``, when given, enables every replica's admin API with it, and is the gateway's
+    too in ``mode: disaggregated`` (its KV transfer headers need it); without it the replicas'
+    admin API is off, whatever this process's environment says.
 
     Raises:
         PoolSpecError: a spec that cannot run here (a PVC source needs a cluster).
@@ -139,8 +201,8 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int, admin_token: str |
     model_args = pool.model_args()
     serve = [sys.executable, "-m", "cadenza.node.cli", "serve", "--host", "127.0.0.1"]
     env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(_threads(pool, total))}
-    if admin_token is not None:
-        env["CADENZA_ADMIN_TOKEN"] = admin_token
+    # the token given, or none: never one the replicas would inherit from here without `up` knowing
+    env.update({TOKEN_ENV: admin_token or "", TOKEN_FILE_ENV: ""})
     replicas: list[Process] = []
     for role in roles:
         policy = run_dir / f"{role.name}.policy.json"
@@ -163,7 +225,8 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int, admin_token: str |
     gateway = Process("gateway", [sys.executable, "-m", "cadenza.node.cli", "gateway", "--config", str(config),
                                   "--host", host, "--port", str(port), *pool.gateway_args()], port,
                       run_dir / "gateway.log", host=host,
-                      env={"CADENZA_ADMIN_TOKEN": admin_token} if pool.mode == "disaggregated" and admin_token else {})
+                      env={TOKEN_ENV: admin_token if pool.mode == "disaggregated" and admin_token else "",
+                           TOKEN_FILE_ENV: ""})
     return replicas, gateway
 
 
@@ -229,9 +292,13 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
         return 1
     run_dir = Path(tempfile.mkdtemp(prefix=f"cadenza-up-{name}-"))
     auto = pool_obj["spec"].get("mode") == "auto"
-    token = secrets.token_hex(16) if pool_obj["spec"].get("mode") in ("auto", "disaggregated") else None
     try:
+        admin = choose_admin_token(pool_obj["spec"].get("mode", "colocated"))
+        token = admin.value
         replicas, gateway = plan(pool_obj, run_dir, host, port, admin_token=token)
+        if admin.source == "run":
+            (run_dir / RUN_TOKEN_FILE).touch(mode=0o600)
+            (run_dir / RUN_TOKEN_FILE).write_text(token + "\n")
     except PoolSpecError as exc:
         shutil.rmtree(run_dir, ignore_errors=True)
         print(f"cadenza up: {exc}", file=sys.stderr)
@@ -247,7 +314,10 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
     everyone = [*replicas, gateway]
     try:
         logger.info("pool %s: starting %d replicas (logs in %s)", name, len(replicas), run_dir)
+        where = admin.describe(run_dir)
         for r in replicas:
+            logger.info("pool %s: replica %s (%s) at %s; admin API %s/admin/config %s", name, r.name, r.role, r.url,
+                        r.url, where)
             r.start()
         failed = _wait_ready(replicas, ready_timeout, stop)
         if failed is not None:

@@ -3,11 +3,15 @@
 
     cadenza sim --trace T.csv --pool P.yaml --model llama-3.1-8b --hardware h100-sxm [--tp N]
                 [--time-scale F | --qps-scale F] [--length-scale F] [--num-requests N]
+                [--class NAME | --batch-above N]
                 [--compare [POLICY ...]] [--sweep] [--json OUT] [--plot DIR]
     cadenza sim calibrate --steps STEPS.jsonl --model M --base cpu|PROFILE --out PROFILE.json
 
 A request goes as the class and tenant its trace names (``class`` and ``tenant`` columns), else
-as ``interactive`` (the Azure traces carry neither). The report gives, per class, TTFT / ITL /
+as ``interactive`` (the Azure traces carry neither); ``--class NAME`` sends every request as
+``NAME`` and ``--batch-above N`` the prompts of ``N`` or more tokens as ``batch`` and the others
+as ``interactive`` (:class:`~cadenza.node.replay.headers.ClassRule`, as ``cadenza bench`` does),
+either one overriding the trace's class column. The report gives, per class, TTFT / ITL /
 TPOT p50/p95/p99, SLO attainment and goodput against the pool's ``spec.slo``, throughput and
 drops; per run, KV usage, preemptions and the controller's actions (``auto``). ``--compare``
 runs the policies of :mod:`cadenza.sim.policies` side by side on the same trace and cost model;
@@ -22,7 +26,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 
@@ -41,6 +45,12 @@ def register_sim(sub: argparse._SubParsersAction) -> None:
     rate.add_argument("--qps-scale", type=float, help="multiply the request rate (2: twice the load)")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths")
     p.add_argument("--num-requests", type=int, help="the first N requests of the trace")
+    classes = p.add_mutually_exclusive_group()  # as `cadenza bench`'s: either overrides the trace's class column
+    classes.add_argument("--class", dest="traffic_class", choices=("interactive", "batch", "background"),
+                         help="send every request as this class (default: the trace's class column, else interactive)")
+    classes.add_argument("--batch-above", type=int, metavar="N",
+                         help="send prompts of N or more tokens (after --length-scale) as batch, the others as "
+                              "interactive")
     p.add_argument("--compare", nargs="*", metavar="POLICY",
                    help="run these policies side by side on the same trace and cost model (default: all of "
                         "prefill-first, chunked-fcfs, chunked-classes, dedicated, disaggregated, auto)")
@@ -107,6 +117,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 
 def run_sim(args: argparse.Namespace) -> int:
+    from cadenza.node.replay.headers import ClassRule
     from cadenza.node.replay.trace import load_trace, scale_trace
     from cadenza.operator.pool import PoolSpecError
     from cadenza.operator.validate import PoolValidationError, load_pools
@@ -146,6 +157,9 @@ def run_sim(args: argparse.Namespace) -> int:
         skipped = [n for n in names if n not in {p.name for p in runs_of}]
         trace = scale_trace(load_trace(args.trace), time_scale=time_scale, length_scale=args.length_scale,
                             num_requests=args.num_requests).requests
+        if args.traffic_class is not None or args.batch_above is not None:
+            rule = ClassRule(args.traffic_class, args.batch_above)
+            trace = [replace(r, traffic_class=rule.class_for(r.input_len)) for r in trace]
         if args.sweep and (len(trace) < 2 or not trace[-1].arrival_s > trace[0].arrival_s):
             raise ValueError("--sweep scales the trace's request rate: it needs two or more requests spread over time")
         _writable(args.json, args.plot)

@@ -153,3 +153,43 @@ def test_kustomize_puts_an_edited_images_env_into_the_crd_defaults_and_the_opera
     [container] = docs["Deployment", "cadenza-operator"]["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "registry.example/team/cp:7"
     assert "ghcr.io" not in built
+
+
+def documented_pushes() -> dict[str, list[list[str]]]:
+    """The ``make push ...`` commands of README.md and docs/operations.md (comments dropped), by file."""
+    import shlex
+
+    found = {}
+    for doc in (ROOT / "README.md", ROOT / "docs" / "operations.md"):
+        found[doc.name] = [shlex.split(line, comments=True)[2:] for line in doc.read_text().splitlines()
+                           if line.startswith("make push ")]
+    return found
+
+
+def dry_run_push(variables: list[str]) -> str:
+    return subprocess.run(["make", "-n", "push", "OCI=docker", *variables], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_the_documented_pushes_go_to_your_registry_and_show_the_cpu_engine():
+    """The default image names are not published: each documented push sends both images to the
+    REGISTRY it names, with variables the Makefile reads (a misspelt one would be ignored), and
+    each document shows how to build the CPU engine beside the default CUDA one."""
+    makefile = (ROOT / "Makefile").read_text()
+    defaults = images()
+    for doc, pushes in documented_pushes().items():
+        assert pushes, f"{doc} shows no make push"
+        variants = set()
+        for variables in pushes:
+            settings = dict(v.split("=", 1) for v in variables)
+            for name in settings:
+                assert f"$({name})" in makefile, f"{doc}: make push {name}=... sets a variable the Makefile never reads"
+            dry = dry_run_push(variables)
+            pushed = re.findall(r"^docker push (\S+)$", dry, re.M)
+            assert len(pushed) == 2 and all(image.startswith(settings["REGISTRY"] + "/") for image in pushed), dry
+            assert not set(pushed) & set(defaults.values())
+            variants.add("whl/cpu" in re.search(r"^docker build -f docker/engine.Dockerfile.*?-t ", dry, re.M | re.S).group(0))
+        assert True in variants, f"{doc}: no push shows ENGINE_VARIANT=cpu (a CPU engine image)"
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert "No image is published" in operations and all(name in operations for name in defaults.values())

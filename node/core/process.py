@@ -10,12 +10,16 @@ process, for the same reason).
 
 Frames: a 4-byte big-endian length, then one msgpack message (:mod:`cadenza.node.core.messages`).
 The core exits when the front end says Shutdown or goes away (its end of the socket closes); it
-ignores SIGINT, which a terminal sends the whole process group: the front end decides.
+ignores SIGINT, which a terminal sends the whole process group, once it serves: the front end
+decides (it drains the requests in flight first). While the model loads there is nothing to
+drain: a Ctrl-C stops the loading (a build of the compiled CPU kernels with it, never to go on
+without them), the core says so (``EngineDead``) and exits with 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import queue
@@ -84,6 +88,8 @@ def serve(sock: socket.socket) -> int:
     body = read_frame(sock)
     if body is None:
         return 0
+    # Nothing to drain while the model loads: a Ctrl-C then stops loading (a kernel build with it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         start = decode(body)
         if not isinstance(start, StartCore):
@@ -95,11 +101,18 @@ def serve(sock: socket.socket) -> int:
         from cadenza.node.core.engine_core import EngineCore
 
         core = EngineCore(EngineConfig.from_dict(start.config), start.eos_token_ids)
+    except KeyboardInterrupt as exc:  # Ctrl-C while loading (during a kernel build, or not): stop loading
+        logger.info("engine core: loading interrupted (%s); exiting", exc or "SIGINT")
+        with contextlib.suppress(OSError):
+            emit(EngineDead(f"loading interrupted: {exc or 'SIGINT'}", loaded=False, kind="KeyboardInterrupt"))
+        return 130
     except Exception as exc:  # reported to the front end, which logs it
         if not isinstance(exc, (ValueError, FileNotFoundError)):
             logger.exception("engine failed to load")
         emit(EngineDead(str(exc), loaded=False, kind=type(exc).__name__))
         return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # serving: the front end decides when the core stops
     from cadenza.node.core.loop import CoreLoop, announce
 
     try:

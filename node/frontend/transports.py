@@ -61,7 +61,8 @@ class ThreadCore:
         try:
             self.core = self._factory()
         except BaseException as exc:  # reported through wait_ready
-            if not isinstance(exc, (ValueError, FileNotFoundError)):  # config errors need no traceback
+            # config errors and an interrupt (Ctrl-C during a kernel build) need no traceback
+            if not isinstance(exc, (ValueError, FileNotFoundError, KeyboardInterrupt)):
                 logger.exception("engine failed to load")
             emit(EngineDead(str(exc), loaded=False, kind=type(exc).__name__))
             return

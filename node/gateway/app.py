@@ -3,17 +3,21 @@
 Routes:
 
 - ``GET /health``: liveness, always 200 while the process serves.
-- ``GET /ready``: 200 while some role has a replica that is known and not down (its last
-  request or health check reached it), naming the roles that cannot serve; 503 (OpenAI format)
-  only when none can.
+- ``GET /ready``: 200 while some serving role has a replica that is known and not down (its last
+  request or health check reached it), with the replicas known and up per role (``prefill`` too,
+  in a disaggregated pool), naming the roles that cannot serve; 503 (OpenAI format) only when no
+  serving role can. It asks no replica: a cheap probe.
+- ``GET /gateway/stats``: the pool's engine counters, the replicas' ``/ready`` counters summed
+  (:mod:`.engine_stats`; what ``cadenza bench`` samples through a gateway).
 - ``GET /gateway/upstreams``: per role, every replica with its requests in flight and whether it
   is full (for debugging).
 - ``GET /v1/models``: proxied to any replica.
 - any other ``/v1/...``: proxied by traffic class (:mod:`.proxy`).
 - ``GET /metrics``: the gateway's own client-side TTFT / ITL histograms per class, Prometheus
   text (:mod:`.metrics`; each replica's engine metrics are scraped from the replica).
-- ``/admin/...``: 404 naming the replicas, which each have their own (an admin change is per
-  replica).
+- ``/admin/...``: 404 saying that each replica serves its own admin API (an admin change is per
+  replica), at the same path on its own address inside the pool; the replicas' addresses are not
+  given to whoever asks.
 - anything else: 404 in OpenAI format.
 
 The app owns one :class:`aiohttp.ClientSession` (no total timeout, so streams last as long as
@@ -33,6 +37,7 @@ import aiohttp
 from aiohttp import web
 
 from cadenza.node.gateway import disagg
+from cadenza.node.gateway import engine_stats
 from cadenza.node.gateway import health as health_checks
 from cadenza.node.gateway import proxy
 from cadenza.node.gateway.metrics import GatewayMetrics
@@ -40,6 +45,7 @@ from cadenza.node.gateway.state import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_HEALTH_INTERVAL_S,
     DEFAULT_MAX_OUTSTANDING,
+    ENGINE_STATS,
     METRICS,
     PREFILL_CALLS,
     SESSION,
@@ -52,7 +58,6 @@ from cadenza.node.server.errors import error_middleware, error_response
 from cadenza.node.wire import MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
-
 
 
 class UpstreamSource(Protocol):
@@ -100,6 +105,7 @@ def create_gateway_app(
     app[METRICS] = GatewayMetrics(slo_targets_s)
     app[METRICS].disagg_threshold = lambda: disagg.threshold(app)
     app[PREFILL_CALLS] = set()
+    app[ENGINE_STATS] = engine_stats.EngineStats()
     app.on_cleanup.append(_stop_metrics)
     app.on_shutdown.append(_stop_prefill_calls)
     app.cleanup_ctx.append(_client_session)
@@ -110,6 +116,7 @@ def create_gateway_app(
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/gateway/upstreams", upstreams_view)
+    app.router.add_get(engine_stats.PATH, pool_engine_stats)
     app.router.add_get("/v1/models", proxy.proxy_to_any)
     app.router.add_route("*", "/v1/{tail:.*}", proxy.proxy_by_class)
     app.router.add_route("*", "/admin/{tail:.*}", per_replica)
@@ -132,12 +139,19 @@ async def _stop_metrics(app: web.Application) -> None:
     app[METRICS].shutdown()
 
 
+ADMIN_ELSEWHERE = (
+    "the gateway has no {path}: the admin API is per replica. Each replica serves it at {path} on its own "
+    "address, inside the pool, with the pool's admin token: in a cluster, each engine pod's port 8000 "
+    "(kubectl port-forward pod/POD 8000); under `cadenza up`, the replica addresses it logs at start")
+
+
 async def per_replica(request: web.Request) -> web.Response:
-    """What each replica serves itself: point to them instead of a bare 404."""
-    urls = [f"{u.url}{request.path}" for u in request.app[UPSTREAMS].all()]
-    where = ", ".join(urls) if urls else "(no replica known yet)"
-    return error_response(404, f"the gateway has no {request.path}: each replica has an admin API of its own, at {where}",
-                          code="per_replica")
+    """What each replica serves itself: say where it lives instead of a bare 404.
+
+    The answer names no replica address: the gateway is the pool's public entry point, and the
+    replicas' addresses are internal (a caller inside the pool already has them).
+    """
+    return error_response(404, ADMIN_ELSEWHERE.format(path=request.path), code="per_replica")
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
@@ -179,23 +193,35 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 while some role has a replica up, with the replicas known and up per role and the roles
-    that cannot serve now (``unavailable``); 503 only when no role can.
+    """200 while some serving role has a replica up, with the replicas known and up per role
+    (``prefill`` included when the pool has one) and the roles that cannot serve now
+    (``unavailable``); 503 only when no serving role can.
 
     A role without a replica (an ``auto`` pool whose replicas are all colocated has no interactive
     one... or a dedicated pool mid-rollout) must not take the gateway out of its Service: the
-    classes that can be served still are, and a request of the others gets its own 503.
+    classes that can be served still are, and a request of the others gets its own 503. A
+    disaggregated pool whose prefill replicas are all down still serves: the decode replicas
+    prefill every prompt themselves.
     """
     upstreams = request.app[UPSTREAMS]
     counts = {role: len(urls) for role, urls in upstreams.urls().items()}
-    up = {role: len(upstreams.reachable(role)) if counts.get(role) else 0 for role in SERVING_ROLES}
-    unavailable = {role: ("no replica known" if not counts.get(role) else "every replica down")
-                   for role in SERVING_ROLES if not up[role]}
-    if len(unavailable) == len(SERVING_ROLES):
-        detail = "; ".join(f"{role}: {why}" for role, why in unavailable.items())
-        code = "no_upstream" if all(not counts.get(r) for r in SERVING_ROLES) else "upstreams_unreachable"
+    up = {role: len(upstreams.reachable(role)) for role in counts}
+    unavailable = {role: ("no replica known" if not counts[role] else "every replica down")
+                   for role in counts if not up[role]}
+    if "prefill" in unavailable:
+        unavailable["prefill"] += ": the decode replicas prefill every prompt"
+    if all(role in unavailable for role in SERVING_ROLES):
+        detail = "; ".join(f"{role}: {unavailable[role]}" for role in SERVING_ROLES)
+        code = "no_upstream" if all(not counts[r] for r in SERVING_ROLES) else "upstreams_unreachable"
         return error_response(503, f"no role can serve ({detail})", code=code, headers={"Retry-After": "1"})
-    return web.json_response({"status": "ready", "replicas": counts, "up": up, "unavailable": unavailable})
+    return web.json_response({"status": "ready", "replicas": counts, "up": up, "unavailable": unavailable,
+                              "engine_stats": engine_stats.PATH})
+
+
+async def pool_engine_stats(request: web.Request) -> web.Response:
+    """The replicas' engine counters summed (:mod:`.engine_stats`)."""
+    result = await request.app[ENGINE_STATS].collect(request.app[SESSION], request.app[UPSTREAMS].all())
+    return web.json_response({"status": "ok", **result})
 
 
 async def upstreams_view(request: web.Request) -> web.Response:

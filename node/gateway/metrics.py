@@ -22,6 +22,11 @@ A gauge, ``cadenza.gateway.disagg.min_prompt_tokens``, is the threshold the rule
 idle prefill replica (pinned or computed from the decode replicas' rules; absent while there is
 none).
 
+Every family is listed from the first scrape on: until it has a sample, ``/metrics`` gives its
+``# HELP`` and ``# TYPE`` lines alone (:data:`FAMILIES`), as a Prometheus client does for a
+labelled metric no label value has been used with — a scraper sees what this gateway exports,
+not an empty answer. (OpenTelemetry's Prometheus reader leaves out instruments without data.)
+
 Bucket boundaries (:func:`latency_buckets`): the GenAI semantic conventions' TTFT buckets step
 0.25 -> 0.5 -> 0.75 s, too coarse to tell a 300 ms p99 from a 450 ms one. These are geometric
 (x 1.5) from 1 ms to 120 s, plus, around each SLO target t of the pool, t x 0.5 ... 2.0 in steps
@@ -43,6 +48,17 @@ from cadenza.node.otel import make_resource, otlp_enabled
 
 CLASS_ATTRIBUTE = "cadenza.traffic_class"
 DONE = b"data: [DONE]"
+TTFT_HELP = "Client-side time to the first streamed token, by traffic class"
+ITL_HELP = "Client-side gaps between streamed chunks, by traffic class"
+DISAGG_HELP = "Requests sent through a prefill replica, by outcome"
+THRESHOLD_HELP = "The shortest prompt sent through an idle prefill replica"
+# Each family as the Prometheus exposition names it: (name, type, help).
+FAMILIES = (
+    ("cadenza_gateway_time_to_first_token_seconds", "histogram", TTFT_HELP),
+    ("cadenza_gateway_inter_token_latency_seconds", "histogram", ITL_HELP),
+    ("cadenza_gateway_disagg_requests_total", "counter", DISAGG_HELP),
+    ("cadenza_gateway_disagg_min_prompt_tokens", "gauge", THRESHOLD_HELP),
+)
 
 
 def latency_buckets(targets_s: list[float] | tuple[float, ...] = ()) -> list[float]:
@@ -83,20 +99,16 @@ class GatewayMetrics:
         self.provider = MeterProvider(resource=make_resource(), metric_readers=readers)
         meter = self.provider.get_meter("cadenza.gateway")
         buckets = latency_buckets(slo_targets_s)
-        self.ttft = meter.create_histogram("cadenza.gateway.time_to_first_token", "s",
-                                           "Client-side time to the first streamed token, by traffic class",
+        self.ttft = meter.create_histogram("cadenza.gateway.time_to_first_token", "s", TTFT_HELP,
                                            explicit_bucket_boundaries_advisory=buckets)
-        self.itl = meter.create_histogram("cadenza.gateway.inter_token_latency", "s",
-                                          "Client-side gaps between streamed chunks, by traffic class",
+        self.itl = meter.create_histogram("cadenza.gateway.inter_token_latency", "s", ITL_HELP,
                                           explicit_bucket_boundaries_advisory=buckets)
         self._attrs = {c: {CLASS_ATTRIBUTE: c} for c in ("interactive", "batch", "background")}
-        self._disagg = meter.create_counter("cadenza.gateway.disagg.requests", "{request}",
-                                            "Requests sent through a prefill replica, by outcome")
+        self._disagg = meter.create_counter("cadenza.gateway.disagg.requests", "{request}", DISAGG_HELP)
         self.disagg_outcomes: Counter = Counter()
         self.disagg_threshold: Callable[[], int | None] = lambda: None  # set by the app
         meter.create_observable_gauge(
-            "cadenza.gateway.disagg.min_prompt_tokens", [self._threshold], "{token}",
-            "The shortest prompt sent through an idle prefill replica")
+            "cadenza.gateway.disagg.min_prompt_tokens", [self._threshold], "{token}", THRESHOLD_HELP)
 
     def _threshold(self, _options: CallbackOptions) -> list[Observation]:
         least = self.disagg_threshold()
@@ -112,7 +124,10 @@ class GatewayMetrics:
         return StreamTimer(self, self._attrs.get(traffic_class, {CLASS_ATTRIBUTE: traffic_class}), started)
 
     def prometheus_text(self) -> bytes:
-        return generate_latest(self.registry)
+        """Prometheus text: the families with samples, then the others' HELP and TYPE lines."""
+        text = generate_latest(self.registry)
+        empty = [(name, kind, help_) for name, kind, help_ in FAMILIES if f"# TYPE {name} ".encode() not in text]
+        return text + "".join(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n" for name, kind, help_ in empty).encode()
 
     def shutdown(self) -> None:
         self.provider.shutdown()

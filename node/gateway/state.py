@@ -1,5 +1,5 @@
 """What a gateway app holds: its settings, its upstream table, its HTTP client, its latency
-histograms (typed app keys)."""
+histograms, its collector of the replicas' engine counters (typed app keys)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from cadenza.node.gateway.engine_stats import EngineStats
 from cadenza.node.gateway.metrics import GatewayMetrics
 from cadenza.node.gateway.upstreams import Upstreams
 from cadenza.node.core.policy import check_class
@@ -61,4 +62,5 @@ SETTINGS = web.AppKey("gateway_settings", GatewaySettings)
 UPSTREAMS = web.AppKey("gateway_upstreams", Upstreams)
 SESSION = web.AppKey("gateway_session", aiohttp.ClientSession)
 METRICS = web.AppKey("gateway_metrics", GatewayMetrics)
+ENGINE_STATS = web.AppKey("gateway_engine_stats", EngineStats)
 PREFILL_CALLS = web.AppKey("gateway_prefill_calls", set)  # prefill calls read to their end in the background

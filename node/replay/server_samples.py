@@ -10,6 +10,11 @@ others, the keys in :data:`SAMPLE_KEYS`: ``num_steps`` (engine steps so far),
 them; :func:`prefix_cache_hits` turns them into the run's hit rate. The origin is the base URL
 without its path: ``http://127.0.0.1:8000/v1`` is polled at ``http://127.0.0.1:8000/ready``.
 
+A cadenza gateway (in front of a pool: ``cadenza up``, or a cluster's ``<pool>-gateway``) answers
+``/ready`` with its own state and names the path where it sums its replicas' counters
+(``"engine_stats": "/gateway/stats"``, :mod:`cadenza.node.gateway.engine_stats`): the sampler
+follows it on the first poll and samples the whole pool there, with the same keys.
+
 A :class:`ServerSampler` polls every ``interval_s`` while the replay runs, plus once more at the
 end, and keeps ``{"t": seconds since the replay started, **those keys}`` per answer. Another kind
 of server (a 4xx such as 404, HTML, JSON without the keys) is detected on the first poll:
@@ -40,6 +45,16 @@ def ready_url(base_url: str) -> str:
     """``<scheme>://<host>[:port]/ready`` of an API base URL such as ``http://h:8000/v1``."""
     parts = urlsplit(base_url)
     return f"{parts.scheme}://{parts.netloc}/ready"
+
+
+def pool_stats_path(body: str) -> str | None:
+    """The path a gateway's ``/ready`` body names for its pool's counters (``engine_stats``), else None."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    path = obj.get("engine_stats") if isinstance(obj, dict) else None
+    return path if isinstance(path, str) and path.startswith("/") and not path.startswith("//") else None
 
 
 def parse_sample(body: str, t: float) -> dict[str, Any]:
@@ -107,7 +122,7 @@ class ServerSampler:
         headers: sent with every poll (e.g. ``Authorization``).
 
     Attributes:
-        url: the polled URL.
+        url: the polled URL (a gateway's ``/gateway/stats`` once its ``/ready`` named it).
         samples: the samples so far, in time order.
         note: why samples are missing (none at all, or some polls failed), else None.
     """
@@ -116,7 +131,7 @@ class ServerSampler:
                  timeout_s: float = 5.0, headers: dict[str, str] | None = None) -> None:
         if interval_s <= 0:
             raise ValueError(f"sampling interval must be > 0 seconds, got {interval_s}")
-        self.url = ready_url(base_url)
+        self.url = self._ready_url = ready_url(base_url)
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.headers = dict(headers or {})
@@ -148,7 +163,15 @@ class ServerSampler:
                     return self._failed(f"HTTP {resp.status}", final=False)
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}")
-                sample = parse_sample(body, time.perf_counter() - clock_zero)
+                try:
+                    sample = parse_sample(body, time.perf_counter() - clock_zero)
+                except ValueError:
+                    path = pool_stats_path(body) if self.url == self._ready_url else None
+                    if path is None:
+                        raise
+                    self.url = self._ready_url.removesuffix("/ready") + path  # a gateway: its pool's sums
+                    self._polls -= 1  # the same poll, asked where the counters are
+                    return await self.poll(session, clock_zero)
         except asyncio.TimeoutError:
             return self._failed(f"no answer within {self.timeout_s:g} s", final=False)
         except (aiohttp.ClientError, OSError) as exc:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cadenza.operator.local import plan, port_problem
+from cadenza.operator.local import choose_admin_token, plan, port_problem
 from cadenza.operator.pool import PoolSpecError
 from cadenza.operator.validate import validate_pool
 from local_pool import pool_yaml, stop_up, up_env
@@ -63,6 +63,33 @@ def test_the_plan_follows_the_pool_mode(tmp_path, tiny_llama_dir):
     assert all(r.cmd[r.cmd.index("--kv-transfer-port") + 1] == "0" for r in replicas)  # announced per request
     assert gateway.env["CADENZA_ADMIN_TOKEN"] == replicas[0].env["CADENZA_ADMIN_TOKEN"] == "t0ken"
     assert gateway.cmd[gateway.cmd.index("--disagg-min-prompt-tokens") + 1] == "auto"
+
+
+@pytest.mark.parametrize("mode", ["colocated", "dedicated", "auto", "disaggregated"])
+def test_the_users_admin_token_is_the_pools_in_every_mode(tmp_path, mode):
+    assert choose_admin_token(mode, {"CADENZA_ADMIN_TOKEN": " mine\n"}) == ("mine", "env")
+    (tmp_path / "token").write_text("from-a-secret\n")
+    assert choose_admin_token(mode, {"CADENZA_ADMIN_TOKEN_FILE": str(tmp_path / "token")}) == ("from-a-secret", "file")
+    own = choose_admin_token(mode, {})
+    if mode in ("auto", "disaggregated"):  # they need one: a per-run token, shown where to find it
+        assert own.source == "run" and len(own.value) == 32
+        assert str(tmp_path / "admin-token") in own.describe(tmp_path)
+    else:
+        assert own == (None, "none") and "off" in own.describe(tmp_path)
+    for bad in (tmp_path / "missing", tmp_path / "empty"):  # a typo must not silently mean another token
+        (tmp_path / "empty").write_text("\n")
+        with pytest.raises(PoolSpecError, match="CADENZA_ADMIN_TOKEN_FILE"):
+            choose_admin_token(mode, {"CADENZA_ADMIN_TOKEN_FILE": str(bad)})
+
+
+def test_the_replicas_get_the_pools_token_or_none_never_one_inherited_behind_ups_back(tmp_path, tiny_llama_dir,
+                                                                                    monkeypatch):
+    monkeypatch.setenv("CADENZA_ADMIN_TOKEN_FILE", str(tmp_path / "stale"))
+    pool = validate_pool(yaml.safe_load(pool_yaml(tmp_path / "p.yaml", tiny_llama_dir).read_text()))
+    replicas, _ = plan(pool, tmp_path, "127.0.0.1", 8123, admin_token="mine")
+    assert replicas[0].env["CADENZA_ADMIN_TOKEN"] == "mine" and replicas[0].env["CADENZA_ADMIN_TOKEN_FILE"] == ""
+    replicas, _ = plan(pool, tmp_path, "127.0.0.1", 8123)
+    assert replicas[0].env["CADENZA_ADMIN_TOKEN"] == replicas[0].env["CADENZA_ADMIN_TOKEN_FILE"] == ""  # unset
 
 
 def test_replicas_share_the_cores_instead_of_oversubscribing(tmp_path, tiny_llama_dir, monkeypatch):
@@ -238,12 +265,13 @@ def test_no_child_outlives_a_killed_supervisor(tmp_path, tiny_llama_dir):
 @pytest.mark.slow
 def test_a_disaggregated_pool_prefills_long_prompts_elsewhere_and_answers_as_one_replica_would(tmp_path,
                                                                                             tiny_llama_dir):
-    port, state_file = free_port(), tmp_path / "state.json"
+    port, state_file, token = free_port(), tmp_path / "state.json", "users-own-token"
     spec = {"mode": "disaggregated", "disaggregated": {"prefillReplicas": 1, "minPromptTokens": 32}}
     log = open(tmp_path / "up.log", "w")
     up = subprocess.Popen([sys.executable, "-m", "cadenza.node.cli", "up",
                            str(pool_yaml(tmp_path / "pool.yaml", tiny_llama_dir, **spec)), "--port", str(port),
-                           "--state-file", str(state_file)], stdout=log, stderr=subprocess.STDOUT, env=up_env(tmp_path))
+                           "--state-file", str(state_file)], stdout=log, stderr=subprocess.STDOUT,
+                          env={**up_env(tmp_path), "CADENZA_ADMIN_TOKEN": token})
     url = f"http://127.0.0.1:{port}"
 
     def complete(base: str, prompt: list[int]) -> dict:
@@ -276,5 +304,51 @@ def test_a_disaggregated_pool_prefills_long_prompts_elsewhere_and_answers_as_one
         complete(url, short_prompt)  # below the pinned threshold: straight to the decode replica
         assert metric(url, "cadenza_gateway_disagg_requests_total") == 1
         assert metric(roles["decode"], "cadenza_kv_transfer_loads_total") == 1
+        check_the_pools_admin_api_and_the_gateways_view_of_it(url, state, token, tmp_path / "up.log")
     finally:
         stop_up(up, log, tmp_path / "up.log")
+
+
+def check_the_pools_admin_api_and_the_gateways_view_of_it(url: str, state: dict, token: str, log: Path) -> None:
+    """Under `cadenza up` (a disaggregated pool, whose token `up` used to replace with a hidden one):
+    the log says where each replica's admin API is, and the user's token opens it; the gateway names
+    no address, counts the prefill replica as up, and gives bench the pool's counters summed."""
+    import asyncio
+
+    import aiohttp
+
+    from cadenza.node.replay.server_samples import SAMPLE_KEYS, ServerSampler
+
+    def get(address: str, auth: str | None = None) -> tuple[int, dict]:
+        headers = {"Authorization": f"Bearer {auth}"} if auth else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(address, headers=headers), timeout=10) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    async def sample() -> ServerSampler:
+        sampler = ServerSampler(f"{url}/v1")
+        async with aiohttp.ClientSession() as session:
+            assert await sampler.poll(session, 0.0)
+        return sampler
+
+    text = log.read_text()
+    for replica in state["replicas"]:
+        line = next(ln for ln in text.splitlines() if f"replica {replica['name']} " in ln)
+        assert f"{replica['url']}/admin/config on, with your token (CADENZA_ADMIN_TOKEN)" in line
+        assert get(f"{replica['url']}/admin/config", token)[0] == 200
+        assert get(f"{replica['url']}/admin/config", "a-guess")[0] == 401
+
+    status, body = get(f"{url}/admin/config", token)
+    assert status == 404 and "/admin/config on its own address" in body["error"]["message"]
+    assert not any(r["url"].rsplit(":", 1)[1] in body["error"]["message"] for r in state["replicas"])
+
+    status, ready = get(f"{url}/ready")
+    assert status == 200 and ready["replicas"] == ready["up"] == {"interactive": 1, "batch": 1, "prefill": 1}
+
+    sampler = asyncio.run(sample())  # what `cadenza bench` samples through the gateway
+    assert sampler.url == f"{url}/gateway/stats" and sampler.note is None
+    pool_blocks = sum(get(f"{r['url']}/ready")[1]["kv_blocks_total"] for r in state["replicas"])
+    assert set(SAMPLE_KEYS) <= set(sampler.samples[0]) and sampler.samples[0]["kv_blocks_total"] == pool_blocks
+

@@ -157,3 +157,24 @@ def test_the_json_report_is_strict_json(tmp_path):
                  "llama-3.1-8b", "--hardware", "h100-sxm", "--no-progress", "--json", str(out)]) == 0
     assert "NaN" not in out.read_text()
     assert json.loads(out.read_text())["by_class"]["interactive"]["itl_ms"]["p50"] is None
+
+
+def test_batch_above_and_class_send_a_classless_trace_as_traffic_classes(tmp_path):
+    """The Azure traces carry no class: --batch-above (as in `cadenza bench`) splits them by prompt length."""
+    trace, pool, out = write_trace(tmp_path / "t.jsonl"), write_pool(tmp_path / "p.yaml", "colocated"), tmp_path / "r.json"
+    base = ["sim", "--trace", trace, "--pool", pool, "--model", "llama-3.1-8b", "--hardware", "h100-sxm",
+            "--no-progress", "--json", str(out)]
+    assert main([*base, "--batch-above", "400"]) == 0
+    by_class = json.loads(out.read_text())["by_class"]
+    # prompts are 300 + 17 * (i % 11) tokens: 6 of every 11 reach 400
+    lengths = [300 + 17 * (i % 11) for i in range(200)]
+    assert by_class["batch"]["requests"] == sum(n >= 400 for n in lengths)
+    assert by_class["interactive"]["requests"] == sum(n < 400 for n in lengths)
+    assert main([*base, "--class", "background"]) == 0
+    assert set(json.loads(out.read_text())["by_class"]) == {"background"}
+
+
+def test_a_batch_threshold_below_one_token_is_refused(tmp_path, capsys):
+    assert main(["sim", "--trace", write_trace(tmp_path / "t.jsonl", 5), "--pool", write_pool(tmp_path / "p.yaml",
+                 "colocated"), "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--batch-above", "0"]) == 2
+    assert "batch threshold must be >= 1 token" in capsys.readouterr().err

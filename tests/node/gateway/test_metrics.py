@@ -32,6 +32,27 @@ async def test_streams_are_timed_per_class_and_exported_at_metrics(start_replica
     assert "background" not in snap.ttft
 
 
+async def test_metrics_lists_every_family_before_the_first_request(start_replica, start_gateway):
+    from cadenza.node.gateway.metrics import FAMILIES
+
+    replica = await start_replica("r", chunks=2)
+    gateway = await start_gateway({"interactive": [replica.url], "batch": [replica.url]})
+    resp = await gateway.get("/metrics")
+    assert resp.status == 200 and resp.headers["content-type"].startswith("text/plain")
+    text = await resp.text()
+    for name, kind, _help in FAMILIES:
+        assert f"# TYPE {name} {kind}\n" in text and f"# HELP {name} " in text
+    snap = parse_pool_metrics([text], time=0.0)  # the controller reads it as no traffic yet
+    assert not any(h.total for h in snap.ttft.values())
+
+    # once they have samples, the families are named as listed, each once
+    await (await gateway.post("/v1/completions", json=STREAM)).read()
+    text = await (await gateway.get("/metrics")).text()
+    for name, kind, _help in FAMILIES:
+        assert text.count(f"# TYPE {name} {kind}\n") == 1
+    assert "cadenza_gateway_time_to_first_token_seconds_count{" in text
+
+
 def test_p99_near_the_target_is_within_10_percent():
     """Latencies drawn around a 300 ms target: the bucketed p99 is within 10 % of the exact one."""
     rng = random.Random(3)

@@ -84,12 +84,17 @@ async def test_unknown_routes_are_a_404_in_openai_format(pool):
 
 
 @pytest.mark.parametrize(("method", "path"), [("GET", "/admin/config"), ("PUT", "/admin/config")])
-async def test_admin_on_the_gateway_points_to_the_replicas(pool, method, path):
+async def test_admin_on_the_gateway_says_where_it_lives_without_listing_the_replicas(pool, method, path):
     gateway, inter, batch = pool
     resp = await gateway.request(method, path, json={"chunk_size": 8} if method == "PUT" else None)
     assert resp.status == 404
-    message = (await resp.json())["error"]["message"]
-    assert f"{inter.url}{path}" in message and f"{batch.url}{path}" in message
+    error = (await resp.json())["error"]
+    assert error["code"] == "per_replica"
+    assert f"at {path} on its own address" in error["message"] and "cadenza up" in error["message"]
+    for replica in (inter, batch):  # internal addresses are not given to whoever asks
+        host_port = replica.url.removeprefix("http://")
+        assert host_port not in error["message"] and host_port.split(":")[1] not in error["message"]
+    assert inter.calls == batch.calls == 0
 
 
 async def test_health_is_always_ok_and_ready_needs_a_role_that_can_serve(pool, start_gateway):
@@ -107,6 +112,29 @@ async def test_health_is_always_ok_and_ready_needs_a_role_that_can_serve(pool, s
     assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_upstream"
     resp = await half.post("/v1/completions", json=BODY, headers={"x-cadenza-class": "batch"})
     assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_upstream"
+
+
+async def test_ready_counts_the_replicas_known_and_up_per_role_prefill_included(start_replica, start_gateway,
+                                                                               dead_url):
+    from cadenza.node.gateway.state import UPSTREAMS
+    from waiting import until
+
+    decode, prefill = await start_replica("decode"), await start_replica("prefill")
+    gateway = await start_gateway({"interactive": [decode.url], "batch": [decode.url], "prefill": [prefill.url]})
+    body = await (await gateway.get("/ready")).json()
+    assert body["replicas"] == body["up"] == {"interactive": 1, "batch": 1, "prefill": 1}
+    assert body["unavailable"] == {}
+
+    # its prefill replica down: the pool still serves (the decode replicas prefill), and says so
+    gateway = await start_gateway({"interactive": [decode.url], "batch": [decode.url], "prefill": [dead_url]},
+                                  health_interval_s=0.05)
+
+    upstreams = gateway.server.app[UPSTREAMS]
+    await until(lambda: not upstreams.reachable("prefill"), what="the prefill replica's health check to fail")
+    resp = await gateway.get("/ready")
+    body = await resp.json()
+    assert resp.status == 200 and body["replicas"]["prefill"] == 1 and body["up"]["prefill"] == 0
+    assert body["unavailable"] == {"prefill": "every replica down: the decode replicas prefill every prompt"}
 
 
 async def test_gateway_upstreams_shows_each_replica_load(start_replica, start_gateway):

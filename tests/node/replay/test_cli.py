@@ -304,3 +304,29 @@ def test_cli_sends_the_traces_class_and_tenant_columns(
     assert cli.main(_argv(trace, threaded_base_url, byte_tokenizer_path, "--class", "background",
                           "--json", str(out))) == 0
     assert {r["class"] for r in json.loads(out.read_text())["requests"]} == {"background"}
+
+
+def test_cli_against_a_cadenza_gateway_samples_its_whole_pool_and_draws_every_figure(
+        trace_path, threaded_server, fake, byte_tokenizer_path, tmp_path, capsys):
+    from cadenza.node.gateway.app import create_gateway_app
+    from cadenza.node.gateway.upstreams import Upstreams
+
+    one, two = threaded_server(fake.make_app()), threaded_server(fake.make_app())
+    gateway = threaded_server(create_gateway_app(Upstreams({"interactive": [one], "batch": [two]}),
+                                                 health_interval_s=0))
+    out, figs = tmp_path / "bench.json", tmp_path / "figs"
+    assert cli.main(_argv(trace_path, gateway, byte_tokenizer_path, "--duration", "1",
+                          "--json", str(out), "--plot", str(figs))) == 0
+    doc = json.loads(out.read_text())
+    assert doc["server_samples_note"] is None
+    assert doc["server_samples_url"] == f"{gateway}/gateway/stats"
+    samples = doc["server_samples"]
+    assert len(samples) >= 2
+    # each replica's poll n reports 3n steps and 64 KV blocks: the pool's are their sums
+    assert all(s["kv_blocks_total"] == 2 * fake.KV_BLOCKS_TOTAL for s in samples)
+    assert all(s["num_steps"] % 3 == 0 and s["num_steps"] >= 6 for s in samples)
+    assert doc["prefix_cache_hit_rate"] == pytest.approx(0.25)  # 10n of 40n on both replicas
+    assert sorted(p.name for p in figs.iterdir()) == ["kv_blocks.png", "tokens_per_step.png",
+                                                      "ttft_itl_over_time.png", "ttft_vs_prompt_length.png"]
+    stdout = capsys.readouterr().out
+    assert "not a cadenza server" not in stdout and "skipped" not in stdout
