@@ -117,7 +117,7 @@ def test_ctrl_c_during_the_first_build_stops_serve_cleanly_and_says_why(tmp_path
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait()
     text = log_path.read_text()
-    assert "build interrupted" in text and "loading interrupted" in text
+    assert "build interrupted" in text and "loading interrupted" in text, text
     assert "torch references" not in text and "model loaded" not in text and "Traceback" not in text
 
 
