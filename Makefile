@@ -29,7 +29,7 @@ ENGINE_ARGS_cpu := --build-arg BASE=python:3.11-slim-bookworm --build-arg TORCH_
 OCI ?= $(shell for b in docker podman buildah; do command -v $$b >/dev/null && echo $$b && break; done)
 OCI_BUILD = $(if $(filter buildah,$(OCI)),buildah bud,$(OCI) build)
 
-.PHONY: serve test install install-dev model bench gpu-check image push clean
+.PHONY: serve test test-long install install-dev model bench gpu-check image push clean
 
 $(SERVE_STAMP): pyproject.toml
 	@echo "== installing cadenza for serving into $(VENV) (torch CPU build; ~1.5 GB, about 2 minutes)"
@@ -57,6 +57,15 @@ serve: model
 test: $(DEV_STAMP) model
 	$(BIN)/python -m pytest $(ARGS)
 
+# The benchmarks' quick modes that `make test` skips as too long (tests marked long_benchmark:
+# ~2 minutes of pools of processes); CI runs this after `make test`.
+test-long: $(DEV_STAMP) model
+	$(BIN)/python -m pytest tests/bench -m long_benchmark --long-benchmarks $(ARGS)
+
+# Every benchmark of bench/ at full length (gpu_check has its own target); each prints its result as
+# its last line, one JSON object. `.venv/bin/python -m bench.NAME --quick` runs one on its smallest
+# shapes in seconds (a smoke test: tests/bench runs each so). sim_hybrid_mixes runs the 600 s mix of
+# docs/benchmarks.md (its shapes and mix are arguments; the longest run here, ~20 minutes).
 bench: model
 	$(BIN)/python -m bench.scheduler_overhead
 	$(BIN)/python -m bench.itl_protection
@@ -72,6 +81,9 @@ bench: model
 	$(BIN)/python -m bench.decode_speed
 	$(BIN)/python -m bench.kv_transfer
 	$(BIN)/python -m bench.disagg
+	$(BIN)/python -m bench.sim_hybrid_mixes colocated:128 dedicated:7:128 auto:128 --copies 30 --duration 600 \
+		--burst 100 --burst-length 300 --burst-rate 2 \
+		--controller '{"cooldownSeconds": 30, "flapWindowSeconds": 300, "fastWindowSeconds": 10, "windowSeconds": 30}'
 
 # On a machine with a CUDA GPU: native kernel tests, attention bandwidth/throughput, engine step.
 gpu-check: $(DEV_STAMP) model

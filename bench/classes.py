@@ -20,6 +20,9 @@ Reports interactive ITL p99 (target: policy >= 2x lower than FCFS) and batch out
 (target: policy >= 80 % of FCFS's), measured in one run, same workload; last line JSON. Prefix
 caching is on, as by default; each engine replays the workload once (its warm-up uses other
 prompts), and the synthesized prompts share no prefix, so the hit rate (reported) is about 0.
+
+``--quick``: the tests' tiny random Llama, 6 interactive and 3 batch requests arriving 10x faster
+than recorded, code prompts capped at 256 tokens.
 """
 
 from __future__ import annotations
@@ -28,14 +31,14 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from bench.common import CONV_TRACE, ROOT, hit_rate, machine, pct, prompt_ids, report
+from bench.common import CONV_TRACE, ROOT, arguments, bench_model, hit_rate, machine, pct, prompt_ids, report
 from cadenza.node.replay.trace import TraceRequest, load_trace, scale_trace
-from cadenza.node.embedded import ensure_embedded_model
 from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import SamplingParams
 
 CODE_TRACE = ROOT / "data" / "traces" / "azure2023" / "AzureLLMInferenceTrace_code.csv"
-TIME_SCALE, NUM_INTERACTIVE, NUM_BATCH = 3.0, 30, 12
+TIME_SCALE, NUM_INTERACTIVE, NUM_BATCH, MAX_CODE_PROMPT = 3.0, 30, 12, 1024
+QUICK = dict(time_scale=0.1, num_interactive=6, num_batch=3, max_code_prompt=256)
 STEP_TIME_TARGET_MS = 160.0
 KNOBS = dict(token_budget=512, chunk_size=256, max_num_seqs=32, kv_cache_bytes=512 * 2**20, prefix_caching=True)
 
@@ -55,11 +58,12 @@ class Run:
     started: dict[str, float] = field(default_factory=dict)
 
 
-def workload(model_dir) -> list[Job]:
-    conv, _ = scale_trace(load_trace(CONV_TRACE), time_scale=TIME_SCALE, length_scale=1 / 16,
-                          num_requests=NUM_INTERACTIVE)
-    code, _ = scale_trace(load_trace(CODE_TRACE), time_scale=TIME_SCALE, length_scale=1 / 4, max_input_len=1024,
-                          num_requests=NUM_BATCH)
+def workload(model_dir, time_scale: float = TIME_SCALE, num_interactive: int = NUM_INTERACTIVE,
+             num_batch: int = NUM_BATCH, max_code_prompt: int = MAX_CODE_PROMPT) -> list[Job]:
+    conv, _ = scale_trace(load_trace(CONV_TRACE), time_scale=time_scale, length_scale=1 / 16,
+                          num_requests=num_interactive)
+    code, _ = scale_trace(load_trace(CODE_TRACE), time_scale=time_scale, length_scale=1 / 4,
+                          max_input_len=max_code_prompt, num_requests=num_batch)
     # Outputs: conversation /2 (the /16 above, times 8), at least 8 tokens so ITL is measured; code as is.
     conv = [TraceRequest(r.arrival_s, r.input_len, min(96, max(8, r.output_len * 8))) for r in conv]
     code = [TraceRequest(r.arrival_s, r.input_len, min(64, r.output_len * 4)) for r in code]
@@ -69,16 +73,16 @@ def workload(model_dir) -> list[Job]:
     return sorted(jobs, key=lambda j: j.arrival_s)
 
 
-def decode_step_ms(engine: Engine, model) -> float:
+def decode_step_ms(engine: Engine, model, tokens: int = 40) -> float:
     """Median time of a step that decodes eight streams and prefills nothing (milliseconds)."""
     prompts = prompt_ids(model, [64] * 8, seed=98)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"calibrate{i}", prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        engine.add_request(f"calibrate{i}", prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
     times = []
     while engine.has_unfinished_requests():
         started = time.perf_counter()
         engine.step()
-        if engine.last_step_tokens == 8:  # all eight streams decoding, no prompt tokens in the step
+        if engine.core.last_step_tokens == 8:  # all eight streams decoding, no prompt tokens in the step
             times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
 
@@ -125,18 +129,21 @@ def summarize(run: Run, jobs: list[Job]) -> dict:
 
 
 def main() -> None:
-    model = ensure_embedded_model()
-    jobs = workload(model)
+    args = arguments(__doc__)
+    model = bench_model(args.quick)
+    shape = QUICK if args.quick else dict(time_scale=TIME_SCALE, num_interactive=NUM_INTERACTIVE,
+                                          num_batch=NUM_BATCH, max_code_prompt=MAX_CODE_PROMPT)
+    jobs = workload(model, **shape)
     n_inter = sum(j.traffic_class == "interactive" for j in jobs)
     print(f"workload: {n_inter} interactive (Azure conv), {len(jobs) - n_inter} batch (Azure code) requests "
-          f"arriving over {jobs[-1].arrival_s:.0f} s (traces slowed {TIME_SCALE:g}x; conv prompts /16, outputs /2 "
-          f"capped 96; code prompts /4 capped 1024, outputs capped 64)")
+          f"arriving over {jobs[-1].arrival_s:.0f} s (traces slowed {shape['time_scale']:g}x; conv prompts /16, "
+          f"outputs /2 capped 96; code prompts /4 capped {shape['max_code_prompt']}, outputs capped 64)")
     fcfs = Engine.from_model(model, **KNOBS)
     policy = Engine.from_model(model, **KNOBS)
     warm = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for engine in (fcfs, policy):  # warm up, and calibrate the cost model on a few mixed steps
         engine.generate(prompt_ids(model, [60, 300, 700], seed=99), warm)
-    decode_ms = decode_step_ms(fcfs, model)
+    decode_ms = decode_step_ms(fcfs, model, tokens=8 if args.quick else 40)
     policy.reconfigure({"step_time_target_ms": STEP_TIME_TARGET_MS})
     print(f"a decode-only step of 8 streams takes {decode_ms:.1f} ms here (step-time target {STEP_TIME_TARGET_MS:g} ms)")
     results = {}
@@ -169,7 +176,7 @@ def main() -> None:
         "preemptions": preempted,
         "pass": itl_ratio >= 2 and batch_ratio >= 0.8,
         "machine": machine(),
-    })
+    }, quick=args.quick)
 
 
 if __name__ == "__main__":

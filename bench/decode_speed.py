@@ -22,7 +22,8 @@ them the ratios are against the figures issue 12 measured on this machine (38 to
 apart on different days). The step split also runs the torch-reference kernels, side by side.
 
 Targets: single stream ≥ 0.8× and concurrency 8 ≥ 1.2× the peer, host time ≤ 20 % of a decode
-step. Last line JSON (``ratio``: single stream over the peer's).
+step. Last line JSON (``ratio``: single stream over the peer's). ``--quick``: the tests' tiny random
+Llama, one 16-token single stream, 8 requests at concurrency 8, step splits over 5 steps.
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ from pathlib import Path
 import aiohttp
 import torch
 
-from bench.common import conv_trace, machine, prompt_ids, report, serving
-from cadenza.node.embedded import ensure_embedded_model
+from bench.common import arguments, bench_model, conv_trace, machine, prompt_ids, report, serving
 from cadenza.node.replay.trace import scale_trace
 
 PEER_SINGLE, PEER_CONC8 = 38.0, 38.6  # llama.cpp llama-server, same weights, this machine
-SINGLE_TOKENS, CONC_REQUESTS, CONCURRENCY = 128, 64, 8
+SINGLE_TOKENS, SINGLE_ROUNDS, CONC_REQUESTS, CONCURRENCY, SPLIT_STEPS = 128, 3, 64, 8, 40
+QUICK = dict(single_tokens=16, single_rounds=1, conc_requests=8, split_steps=5)
 
 
 async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], n: int) -> list[float]:
@@ -60,14 +61,15 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int]
     return times
 
 
-async def single_stream(url: str, prompt: list[int]) -> list[float]:
-    """Three rounds' output tok/s. A new connection per request for both servers (llama-server
+async def single_stream(url: str, prompt: list[int], tokens: int = SINGLE_TOKENS,
+                        rounds: int = SINGLE_ROUNDS) -> list[float]:
+    """Each round's output tok/s. A new connection per request for both servers (llama-server
     closes a kept-alive connection after a stream)."""
     rates = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         await stream_one(session, url, prompt, 8)  # warm up
-        for _ in range(3):
-            times = await stream_one(session, url, prompt, SINGLE_TOKENS)
+        for _ in range(rounds):
+            times = await stream_one(session, url, prompt, tokens)
             rates.append((len(times) - 1) / (times[-1] - times[0]))
     return rates
 
@@ -120,7 +122,7 @@ def llama_server(binary: str, gguf: str, log: Path):
         proc.wait(30)
 
 
-def step_split(model: Path, streams: int, steps: int = 40, backend: str = "auto") -> dict:
+def step_split(model: Path, streams: int, steps: int = SPLIT_STEPS, backend: str = "auto") -> dict:
     """Median model and host milliseconds per decode step with ``streams`` decoding."""
     from cadenza.node.core.engine_core import EngineCore
     from cadenza.node.core.messages import AddRequest
@@ -178,8 +180,9 @@ def bandwidth_floor_ms(model: Path) -> float:
     return size / (read_gbs * 1e9) * 1e3
 
 
-def measure(url: str, model: Path, prompts, outputs) -> tuple[list[float], float]:
-    single = asyncio.run(single_stream(url, prompt_ids(model, [32])[0]))
+def measure(url: str, model: Path, prompts, outputs, single_tokens: int = SINGLE_TOKENS,
+            single_rounds: int = SINGLE_ROUNDS) -> tuple[list[float], float]:
+    single = asyncio.run(single_stream(url, prompt_ids(model, [32])[0], single_tokens, single_rounds))
     return single, asyncio.run(concurrent(url, prompts, outputs))
 
 
@@ -187,18 +190,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), help="llama.cpp's llama-server binary")
     parser.add_argument("--gguf", default=os.environ.get("LLAMA_GGUF"), help="the embedded model as an F32 GGUF")
-    args = parser.parse_args()
-    model = ensure_embedded_model()
+    args = arguments(__doc__, parser)
+    model = bench_model(args.quick)
+    shape = QUICK if args.quick else dict(single_tokens=SINGLE_TOKENS, single_rounds=SINGLE_ROUNDS,
+                                          conc_requests=CONC_REQUESTS, split_steps=SPLIT_STEPS)
+    single_shape = {k: shape[k] for k in ("single_tokens", "single_rounds")}
     workdir = Path(tempfile.mkdtemp(prefix="cadenza-decode-"))
-    trace, scaling = scale_trace(conv_trace(), length_scale=1 / 4, num_requests=CONC_REQUESTS)
+    trace, scaling = scale_trace(conv_trace(), length_scale=1 / 4, num_requests=shape["conc_requests"])
     prompts = prompt_ids(model, [min(512, max(4, r.input_len)) for r in trace])
     outputs = [min(64, max(8, r.output_len)) for r in trace]
     with serving(["--model", str(model), "--served-model-name", "m", "--max-num-seqs", "16"],
-                 workdir / "serve.log") as url:
-        single, conc8 = measure(url, model, prompts, outputs)
+                 workdir / "serve.log", quick=args.quick) as url:
+        single, conc8 = measure(url, model, prompts, outputs, **single_shape)
     if args.llama_server and args.gguf:
         with llama_server(args.llama_server, args.gguf, workdir / "llama.log") as url:
-            peer_rounds, peer_conc8 = measure(url, model, prompts, outputs)
+            peer_rounds, peer_conc8 = measure(url, model, prompts, outputs, **single_shape)
         peer = {"single_stream_tok_s": round(statistics.median(peer_rounds), 2),
                 "concurrency8_tok_s": round(peer_conc8, 2), "server": "llama.cpp llama-server, measured in this run",
                 "binary": args.llama_server}
@@ -206,13 +212,13 @@ def main() -> None:
         peer = {"single_stream_tok_s": PEER_SINGLE, "concurrency8_tok_s": PEER_CONC8,
                 "server": "llama.cpp llama-server, issue 12's figures (not re-measured in this run)"}
     peer_single, peer_c8 = peer["single_stream_tok_s"], peer["concurrency8_tok_s"]
-    split = {n: step_split(model, n) for n in (1, 8)}
-    reference_split = {n: step_split(model, n, backend="torch") for n in (1, 8)}
+    split = {n: step_split(model, n, shape["split_steps"]) for n in (1, 8)}
+    reference_split = {n: step_split(model, n, shape["split_steps"], backend="torch") for n in (1, 8)}
     floor = bandwidth_floor_ms(model)
     s = statistics.median(single)
     print(f"single stream: {s:.1f} output tok/s (rounds {', '.join(f'{x:.1f}' for x in single)}); "
           f"{s / peer_single:.2f}x llama.cpp's {peer_single} (target >= 0.8)")
-    print(f"concurrency {CONCURRENCY}, {CONC_REQUESTS} Azure conversation requests: {conc8:.1f} output tok/s; "
+    print(f"concurrency {CONCURRENCY}, {shape['conc_requests']} Azure conversation requests: {conc8:.1f} output tok/s; "
           f"{conc8 / peer_c8:.2f}x llama.cpp's {peer_c8} (target >= 1.2)")
     print(f"peer: {peer['server']}")
     for name, rows in (("compiled kernels", split), ("torch references", reference_split)):
@@ -232,10 +238,11 @@ def main() -> None:
         "step_split_torch_references": reference_split,
         "bandwidth_floor_ms": round(floor, 2),
         "peer": peer,
-        "workload": {"trace": "azure2023 conv", "requests": CONC_REQUESTS, "length_scale": scaling.length_scale},
+        "workload": {"trace": "azure2023 conv", "requests": shape["conc_requests"],
+                     "length_scale": scaling.length_scale},
         "pass": s >= 0.8 * peer_single and conc8 >= 1.2 * peer_c8 and all(r["host_share"] <= 0.2 for r in split.values()),
         "machine": machine(),
-    })
+    }, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ are compared.
 
 Targets (issue 14): max ITL disaggregated <= 1/3 of colocated, with the long prompt's TTFT
 disaggregated <= 1.5x colocated. Also reported: the KV bytes moved per long prompt. Last line
-JSON.
+JSON. ``--quick``: one round on the tests' tiny random Llama, the long prompt the first of 400-600
+tokens (disaggregated from 300).
 """
 
 from __future__ import annotations
@@ -33,28 +34,42 @@ import statistics
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from bench.common import conv_trace, machine, pct, prompt_ids, report, serving
-from cadenza.node.embedded import ensure_embedded_model
+from bench.common import arguments, bench_model, conv_trace, machine, pct, prompt_ids, report, serving
 from cadenza.node.gateway.app import create_gateway_app
 from cadenza.node.gateway.state import METRICS
 from cadenza.node.gateway.upstreams import Upstreams
+from cadenza.node.runner.models.config import ModelConfig
 from cadenza.node.server.auth import TOKEN_ENV
 
 SERVE = ["--threads", "1", "--token-budget", "256", "--chunk-size", "128", "--kv-cache-gib", "0.5",
          "--kv-transfer-port", "0"]
-THRESHOLD = 1000
-BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: layers x KV heads x head dim, fp32, K and V
 BLOCK = 16
+SERVED_NAME = "bench"  # both replicas serve the model under this name (the KV handshake checks it)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The workload's sizes: the long prompt is the trace's first request in ``long_prompt``
+    (tokens, inclusive); prompts from ``threshold`` tokens are disaggregated; ``warmup`` tokens
+    prime each path."""
+
+    long_prompt: tuple[int, int] = (1900, 2100)
+    threshold: int = 1000
+    warmup: int = 1100
+
+
+QUICK = Shape(long_prompt=(400, 600), threshold=300, warmup=350)
 
 
 async def stream(session: aiohttp.ClientSession, url: str, ids: list[int], max_tokens: int,
                  times: list[float], first: asyncio.Event | None = None) -> None:
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     async with session.post(url + "/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
@@ -66,10 +81,11 @@ async def stream(session: aiohttp.ClientSession, url: str, ids: list[int], max_t
 
 
 async def run_round(session: aiohttp.ClientSession, gateway: str, long_prompt: list[int],
-                    streams: list[list[int]]) -> dict:
+                    streams: list[list[int]], max_model_len: int) -> dict:
     """Start the streams, let each get a few tokens, send the long prompt, measure until its first."""
     times: list[list[float]] = [[] for _ in streams]
-    tasks = [asyncio.create_task(stream(session, gateway, ids, 4000, t)) for ids, t in zip(streams, times)]
+    tasks = [asyncio.create_task(stream(session, gateway, ids, min(4000, max_model_len - len(ids)), t))
+             for ids, t in zip(streams, times)]  # decoding until cancelled (as long as the model allows)
     while any(len(t) < 3 for t in times):
         await asyncio.sleep(0.01)
     arrival = time.perf_counter()
@@ -88,14 +104,15 @@ async def run_round(session: aiohttp.ClientSession, gateway: str, long_prompt: l
             "gaps": len(gaps)}
 
 
-async def measure(urls: list[str], rounds: int, model: Path) -> tuple[dict, dict]:
+async def measure(urls: list[str], rounds: int, model: Path, shape: Shape) -> tuple[dict, dict]:
     trace = conv_trace()
-    long_len = next(r.input_len for r in trace if 1900 <= r.input_len <= 2100)
+    long_len = next(r.input_len for r in trace if shape.long_prompt[0] <= r.input_len <= shape.long_prompt[1])
     stream_lens = [r.input_len for r in trace if r.input_len <= 256][:4]
     shapes = {"colocated": {"interactive": urls},
               "disaggregated": {"interactive": [urls[1]], "prefill": [urls[0]]}}
     upstreams = Upstreams(shapes["colocated"])
-    app = create_gateway_app(upstreams, health_interval_s=0, disagg_min_prompt_tokens=THRESHOLD)
+    app = create_gateway_app(upstreams, health_interval_s=0, disagg_min_prompt_tokens=shape.threshold)
+    max_model_len = ModelConfig.from_pretrained(model).max_position_embeddings
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -106,14 +123,14 @@ async def measure(urls: list[str], rounds: int, model: Path) -> tuple[dict, dict
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             for i, roles in enumerate(shapes.values()):  # each path once: kernels, buffers, connections
                 upstreams.replace(roles)
-                await stream(session, gateway, prompt_ids(model, [1100], seed=10_000 + i)[0], 2, [])
+                await stream(session, gateway, prompt_ids(model, [shape.warmup], seed=10_000 + i)[0], 2, [])
             received = await _received_bytes(session, urls[1])
             for r in range(rounds):
                 order = list(shapes) if r % 2 == 0 else list(reversed(shapes))
                 for i, name in enumerate(order):  # fresh prompts of the same lengths for each run
                     long_prompt, *streams = prompt_ids(model, [long_len, *stream_lens], seed=2 * r + i)
                     upstreams.replace(shapes[name])
-                    res = await run_round(session, gateway, long_prompt, streams)
+                    res = await run_round(session, gateway, long_prompt, streams, max_model_len)
                     results[name].append(res)
                     print(f"round {r + 1} {name:>13}: max ITL {res['max_itl_ms']:7.1f} ms, p99 ITL "
                           f"{res['p99_itl_ms']:7.1f} ms, TTFT {res['ttft_ms']:7.1f} ms ({res['gaps']} gaps)", flush=True)
@@ -138,19 +155,25 @@ async def _received_bytes(session: aiohttp.ClientSession, url: str) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=5)
-    a = p.parse_args()
-    model = ensure_embedded_model()
+    p.add_argument("--rounds", type=int, help="rounds of each shape (default 5; 1 with --quick)")
+    a = arguments(__doc__, p)
+    rounds = a.rounds or (1 if a.quick else 5)
+    shape = QUICK if a.quick else Shape()
+    model = bench_model(a.quick)
+    config = ModelConfig.from_pretrained(model)
+    bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4  # K, V, fp32
     os.environ[TOKEN_ENV] = secrets.token_hex(16)  # the servers inherit it: they move KV for this gateway only
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-        urls = [stack.enter_context(serving(SERVE, Path(tmp) / f"serve-{i}.log")) for i in range(2)]
-        results, workload = asyncio.run(measure(urls, a.rounds, model))
+        args = ["--model", str(model), "--served-model-name", SERVED_NAME, *SERVE]
+        urls = [stack.enter_context(serving(args, Path(tmp) / f"serve-{i}.log", a.quick))
+                for i in range(2)]
+        results, workload = asyncio.run(measure(urls, rounds, model, shape))
     med = {name: {k: statistics.median(x[k] for x in rs) for k in ("max_itl_ms", "p99_itl_ms", "ttft_ms")}
            for name, rs in results.items()}
     itl_ratio = med["disaggregated"]["max_itl_ms"] / med["colocated"]["max_itl_ms"]
     ttft_ratio = med["disaggregated"]["ttft_ms"] / med["colocated"]["ttft_ms"]
     moved = workload.pop("kv_bytes_per_prompt")  # measured on the decode replica
-    blocks_bytes = (workload["long_prompt_tokens"] // BLOCK) * BLOCK * BYTES_PER_TOKEN  # its full blocks' KV
+    blocks_bytes = (workload["long_prompt_tokens"] // BLOCK) * BLOCK * bytes_per_token  # its full blocks' KV
     print(f"max ITL disaggregated/colocated: {itl_ratio:.3f} (target <= 0.333); long-prompt TTFT "
           f"disaggregated/colocated: {ttft_ratio:.3f} (target <= 1.5); {moved / 2**20:.1f} MiB of KV moved per prompt "
           f"(its full blocks hold {blocks_bytes / 2**20:.1f} MiB)")
@@ -161,7 +184,7 @@ def main() -> None:
         "kv_bytes_per_prompt": moved, "workload": {"trace": "azure2023 conv", **workload},
         "prefix_caching": True, "prefix_cache_hit_rate": workload.pop("hit_rates"),
         "pass": itl_ratio <= 1 / 3 and ttft_ratio <= 1.5, "machine": machine(),
-    })
+    }, quick=a.quick)
 
 
 if __name__ == "__main__":

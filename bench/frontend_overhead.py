@@ -12,7 +12,8 @@ requests (no prefix-cache hits for the timed ones); per round: output tokens/s (
 time from the first request to the last
 answer) and the step loop's share of that wall time (the summed model time of its steps, from the
 server's ``cadenza.step.duration`` histogram). Target: tokens/s with the core in its own process ≥
-1.5× in a thread (median of the per-round ratios); last line JSON.
+1.5× in a thread (median of the per-round ratios); last line JSON. ``--quick``: one round, 8 clients
+sending one request each.
 """
 
 from __future__ import annotations
@@ -26,15 +27,16 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.common import conv_trace, machine, prompt_ids, report, serving, tiny_random_llama
+from bench.common import arguments, conv_trace, machine, prompt_ids, quick_model, report, serving, tiny_random_llama
 from cadenza.node.replay.trace import scale_trace
 
 CLIENTS, WAVES, ROUNDS = 256, 4, 5  # a round: each client streams WAVES requests back to back
-SERVE_ARGS = ["--token-budget", "1024", "--chunk-size", "256", "--max-num-seqs", str(CLIENTS),
-              "--kv-cache-gib", "0.25", "--max-model-len", "1024", "--threads", "1"]
+QUICK_CLIENTS, QUICK_WAVES, QUICK_ROUNDS = 8, 1, 1
+SERVE_ARGS = ["--token-budget", "1024", "--chunk-size", "256", "--kv-cache-gib", "0.25", "--max-model-len", "1024",
+              "--threads", "1"]
 
 
-async def replay(url: str, prompts: list[list[int]], outputs: list[int], clients: int = CLIENTS) -> tuple[int, float]:
+async def replay(url: str, prompts: list[list[int]], outputs: list[int], clients: int) -> tuple[int, float]:
     """``clients`` streaming clients in a closed loop: client ``i`` sends requests ``i``,
     ``i + clients``, ... one after another, so ``clients`` streams run at once until the end;
     (output tokens, wall seconds)."""
@@ -65,30 +67,34 @@ def step_seconds(url: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("cadenza_step_duration_seconds_sum"))
 
 
-def run_mode(model: Path, mode: str, prompts, outputs, warmup: list[list[int]], workdir: Path) -> dict:
-    args = ["--model", str(model), "--served-model-name", "tiny", "--engine-process", mode, *SERVE_ARGS]
+def run_mode(model: Path, mode: str, prompts, outputs, warmup: list[list[int]], workdir: Path,
+             clients: int = CLIENTS) -> dict:
+    args = ["--model", str(model), "--served-model-name", "tiny", "--engine-process", mode, *SERVE_ARGS,
+            "--max-num-seqs", str(clients)]
     with serving(args, workdir / f"serve-{mode}.log") as url:
         # Warm up at full concurrency on other prompts (no prefix-cache hits for the timed wave):
-        # every batch shape's first allocations, and the front end's first pass over 256 streams.
-        asyncio.run(replay(url, warmup, [8] * len(warmup)))
+        # every batch shape's first allocations, and the front end's first pass over all streams.
+        asyncio.run(replay(url, warmup, [8] * len(warmup), clients))
         before = step_seconds(url)
-        tokens, wall = asyncio.run(replay(url, prompts, outputs))
+        tokens, wall = asyncio.run(replay(url, prompts, outputs, clients))
         busy = step_seconds(url) - before
     return {"tokens_per_s": tokens / wall, "step_share": busy / wall, "tokens": tokens, "wall_s": wall}
 
 
 def main() -> None:
+    args = arguments(__doc__)
+    clients, waves, rounds = (QUICK_CLIENTS, QUICK_WAVES, QUICK_ROUNDS) if args.quick else (CLIENTS, WAVES, ROUNDS)
     workdir = Path(tempfile.mkdtemp(prefix="cadenza-frontend-"))
-    model = tiny_random_llama(workdir / "tiny-llama")
-    timed = WAVES * CLIENTS
-    trace, scaling = scale_trace(conv_trace(), length_scale=1 / 8, num_requests=timed + CLIENTS)
+    model = quick_model() if args.quick else tiny_random_llama(workdir / "tiny-llama")
+    timed = waves * clients
+    trace, scaling = scale_trace(conv_trace(), length_scale=1 / 8, num_requests=timed + clients)
     lengths = [min(256, max(4, r.input_len)) for r in trace]
     prompts, warmup = prompt_ids(model, lengths[:timed]), prompt_ids(model, lengths[timed:], seed=1)
     outputs = [min(128, max(32, 2 * r.output_len)) for r in trace[:timed]]
     results: dict[str, list[dict]] = {"on": [], "off": []}
-    for r in range(ROUNDS):
+    for r in range(rounds):
         for mode in ("on", "off"):
-            results[mode].append(run_mode(model, mode, prompts, outputs, warmup, workdir))
+            results[mode].append(run_mode(model, mode, prompts, outputs, warmup, workdir, clients))
             last = results[mode][-1]
             print(f"round {r + 1} engine process {mode:>3}: {last['tokens_per_s']:7.1f} output tok/s, "
                   f"step loop {last['step_share']:.0%} of wall time ({last['tokens']} tokens in {last['wall_s']:.1f} s)")
@@ -104,12 +110,12 @@ def main() -> None:
         "target": 1.5,
         "per_round_ratios": [round(x, 3) for x in ratios],
         "median": med,
-        "workload": {"trace": "azure2023 conv", "clients": CLIENTS, "length_scale": scaling.length_scale,
+        "workload": {"trace": "azure2023 conv", "clients": clients, "length_scale": scaling.length_scale,
                      "requests": timed, "prompts": "capped at 256", "outputs": "x2, 32 to 128"},
         "model": "random Llama, 2 layers x 64, 384-token vocabulary",
         "pass": ratio >= 1.5,
         "machine": machine(),
-    })
+    }, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,11 @@
 
 Prints each figure and, last, one JSON line with ``benchmark``, ``ratio`` (decode bandwidth
 fraction), ``target`` and the other ratios.
+
+``--quick``: the same sections on the smallest shapes (kernel tests not marked ``slow``, 8 x 1,024
+decode, one 512-token prefill, the tests' tiny random Llama for the engine sections, 64 steps of
+step table). Without a CUDA GPU, ``--quick`` runs the one section that needs none, the step table on
+the CPU, and reports the others as skipped (exit 0); without ``--quick`` it exits 2.
 """
 
 from __future__ import annotations
@@ -29,19 +34,42 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from bench.common import arguments, bench_model
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
 
-def kernel_tests() -> dict:
+@dataclass(frozen=True)
+class Shape:
+    """The sections' sizes: the defaults are the full check's, :data:`QUICK` is ``--quick``'s."""
+
+    decode_seqs: int = 64
+    decode_context: int = 4096
+    prefill_seqs: int = 4
+    prefill_len: int = 2048
+    engine_decodes: int = 32
+    engine_prompt: int = 512
+    engine_chunk: int = 512
+    engine_long: int = 4096
+    table_steps: int = 3000
+    kernel_tests_args: tuple[str, ...] = ()
+
+
+QUICK = Shape(decode_seqs=8, decode_context=1024, prefill_seqs=1, prefill_len=512, engine_decodes=8, engine_prompt=64,
+              engine_chunk=128, engine_long=256, table_steps=64, kernel_tests_args=("-m", "not slow"))
+
+
+def kernel_tests(extra: tuple[str, ...] = ()) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "tests/kernels", "tests/node/test_triton_backend.py"],
+        [sys.executable, "-m", "pytest", "-q", "-x", *extra, "tests/kernels", "tests/node/test_triton_backend.py"],
         cwd=ROOT, env=env, capture_output=True, text=True,
     )
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
@@ -64,10 +92,9 @@ def paged_inputs(num_seqs: int, context: int, query: int, dtype=torch.bfloat16):
     return q, k_cache, v_cache, qsl, lens, tables
 
 
-def decode_bandwidth(do_bench) -> dict:
+def decode_bandwidth(do_bench, num_seqs: int = 64, context: int = 4096) -> dict:
     from cadenza.kernels.attention import paged_attention
 
-    num_seqs, context = 64, 4096
     q, kc, vc, qsl, lens, tables = paged_inputs(num_seqs, context - 1, 1)
     ms = do_bench(lambda: paged_attention(q, kc, vc, qsl, lens, tables, HEAD_DIM**-0.5, max_query_len=1))
     kv_bytes = 2 * num_seqs * context * KV_HEADS * HEAD_DIM * q.element_size()
@@ -81,13 +108,12 @@ def decode_bandwidth(do_bench) -> dict:
     return {"attention_gb_s": round(attn_gbs, 1), "copy_gb_s": round(copy_gbs, 1), "fraction": round(fraction, 3)}
 
 
-def prefill_throughput(do_bench) -> dict:
+def prefill_throughput(do_bench, num_seqs: int = 4, length: int = 2048) -> dict:
     import torch.nn.functional as F
 
     from cadenza.kernels.attention import paged_attention
     from cadenza.kernels.reference import write_kv_cache
 
-    num_seqs, length = 4, 2048
     q, kc, vc, qsl, lens, tables = paged_inputs(num_seqs, 0, length)
     k = torch.randn(num_seqs * length, KV_HEADS, HEAD_DIM, device="cuda", dtype=q.dtype)
     v = torch.randn_like(k)
@@ -113,23 +139,23 @@ def prefill_throughput(do_bench) -> dict:
     return {"tflops": round(ours_tf, 1), "sdpa_tflops": round(sdpa_tf, 1), "ratio": round(ours_tf / sdpa_tf, 3)}
 
 
-def engine_step() -> dict:
-    from cadenza.node.embedded import ensure_embedded_model
+def engine_step(model: Path, shape: Shape = Shape()) -> dict:
     from cadenza.node.frontend.llm import Engine
     from cadenza.node.core.request import SamplingParams
 
-    model = ensure_embedded_model()
     times = {}
     for backend in ("torch", "triton"):
         engine = Engine.from_model(model, device="cuda", dtype="bfloat16", attention_backend=backend,
-                                   token_budget=1024, chunk_size=512, max_num_seqs=64, kv_cache_bytes=4 << 30,
+                                   token_budget=2 * shape.engine_chunk, chunk_size=shape.engine_chunk, max_num_seqs=64,
+                                   kv_cache_bytes=4 << 30,
                                    prefix_caching=False)  # every step computes what it says (no cache hits)
-        decode = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
-        for i in range(32):
-            engine.add_request(f"d{i}", [100 + i % 50] * 512, decode)
+        decode = SamplingParams(max_tokens=min(1000, engine.max_model_len - shape.engine_prompt), temperature=0,
+                                ignore_eos=True)
+        for i in range(shape.engine_decodes):
+            engine.add_request(f"d{i}", [100 + i % 50] * shape.engine_prompt, decode)
         while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
             engine.step()
-        engine.add_request("long", [7] * 4096, SamplingParams(max_tokens=1, temperature=0))
+        engine.add_request("long", [7] * shape.engine_long, SamplingParams(max_tokens=1, temperature=0))
         steps = []
         for _ in range(6):
             torch.cuda.synchronize()
@@ -141,24 +167,25 @@ def engine_step() -> dict:
         del engine
         torch.cuda.empty_cache()
     speedup = times["torch"] / times["triton"]
-    print(f"engine step (32 decodes + 512-token chunk, SmolLM2 bf16): triton {times['triton']:.1f} ms, "
+    print(f"engine step ({shape.engine_decodes} decodes + {shape.engine_chunk}-token chunk, {model.name} bf16): "
+          f"triton {times['triton']:.1f} ms, "
           f"torch {times['torch']:.1f} ms -> {speedup:.2f}x")
     return {"triton_ms": round(times["triton"], 2), "torch_ms": round(times["torch"], 2), "speedup": round(speedup, 3)}
 
 
-def step_table(path: Path, device: str = "cuda", max_steps: int = 3000) -> dict:
-    """Waves of random requests (prompts 16-4,096 tokens, outputs 1-256, 1 to 128 at once)
-    through the engine, every step logged to ``path`` as ``cadenza serve --step-log`` logs it."""
+def step_table(path: Path, model: Path, device: str = "cuda", max_steps: int = 3000) -> dict:
+    """Waves of random requests (prompts 16-4,096 tokens, at most the model's length less the
+    output; outputs 1-256, 1 to 128 at once) through the engine, every step logged to ``path`` as
+    ``cadenza serve --step-log`` logs it."""
     import random
 
     from cadenza.node.core.request import SamplingParams
-    from cadenza.node.embedded import ensure_embedded_model
     from cadenza.node.frontend.llm import Engine
     from cadenza.node.frontend.step_log import StepLog
 
-    engine = Engine.from_model(ensure_embedded_model(), device=device, dtype="bfloat16" if device == "cuda" else "auto",
-                               token_budget=2048, chunk_size=1024, max_num_seqs=256, kv_cache_bytes=4 << 30,
-                               prefix_caching=False)
+    engine = Engine.from_model(model, device=device, dtype="bfloat16" if device == "cuda" else "auto",
+                               token_budget=2048, chunk_size=1024, max_num_seqs=256,
+                               kv_cache_bytes=(4 << 30) if device == "cuda" else (256 << 20), prefix_caching=False)
     path.unlink(missing_ok=True)
     log = StepLog(path)
 
@@ -171,8 +198,11 @@ def step_table(path: Path, device: str = "cuda", max_steps: int = 3000) -> dict:
     rng, steps, wave = random.Random(0), 0, 0
     while steps < max_steps:
         for i in range(rng.choice([1, 4, 16, 64, 128])):
-            prompt = [rng.randrange(100, 40000) for _ in range(int(2 ** rng.uniform(4, 12)))]
-            engine.add_request(f"w{wave}-{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 256), temperature=0,
+            length, output = int(2 ** rng.uniform(4, 12)), rng.randint(1, 256)
+            vocab = engine.model_config.vocab_size
+            prompt = [rng.randrange(min(100, vocab // 2), min(40000, vocab))
+                      for _ in range(min(length, engine.max_model_len - output))]
+            engine.add_request(f"w{wave}-{i}", prompt, SamplingParams(max_tokens=output, temperature=0,
                                                                       ignore_eos=True))
         while engine.has_unfinished_requests() and steps < max_steps:
             engine.step()
@@ -184,17 +214,38 @@ def step_table(path: Path, device: str = "cuda", max_steps: int = 3000) -> dict:
     return {"steps": steps, "path": str(path)}
 
 
+def cpu_only(path: Path) -> int:
+    """``--quick`` without a CUDA GPU: the step table on the CPU (the one section that needs no
+    GPU, on the tiny model), the other sections reported as skipped."""
+    skipped = "skipped: needs a CUDA GPU (torch.cuda.is_available() is False)"
+    print(f"no CUDA GPU: only the step table runs, on the CPU; the other sections are {skipped}")
+    table = step_table(path, bench_model(True), device="cpu", max_steps=QUICK.table_steps)
+    print(json.dumps({"benchmark": "gpu_check", "ratio": None, "target": 0.7, "device": "cpu",
+                      "torch": torch.__version__,
+                      **{name: {"skipped": skipped} for name in ("kernel_tests", "decode", "prefill", "engine_step")},
+                      "step_table": table, "pass": False, "quick": True}))
+    return 0
+
+
 def main() -> int:
+    args = arguments(__doc__)
+    shape = QUICK if args.quick else Shape()
+    steps_path = Path("gpu-steps.jsonl")
     if not torch.cuda.is_available():
+        if args.quick:
+            return cpu_only(steps_path)
         print("gpu_check needs a CUDA GPU (torch.cuda.is_available() is False)")
         return 2
     os.environ.pop("TRITON_INTERPRET", None)
     from triton.testing import do_bench
 
+    model = bench_model(args.quick)
     result: dict = {"benchmark": "gpu_check", "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for name, fn in (("kernel_tests", kernel_tests), ("decode", lambda: decode_bandwidth(do_bench)),
-                     ("prefill", lambda: prefill_throughput(do_bench)), ("engine_step", engine_step),
-                     ("step_table", lambda: step_table(Path("gpu-steps.jsonl")))):
+    for name, fn in (("kernel_tests", lambda: kernel_tests(shape.kernel_tests_args)),
+                     ("decode", lambda: decode_bandwidth(do_bench, shape.decode_seqs, shape.decode_context)),
+                     ("prefill", lambda: prefill_throughput(do_bench, shape.prefill_seqs, shape.prefill_len)),
+                     ("engine_step", lambda: engine_step(model, shape)),
+                     ("step_table", lambda: step_table(steps_path, model, max_steps=shape.table_steps))):
         try:
             result[name] = fn()
         except Exception as exc:  # report every section even if one fails
@@ -208,6 +259,8 @@ def main() -> int:
     result["pass"] = bool(
         result["kernel_tests"].get("passed") and (result["ratio"] or 0) >= 0.7 and (result["prefill_ratio"] or 0) >= 0.7
     )
+    if args.quick:
+        result["quick"] = True
     print(json.dumps(result))
     return 0
 

@@ -18,6 +18,9 @@ Targets: no failed request in any run; ``auto`` holds the interactive SLO in at 
 windows as the better static shape (``ratio`` = auto share / best static share, target >= 1) with
 batch throughput >= 90 % of colocated's; at most 2 reshapes per burst. A figure of the windows
 (with the controller's actions) is written to ``docs/img/hybrid.png`` with ``--plot``.
+
+``--quick``: the tests' tiny random Llama, 8 s per run of the conversation trace at its recorded
+rate, in windows of 4 s judged from one request, bursts of two code prompts every 4 s from 1 s.
 """
 
 from __future__ import annotations
@@ -31,20 +34,45 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
 import yaml
 
-from bench.common import CONV_TRACE, ROOT, machine, pct, prompt_ids, report
+from bench.common import CONV_TRACE, ROOT, arguments, machine, pct, prompt_ids, quick_model, report
 from cadenza.node.replay.trace import load_trace, scale_trace
 from cadenza.node.embedded import ensure_embedded_model
 
 CODE_TRACE = ROOT / "data" / "traces" / "azure2023" / "AzureLLMInferenceTrace_code.csv"
-DURATION_S, WINDOW_S, BURST_EVERY_S, BURST_SIZE, TIME_SCALE = 180.0, 15.0, 60.0, 6, 4.0
 SLO = {"interactive": {"ttftP99Ms": 4000, "itlP99Ms": 600}, "batch": {"ttftP99Ms": 20000}}
-MIN_WINDOW_REQUESTS = 5
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A run's sizes: the defaults are the recorded run's, :data:`QUICK` is ``--quick``'s.
+
+    ``duration_s`` of traffic judged in windows of ``window_s`` (a window with fewer than
+    ``min_window_requests`` interactive requests is not judged); the conversation trace slowed
+    ``time_scale`` times; ``burst_size`` code prompts every ``burst_every_s`` from
+    ``first_burst_s``. The pool serves ``model_path`` (None: the embedded model) as ``model_name``.
+    """
+
+    duration_s: float = 180.0
+    window_s: float = 15.0
+    burst_every_s: float = 60.0
+    burst_size: int = 6
+    first_burst_s: float = 10.0
+    time_scale: float = 4.0
+    min_window_requests: int = 5
+    max_model_len: int = 2048
+    model_name: str = "SmolLM2-135M-Instruct"
+    model_path: str | None = None
+
+
+FULL = Shape()
+QUICK = Shape(duration_s=8.0, window_s=4.0, burst_every_s=4.0, burst_size=2, first_burst_s=1.0, time_scale=1.0,
+              min_window_requests=1, max_model_len=1024, model_name="tiny")
 
 
 @dataclass
@@ -66,13 +94,14 @@ class Result:
     error: str | None = None
 
 
-def workload(model) -> list[Job]:
-    conv, _ = scale_trace(load_trace(CONV_TRACE), time_scale=TIME_SCALE, length_scale=1 / 8, max_input_len=256,
-                          max_output_len=32, duration_s=DURATION_S)
+def workload(model, shape: Shape = FULL) -> list[Job]:
+    conv, _ = scale_trace(load_trace(CONV_TRACE), time_scale=shape.time_scale, length_scale=1 / 8, max_input_len=256,
+                          max_output_len=32, duration_s=shape.duration_s)
     code, _ = scale_trace(load_trace(CODE_TRACE), length_scale=1 / 2, max_input_len=768, max_output_len=32,
-                          num_requests=BURST_SIZE * 3)
-    bursts = [(10.0 + BURST_EVERY_S * (i // BURST_SIZE) + 0.5 * (i % BURST_SIZE), r) for i, r in enumerate(code)]
-    bursts = [(t, r) for t, r in bursts if t < DURATION_S]
+                          num_requests=shape.burst_size * 3)
+    bursts = [(shape.first_burst_s + shape.burst_every_s * (i // shape.burst_size) + 0.5 * (i % shape.burst_size), r)
+              for i, r in enumerate(code)]
+    bursts = [(t, r) for t, r in bursts if t < shape.duration_s]
     lengths = [r.input_len for r in conv] + [r.input_len for _, r in bursts]
     prompts = prompt_ids(model, lengths, seed=11)
     jobs = [Job(r.arrival_s, "interactive", prompts[i], max(8, r.output_len)) for i, r in enumerate(conv)]
@@ -80,10 +109,11 @@ def workload(model) -> list[Job]:
     return sorted(jobs, key=lambda j: j.at)
 
 
-def pool_yaml(mode: str) -> dict:
+def pool_yaml(mode: str, shape: Shape = FULL) -> dict:
+    model = {"name": shape.model_name} | ({"source": {"path": shape.model_path}} if shape.model_path else {})
     spec = {
-        "model": {"name": "SmolLM2-135M-Instruct"}, "replicas": 2, "mode": mode,
-        "engine": {"tokenBudget": 512, "chunkSize": 256, "maxModelLen": 2048},
+        "model": model, "replicas": 2, "mode": mode,
+        "engine": {"tokenBudget": 512, "chunkSize": 256, "maxModelLen": shape.max_model_len},
         "dedicated": {"interactiveReplicas": 1, "engine": {"chunkSize": 64, "stepTimeTargetMs": 400}},
         "slo": SLO,
         "controller": {"fastWindowSeconds": 10, "windowSeconds": 30, "minSamples": 4, "cooldownSeconds": 60,
@@ -95,10 +125,10 @@ def pool_yaml(mode: str) -> dict:
             "metadata": {"name": f"bench-{mode}", "namespace": "default"}, "spec": spec}
 
 
-async def one(session: aiohttp.ClientSession, url: str, job: Job, t0: float) -> Result:
+async def one(session: aiohttp.ClientSession, url: str, job: Job, t0: float, model_name: str) -> Result:
     await asyncio.sleep(max(0.0, t0 + job.at - time.monotonic()))
     res = Result(job.cls, time.monotonic())
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0,
+    body = {"model": model_name, "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     try:
         async with session.post(f"{url}/v1/completions", json=body, headers={"x-cadenza-class": job.cls}) as resp:
@@ -122,20 +152,20 @@ async def one(session: aiohttp.ClientSession, url: str, job: Job, t0: float) -> 
     return res
 
 
-async def drive(url: str, jobs: list[Job]) -> tuple[list[Result], float, float]:
+async def drive(url: str, jobs: list[Job], model_name: str) -> tuple[list[Result], float, float]:
     """Every job's result, the monotonic start and the wall-clock start (to place the controller's
     actions, which carry RFC 3339 times)."""
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         t0, wall0 = time.monotonic(), time.time()
-        results = await asyncio.gather(*(one(session, url, j, t0) for j in jobs))
+        results = await asyncio.gather(*(one(session, url, j, t0, model_name) for j in jobs))
     return list(results), t0, wall0
 
 
-def run_pool(mode: str, jobs: list[Job], workdir: Path) -> dict:
+def run_pool(mode: str, jobs: list[Job], workdir: Path, shape: Shape = FULL) -> dict:
     port = _free_port()
     pool_file, state = workdir / f"{mode}.yaml", workdir / f"{mode}.state.json"
-    pool_file.write_text(yaml.safe_dump(pool_yaml(mode)))
+    pool_file.write_text(yaml.safe_dump(pool_yaml(mode, shape)))
     log = open(workdir / f"{mode}.log", "w")
     up = subprocess.Popen([sys.executable, "-m", "cadenza.node.cli", "up", str(pool_file), "--port", str(port),
                            "--state-file", str(state)], stdout=log, stderr=subprocess.STDOUT,
@@ -146,28 +176,29 @@ def run_pool(mode: str, jobs: list[Job], workdir: Path) -> dict:
             if up.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"cadenza up ({mode}) did not start: {(workdir / f'{mode}.log').read_text()[-2000:]}")
             time.sleep(0.5)
-        results, t0, wall0 = asyncio.run(drive(f"http://127.0.0.1:{port}", jobs))
+        results, t0, wall0 = asyncio.run(drive(f"http://127.0.0.1:{port}", jobs, shape.model_name))
         controller = json.loads(state.read_text()).get("controller", {})
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(timeout=120)
         log.close()
-    return summarize(mode, results, t0, wall0, controller)
+    return summarize(mode, results, t0, wall0, controller, shape)
 
 
-def summarize(mode: str, results: list[Result], t0: float, wall0: float, controller: dict) -> dict:
+def summarize(mode: str, results: list[Result], t0: float, wall0: float, controller: dict,
+              shape: Shape = FULL) -> dict:
     inter = SLO["interactive"]
     windows = []
-    n = int(DURATION_S // WINDOW_S)
+    n = int(shape.duration_s // shape.window_s)
     for w in range(n):
-        lo, hi = t0 + w * WINDOW_S, t0 + (w + 1) * WINDOW_S
+        lo, hi = t0 + w * shape.window_s, t0 + (w + 1) * shape.window_s
         mine = [r for r in results if r.cls == "interactive" and lo <= r.start < hi and r.ttft is not None]
         ttft = pct([r.ttft for r in mine], 99) * 1e3 if mine else None
         gaps = [g for r in mine for g in r.gaps]
         itl = pct(gaps, 99) * 1e3 if gaps else None
-        held = None if len(mine) < MIN_WINDOW_REQUESTS else (  # too few to judge: neither held nor missed
+        held = None if len(mine) < shape.min_window_requests else (  # too few to judge: neither held nor missed
             ttft <= inter["ttftP99Ms"] and (itl is None or itl <= inter["itlP99Ms"]))
-        windows.append({"start_s": w * WINDOW_S, "requests": len(mine), "ttft_p99_ms": ttft and round(ttft, 1),
+        windows.append({"start_s": w * shape.window_s, "requests": len(mine), "ttft_p99_ms": ttft and round(ttft, 1),
                         "itl_p99_ms": itl and round(itl, 1), "slo_met": held})
     judged = [w for w in windows if w["slo_met"] is not None]
     batch = [r for r in results if r.cls == "batch" and r.error is None]
@@ -183,7 +214,7 @@ def summarize(mode: str, results: list[Result], t0: float, wall0: float, control
         "batch_output_tokens_per_s": round(sum(r.tokens for r in batch) / span, 2) if span else 0.0,
         "batch_ttft_p99_s": round(pct([r.ttft for r in batch if r.ttft is not None], 99), 1) if batch else None,
         "batch_done_at_s": round(max(r.end for r in batch) - t0, 1) if batch else None,
-        "goodput_req_per_s": round(good / DURATION_S, 3),
+        "goodput_req_per_s": round(good / shape.duration_s, 3),
         "failed": sum(1 for r in results if r.error is not None),
         "errors": sorted({r.error for r in results if r.error})[:3],
         "actions": [{"at_s": round(_epoch(a["time"]) - wall0, 1), "action": a["action"], "move": a.get("move"),
@@ -192,7 +223,7 @@ def summarize(mode: str, results: list[Result], t0: float, wall0: float, control
     }
 
 
-def plot(runs: dict, path: Path) -> None:
+def plot(runs: dict, path: Path, shape: Shape = FULL) -> None:
     """Per run, each window's worse interactive figure as a share of its target (TTFT p99 / 4 s or
     ITL p99 / 600 ms: over 1 is a miss), coloured by the verdict, with bursts and actions marked."""
     import matplotlib
@@ -203,14 +234,14 @@ def plot(runs: dict, path: Path) -> None:
     inter = SLO["interactive"]
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.3 * len(runs)), sharex=True)
     for ax, (mode, run) in zip(axes, runs.items()):
-        xs = [w["start_s"] + WINDOW_S / 2 for w in run["windows"]]
+        xs = [w["start_s"] + shape.window_s / 2 for w in run["windows"]]
         worst = [max((w["ttft_p99_ms"] or 0) / inter["ttftP99Ms"], (w["itl_p99_ms"] or 0) / inter["itlP99Ms"])
                  for w in run["windows"]]
-        ax.bar(xs, worst, width=WINDOW_S * 0.8,
+        ax.bar(xs, worst, width=shape.window_s * 0.8,
                color=[{True: "tab:green", False: "tab:red", None: "tab:gray"}[w["slo_met"]] for w in run["windows"]])
         ax.axhline(1.0, ls="--", color="k", lw=1)
-        for b in range(int(DURATION_S // BURST_EVERY_S)):
-            ax.axvline(10 + b * BURST_EVERY_S, color="tab:orange", lw=1, alpha=0.6)
+        for b in range(int(shape.duration_s // shape.burst_every_s)):
+            ax.axvline(shape.first_burst_s + b * shape.burst_every_s, color="tab:orange", lw=1, alpha=0.6)
         for a in run["actions"]:
             ax.axvline(a["at_s"], color="tab:blue" if a["action"] == "retune" else "tab:purple", lw=1.5, ls=":")
             label = a["move"] or "retune " + ",".join(f"{k.split('_')[0]}={v:g}" for k, v in (a["knobs"] or {}).items())
@@ -244,20 +275,27 @@ def main() -> None:
                         help="only redraw the figure from a saved run's output (its last line)")
     parser.add_argument("--modes", default="colocated,dedicated,auto",
                         help="runs to make, comma-separated (the ratio needs all three)")
-    args = parser.parse_args()
+    args = arguments(__doc__, parser)
+    if args.quick and args.plot:
+        parser.error("--plot redraws docs/img/hybrid.png from a recorded run, not from a --quick one")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.replot:
         plot(json.loads(args.replot.read_text().strip().splitlines()[-1])["runs"], ROOT / "docs" / "img" / "hybrid.png")
         return
-    model = ensure_embedded_model()
-    jobs = workload(model)
+    if args.quick:
+        shape = replace(QUICK, model_path=str(quick_model()))
+        model = Path(shape.model_path)
+    else:
+        shape, model = FULL, ensure_embedded_model()
+    jobs = workload(model, shape)
     n_batch = sum(j.cls == "batch" for j in jobs)
-    print(f"workload: {len(jobs) - n_batch} interactive + {n_batch} batch requests over {DURATION_S:.0f} s "
-          f"(bursts of {BURST_SIZE} long code prompts every {BURST_EVERY_S:.0f} s); SLO {SLO['interactive']}")
+    print(f"workload: {len(jobs) - n_batch} interactive + {n_batch} batch requests over {shape.duration_s:.0f} s "
+          f"(bursts of {shape.burst_size} long code prompts every {shape.burst_every_s:.0f} s); "
+          f"SLO {SLO['interactive']}")
     runs = {}
     with tempfile.TemporaryDirectory(prefix="bench-hybrid-") as tmp:
         for mode in modes:
-            runs[mode] = run_pool(mode, jobs, Path(tmp))
+            runs[mode] = run_pool(mode, jobs, Path(tmp), shape)
             r = runs[mode]
             print(f"{mode:>9}: windows (TTFT p99 / ITL p99 ms): "
                   + " ".join(f"{w['ttft_p99_ms']}/{w['itl_p99_ms']}{'' if w['slo_met'] else '!' if w['slo_met'] is False else '?'}"
@@ -272,9 +310,9 @@ def main() -> None:
     ratio = runs["auto"]["slo_windows_share"] / best_static if best_static else float("inf")
     batch_ratio = (runs["auto"]["batch_output_tokens_per_s"] / runs["colocated"]["batch_output_tokens_per_s"]
                    if runs["colocated"]["batch_output_tokens_per_s"] else 0.0)
-    bursts = int(DURATION_S // BURST_EVERY_S)
+    bursts = int(shape.duration_s // shape.burst_every_s)
     if args.plot:
-        plot(runs, ROOT / "docs" / "img" / "hybrid.png")
+        plot(runs, ROOT / "docs" / "img" / "hybrid.png", shape)
     report({
         "benchmark": "hybrid",
         "ratio": round(ratio, 3),
@@ -287,7 +325,7 @@ def main() -> None:
         "pass": ratio >= 1 and batch_ratio >= 0.9 and not any(r["failed"] for r in runs.values())
         and runs["auto"]["reshapes"] <= 2 * bursts,
         "machine": machine(),
-    })
+    }, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ unchunked; long-prompt TTFT chunked/unchunked ≤ 1.5.
 Prefix caching is on (the default), and every round synthesizes fresh prompts of the same lengths
 (both configurations get the same ones), so no round is served from the cache; the hit rate is
 printed and reported (it must stay near 0, else the TTFT would not be a prefill's).
+
+``--quick``: one round on the tests' tiny random Llama, the long prompt the first of 400-600 tokens.
 """
 
 from __future__ import annotations
@@ -23,29 +25,30 @@ from __future__ import annotations
 import statistics
 import time
 
-from bench.common import conv_trace, hit_rate, machine, pct, prompt_ids, report
-from cadenza.node.embedded import ensure_embedded_model
+from bench.common import arguments, bench_model, conv_trace, hit_rate, machine, pct, prompt_ids, report
 from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import SamplingParams
 
 ROUNDS = 5
+LONG_PROMPT = (1900, 2100)  # tokens: the long prompt is the trace's first request in this range
+QUICK_LONG_PROMPT = (400, 600)
 CONFIGS = {
     "chunked": dict(token_budget=256, chunk_size=128),
     "unchunked": dict(token_budget=4096, chunk_size=None),
 }
 
 
-def workload() -> tuple[int, list[int]]:
+def workload(long_range: tuple[int, int] = LONG_PROMPT) -> tuple[int, list[int]]:
     trace = conv_trace()
-    long_len = next(r.input_len for r in trace if 1900 <= r.input_len <= 2100)
+    long_len = next(r.input_len for r in trace if long_range[0] <= r.input_len <= long_range[1])
     stream_lens = [r.input_len for r in trace if r.input_len <= 256][:4]
     return long_len, stream_lens
 
 
 def run_once(engine: Engine, long_prompt: list[int], streams: list[list[int]]) -> dict:
     """Start the streams, let them reach decode, send the long prompt; measure until its first token."""
-    decode = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
-    for i, ids in enumerate(streams):
+    for i, ids in enumerate(streams):  # decoding until aborted below (as long as the model allows)
+        decode = SamplingParams(max_tokens=min(4000, engine.max_model_len - len(ids)), temperature=0, ignore_eos=True)
         engine.add_request(f"s{i}", ids, decode)
     while any(r.num_output_tokens < 3 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
         engine.step()
@@ -71,17 +74,19 @@ def run_once(engine: Engine, long_prompt: list[int], streams: list[list[int]]) -
 
 
 def main() -> None:
-    model = ensure_embedded_model()
-    long_len, stream_lens = workload()
+    args = arguments(__doc__)
+    model = bench_model(args.quick)
+    rounds = 1 if args.quick else ROUNDS
+    long_len, stream_lens = workload(QUICK_LONG_PROMPT if args.quick else LONG_PROMPT)
     print(f"workload (Azure conv trace): long prompt {long_len} tokens; streams {stream_lens} prompt tokens; "
           "fresh prompts every round, prefix caching on")
     engines = {name: Engine.from_model(model, kv_cache_bytes=256 * 2**20, prefix_caching=True, **knobs)
                for name, knobs in CONFIGS.items()}
-    warm = prompt_ids(model, [64], seed=ROUNDS + 1)
+    warm = prompt_ids(model, [64], seed=rounds + 1)
     for engine in engines.values():  # warm up allocators and kernels
         engine.generate(warm, SamplingParams(max_tokens=4, temperature=0))
     results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
-    for r in range(ROUNDS):
+    for r in range(rounds):
         long_prompt, *streams = prompt_ids(model, [long_len, *stream_lens], seed=r)
         for name, engine in engines.items():
             res = run_once(engine, long_prompt, streams)
@@ -109,7 +114,7 @@ def main() -> None:
         "prefix_cache_hit_rate": hits,
         "pass": itl_ratio <= 0.25 and ttft_ratio <= 1.5,
         "machine": machine(),
-    })
+    }, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,14 @@ scheduling (:class:`cadenza.sim.baselines.PrefillFirstScheduler`, vLLM V0's defa
 8,192-token budget). Capacity by bisection (:mod:`cadenza.sim.sweep`, 2 % tolerance). Prefix
 caching on (the default; synthetic prompts never repeat, so nothing hits). Target: chunked
 capacity >= 2.0x prefill-first's (Sarathi-Serve reports 2.6x on this setup). Last line JSON.
+``--quick``: the first 100 requests, bisection to 50 %.
 """
 
 from __future__ import annotations
 
 import time
 
-from bench.common import conv_trace, machine, report
+from bench.common import arguments, conv_trace, machine, report
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.replay.trace import scale_trace
@@ -28,7 +29,8 @@ from cadenza.sim.roofline import Roofline
 from cadenza.sim.fleet import simulate_replica
 from cadenza.sim.sweep import at_rate, capacity_at_slo
 
-REQUESTS = 1000
+REQUESTS, TOLERANCE = 1000, 0.02
+QUICK_REQUESTS, QUICK_TOLERANCE = 100, 0.5
 TARGETS = {"itl_ms": ("p99", 100.0), "ttft_ms": ("p50", 2000.0)}
 POLICIES = {
     "chunked (cadenza, 512-token chunks)": (SchedulerConfig(token_budget=512, chunk_size=512, max_num_seqs=256,
@@ -39,14 +41,16 @@ POLICIES = {
 
 
 def main() -> None:
-    base = scale_trace(conv_trace(), num_requests=REQUESTS, max_input_len=4096, max_output_len=1024).requests
+    args = arguments(__doc__)
+    requests, tolerance = (QUICK_REQUESTS, QUICK_TOLERANCE) if args.quick else (REQUESTS, TOLERANCE)
+    base = scale_trace(conv_trace(), num_requests=requests, max_input_len=4096, max_output_len=1024).requests
     model = Roofline(load_model_dims("mistral-7b"), PROFILES["a100-80g"])
     capacity, wall = {}, {}
     for name, (config, cls) in POLICIES.items():
         started = time.perf_counter()
         found = capacity_at_slo(lambda rate, c=config, k=cls: simulate_replica(at_rate(base, rate), c, model,
                                                                                scheduler_cls=k)[1],
-                                TARGETS, low=0.25, high=0.5, tolerance=0.02)
+                                TARGETS, low=0.25, high=0.5, tolerance=tolerance)
         wall[name] = time.perf_counter() - started
         capacity[name] = found.rate
         at = next(s for r, ok, s in reversed(found.runs) if ok and r == found.rate) if found.rate else None
@@ -62,13 +66,13 @@ def main() -> None:
         "target": 2.0,
         "capacity_req_s": {k: round(v, 3) for k, v in capacity.items()},
         "slo": {"itl_p99_ms": 100.0, "ttft_p50_ms": 2000.0, "dropped": 0},
-        "setup": {"model": "mistral-7b", "hardware": "a100-80g", "trace": "azure2023 conv", "requests": REQUESTS,
+        "setup": {"model": "mistral-7b", "hardware": "a100-80g", "trace": "azure2023 conv", "requests": requests,
                   "prompts_capped": 4096, "outputs_capped": 1024},
         "wall_s": {k: round(v, 1) for k, v in wall.items()},
         "prefix_caching": True, "prefix_cache_hit_rate": 0.0,
         "pass": ratio >= 2.0,
         "machine": machine(),
-    })
+    }, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -28,17 +28,17 @@ those knobs live.
 Targets (issue 13): ``auto`` goodput >= 1.3x the better static shape (``ratio``: against the
 best static shape measured, tuned split included; ``ratio_at_pool_knobs`` against the shapes
 as the pool writes them), zero dropped requests, <= 4 reshapes per simulated hour on the
-stationary segment. Last line JSON.
+stationary segment. Last line JSON. ``--quick``: 12 simulated seconds of 2 copies of the
+conversation trace, a 6 s burst from 3 s.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 from collections.abc import Sequence
 
-from bench.common import CONV_TRACE, ROOT, machine, report
+from bench.common import CONV_TRACE, ROOT, arguments, machine, report
 from cadenza.node.replay.trace import TraceRequest, load_trace
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
@@ -54,6 +54,7 @@ BURST_S, BURST_RATE = 200.0, 2.0
 BURSTS = (300.0,)  # burst starts (s)
 DEDICATED_CHUNK = 128
 SPLITS = (7,)  # interactive replicas of the dedicated shapes (6+2 measured 3.1 req/s: interactive starves)
+QUICK = dict(duration_s=12.0, copies=2, bursts=(3.0,), burst_s=6.0)
 SLO = {"interactive": {"ttftP99Ms": 1000, "itlP99Ms": 50}, "batch": {"ttftP99Ms": 60000}}
 POOL = {
     "apiVersion": "serving.cadenza.dev/v1alpha1", "kind": "ServingPool",
@@ -68,10 +69,12 @@ POOL = {
 }
 
 
-def workload(bursts: bool = True, duration_s: float = DURATION_S) -> list[TraceRequest]:
-    """The conversation trace as interactive (``CONV_COPIES`` copies of its hour overlaid, each
-    shifted by an equal share of it), with (``bursts``) the code trace's bursts as batch."""
-    return bursty_mix(CONV_COPIES, duration_s, BURSTS if bursts else (), BURST_S, BURST_RATE)
+def workload(bursts: bool = True, duration_s: float = DURATION_S, copies: int = CONV_COPIES,
+             starts: Sequence[float] = BURSTS, burst_s: float = BURST_S) -> list[TraceRequest]:
+    """The conversation trace as interactive (``copies`` copies of its hour overlaid, each
+    shifted by an equal share of it), with (``bursts``) the code trace's bursts as batch, from
+    each of ``starts`` for ``burst_s``."""
+    return bursty_mix(copies, duration_s, starts if bursts else (), burst_s, BURST_RATE)
 
 
 def bursty_mix(copies: int, duration_s: float, bursts: Sequence[float], length_s: float, rate: float,
@@ -125,11 +128,13 @@ def run(name: str, layout: FleetLayout | dict, trace: list[TraceRequest], model:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    args = arguments(__doc__)
+    shape = QUICK if args.quick else dict(duration_s=DURATION_S, copies=CONV_COPIES, bursts=BURSTS, burst_s=BURST_S)
+    duration_s = shape["duration_s"]
     model = Roofline(load_model_dims("llama-3.1-8b"), PROFILES["h100-sxm"])
-    trace = workload()
-    print(f"{len(trace)} requests over {DURATION_S:.0f} s, {sum(r.traffic_class == 'batch' for r in trace)} of them "
-          f"batch in a {BURST_S:.0f} s burst")
+    trace = workload(True, duration_s, shape["copies"], shape["bursts"], shape["burst_s"])
+    print(f"{len(trace)} requests over {duration_s:.0f} s, {sum(r.traffic_class == 'batch' for r in trace)} of them "
+          f"batch in a {shape['burst_s']:.0f} s burst")
     runs = {"colocated": run("colocated", pool("colocated"), trace, model)}
     for k in SPLITS:
         name = f"dedicated {k}+{REPLICAS - k}"
@@ -146,9 +151,9 @@ def main() -> None:
     best = runs[best_name].goodput_rps
     ratio = auto.goodput_rps / best if best else float("inf")
     print(f"auto / the best static shape measured ({best_name}): {ratio:.2f}x goodput (target >= 1.3)")
-    stationary = run("auto, no burst", pool("auto"), workload(bursts=False), model)
-    per_hour = stationary.reshapes / (DURATION_S / 3600.0)
-    print(f"auto on the stationary segment: {stationary.reshapes} reshapes in {DURATION_S:.0f} s, "
+    stationary = run("auto, no burst", pool("auto"), workload(False, duration_s, shape["copies"]), model)
+    per_hour = stationary.reshapes / (duration_s / 3600.0)
+    print(f"auto on the stationary segment: {stationary.reshapes} reshapes in {duration_s:.0f} s, "
           f"{per_hour:.1f} per simulated hour (target <= 4)")
     final = auto.fleet.replicas[next(iter(auto.fleet.replicas))].scheduler.config
     reference = pool("colocated")
@@ -169,12 +174,13 @@ def main() -> None:
         "auto_actions": [(round(a.time_s), a.action, a.knobs or a.move) for a in auto.controller.actions if a.acted],
         "stationary_reshapes_per_hour": per_hour,
         "slo": SLO,
-        "setup": {"model": "llama-3.1-8b", "hardware": "h100-sxm", "replicas": REPLICAS, "duration_s": DURATION_S,
-                  "conv_copies": CONV_COPIES, "burst": {"starts_s": BURSTS, "length_s": BURST_S, "rate": BURST_RATE}},
+        "setup": {"model": "llama-3.1-8b", "hardware": "h100-sxm", "replicas": REPLICAS, "duration_s": duration_s,
+                  "conv_copies": shape["copies"],
+                  "burst": {"starts_s": shape["bursts"], "length_s": shape["burst_s"], "rate": BURST_RATE}},
         "prefix_caching": True, "prefix_cache_hit_rate": 0.0,
         "pass": ratio >= 1.3 and dropped == 0 and per_hour <= 4,
         "machine": machine(),
-    })
+    }, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ schedule that holds one shape through a burst reaches the target either.
 Last line JSON: ``ratio`` is auto's goodput over the best static shape run (null without both;
 ``held`` shapes are neither).
 The runs are slow (0.4-0.7 s of one core per simulated second at ~165 req/s); run two
-processes at most on this machine.
+processes at most on this machine. ``make bench`` runs the 600 s mix of ``docs/benchmarks.md``.
+
+``--quick``: without shapes, one of each kind at 128-token chunks; the defaults become 2 copies,
+12 simulated seconds and a 6 s burst from 3 s (flags given still win).
 """
 
 from __future__ import annotations
@@ -35,12 +38,16 @@ import argparse
 import dataclasses
 import json
 
-from bench.common import machine, report
+from bench.common import arguments, machine, report
 from bench.sim_hybrid import REPLICAS, SLO, bursty_mix, pool, run
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.pool import FleetLayout, fleet_layout
 from cadenza.sim.roofline import Roofline
+
+DEFAULTS = dict(copies=20, duration=300.0, burst=None, burst_length=200.0)
+QUICK = dict(shapes=["colocated:128", "dedicated:7:128", "auto:128", "held:1:128"], copies=2, duration=12.0,
+             burst=[3.0], burst_length=6.0)
 
 
 def shape_layout(shape: str, controller: dict, model: Roofline) -> FleetLayout:
@@ -70,17 +77,22 @@ def shape_layout(shape: str, controller: dict, model: Roofline) -> FleetLayout:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("shapes", nargs="+")
-    p.add_argument("--copies", type=int, default=20)
-    p.add_argument("--duration", type=float, default=300.0, help="simulated seconds")
-    p.add_argument("--burst", type=float, action="append", help="a burst's start (s); repeatable")
-    p.add_argument("--burst-length", type=float, default=200.0)
+    p.add_argument("shapes", nargs="*", help="one or more (see above)")
+    p.add_argument("--copies", type=int, help=f"default {DEFAULTS['copies']}")
+    p.add_argument("--duration", type=float, help=f"simulated seconds (default {DEFAULTS['duration']:g})")
+    p.add_argument("--burst", type=float, action="append", help="a burst's start (s); repeatable (default 0)")
+    p.add_argument("--burst-length", type=float, help=f"default {DEFAULTS['burst_length']:g}")
     p.add_argument("--burst-rate", type=float, default=3.0)
     p.add_argument("--prompt-scale", type=float, default=4.0)
     p.add_argument("--prompt-max", type=int, default=12000)
     p.add_argument("--output-len", type=int, default=400)
     p.add_argument("--controller", type=json.loads, default={}, help="JSON: spec.controller overrides")
-    a = p.parse_args()
+    a = arguments(__doc__, p)
+    for name, value in (QUICK if a.quick else DEFAULTS).items():
+        if getattr(a, name) in (None, []):
+            setattr(a, name, value)
+    if not a.shapes:
+        p.error("give at least one shape")
     model = Roofline(load_model_dims("llama-3.1-8b"), PROFILES["h100-sxm"])
     layouts = {s: shape_layout(s, a.controller, model) for s in a.shapes}
     bursts = a.burst if a.burst is not None else [0.0]
@@ -111,7 +123,7 @@ def main() -> None:
                   "burst_rate": a.burst_rate, "prompt_scale": a.prompt_scale, "prompt_max": a.prompt_max,
                   "output_len": a.output_len, "controller": a.controller},
         "prefix_caching": True, "prefix_cache_hit_rate": 0.0, "machine": machine(),
-    })
+    }, quick=a.quick)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ same scheduler knobs and KV blocks, and compared with its real replay:
 - TTFT and ITL p50 and p99: ``|simulated - real| / real``.
 
 Targets (issue 13): per-step mean error <= 10 %, p50 <= 10 %, p99 <= 20 %. Last line JSON
-(``ratio``: the worst of the five errors over its target, <= 1 meets them all).
+(``ratio``: the worst of the five errors over its target, <= 1 meets them all). ``--quick``: the
+tests' tiny random Llama (its steps fitted as if SmolLM2's), segments of 8 requests at the recorded
+arrival rate.
 """
 
 from __future__ import annotations
@@ -34,26 +36,26 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import CONV_TRACE, machine, report, serving
-from cadenza.node.embedded import ensure_embedded_model
+from bench.common import CONV_TRACE, arguments, bench_model, machine, report, serving
 from cadenza.node.replay.trace import TraceRequest, load_trace, scale_trace
 
-SEGMENT = 64
+SEGMENT, QUICK_SEGMENT = 64, 8
 NUM_KV_BLOCKS = 2048
 SCALING = {"time_scale": 4.0, "length_scale": 0.25, "max_input_len": 512, "max_output_len": 48}
+QUICK_SCALING = {**SCALING, "time_scale": 1.0}
 FIT_SEGMENTS = 2  # the calibration run replays this many segments' worth: batches of every size
 SERVE = ["--engine-process", "on", "--threads", "1", "--num-kv-blocks", str(NUM_KV_BLOCKS)]
 REUSE = False
 TARGETS = {"step_mean": 0.10, "ttft_p50": 0.10, "itl_p50": 0.10, "ttft_p99": 0.20, "itl_p99": 0.20}
 
 
-def segments() -> list[list[TraceRequest]]:
+def segments(segment: int = SEGMENT, scaling: dict = SCALING) -> list[list[TraceRequest]]:
     """The calibration run's requests and the held-out segment's after them, each rebased to
     start at 0."""
-    n = (FIT_SEGMENTS + 1) * SEGMENT
-    trace = scale_trace(load_trace(CONV_TRACE), num_requests=n, **SCALING).requests
+    n = (FIT_SEGMENTS + 1) * segment
+    trace = scale_trace(load_trace(CONV_TRACE), num_requests=n, **scaling).requests
     out = []
-    for part in (trace[:FIT_SEGMENTS * SEGMENT], trace[FIT_SEGMENTS * SEGMENT:]):
+    for part in (trace[:FIT_SEGMENTS * segment], trace[FIT_SEGMENTS * segment:]):
         t0 = part[0].arrival_s
         out.append([TraceRequest(r.arrival_s - t0, r.input_len, r.output_len) for r in part])
     return out
@@ -111,13 +113,14 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, help="keep the step logs, profiles and replays here")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse the real runs already in --workdir (re-fit and re-simulate only)")
-    args = parser.parse_args()
+    args = arguments(__doc__, parser)
     global REUSE
     REUSE = args.reuse and args.workdir is not None
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cadenza-sim-validation-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    model = ensure_embedded_model()
-    fit_trace, test_trace = segments()
+    model = bench_model(args.quick)
+    segment, scaling = (QUICK_SEGMENT, QUICK_SCALING) if args.quick else (SEGMENT, SCALING)
+    fit_trace, test_trace = segments(segment, scaling)
     runs = replay_both(model, {"fit": write_jsonl(fit_trace, workdir / "fit.jsonl"),
                                "test": write_jsonl(test_trace, workdir / "test.jsonl")}, workdir)
     (fit_summary, fit_steps), (test_summary, test_steps) = runs["fit"], runs["test"]
@@ -165,9 +168,9 @@ def main() -> None:
         "steps_fitted": sum(1 for _ in fit_steps.open()),
         "steps_held_out": int(len(held_out)),
         "machine": machine(),
-        "workload": (f"Azure conv requests 0-{FIT_SEGMENTS * SEGMENT - 1} (fit) and {FIT_SEGMENTS * SEGMENT}-"
-                     f"{(FIT_SEGMENTS + 1) * SEGMENT - 1} (held out), {SCALING}"),
-    })
+        "workload": (f"Azure conv requests 0-{FIT_SEGMENTS * segment - 1} (fit) and {FIT_SEGMENTS * segment}-"
+                     f"{(FIT_SEGMENTS + 1) * segment - 1} (held out), {scaling}"),
+    }, quick=args.quick)
 
 
 if __name__ == "__main__":

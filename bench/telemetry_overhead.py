@@ -8,7 +8,8 @@ its events, the per-step metrics in the engine thread, and TTFT/ITL/TPOT/usage h
 output. Exporters are the Prometheus reader (scraped once per round) — OTLP export runs in the
 SDK's background threads and is not on this path. Each round's on/off pair runs back to back, so
 both see the same machine; the reported ratio is the median of the per-round ratios of mean step
-time on/off (target ≤ 1.05); last line JSON.
+time on/off (target ≤ 1.05); last line JSON. ``--quick``: one round of 4 requests on the tests' tiny
+random Llama.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from __future__ import annotations
 import statistics
 import time
 
-from bench.common import conv_trace, hit_rate, machine, prompt_ids, report
+from bench.common import arguments, bench_model, conv_trace, hit_rate, machine, prompt_ids, report
 from cadenza.node.replay.trace import scale_trace
-from cadenza.node.embedded import ensure_embedded_model
 from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import SamplingParams
 from cadenza.node.frontend.telemetry import Telemetry
 
 ROUNDS, NUM_REQUESTS = 7, 16
+QUICK_ROUNDS, QUICK_REQUESTS = 1, 4
 
 
 def run(engine: Engine, prompts: list[list[int]], outputs: list[int], telemetry: Telemetry | None, tag: str) -> float:
@@ -49,8 +50,10 @@ def run(engine: Engine, prompts: list[list[int]], outputs: list[int], telemetry:
 
 
 def main() -> None:
-    model = ensure_embedded_model()
-    trace, scaling = scale_trace(conv_trace(), length_scale=1 / 8, num_requests=NUM_REQUESTS)
+    args = arguments(__doc__)
+    model = bench_model(args.quick)
+    rounds, num_requests = (QUICK_ROUNDS, QUICK_REQUESTS) if args.quick else (ROUNDS, NUM_REQUESTS)
+    trace, scaling = scale_trace(conv_trace(), length_scale=1 / 8, num_requests=num_requests)
     prompts = prompt_ids(model, [r.input_len for r in trace])
     outputs = [min(32, max(4, r.output_len * 2)) for r in trace]
     # Prefix caching off: every round recomputes the same prompts, so rounds stay comparable.
@@ -59,7 +62,7 @@ def main() -> None:
     telemetry = Telemetry(engine.config.model_name, stats=engine.stats, otlp=False)
     run(engine, prompts[:4], outputs[:4], None, "warm")
     times: dict[str, list[float]] = {"off": [], "on": []}
-    for r in range(ROUNDS):
+    for r in range(rounds):
         times["off"].append(run(engine, prompts, outputs, None, f"off{r}"))
         times["on"].append(run(engine, prompts, outputs, telemetry, f"on{r}"))
         print(f"round {r + 1}: step {times['off'][-1] * 1e3:.1f} ms off, {times['on'][-1] * 1e3:.1f} ms on")
@@ -72,13 +75,13 @@ def main() -> None:
         "ratio": round(ratio, 4),
         "target": 1.05,
         "step_ms": {"off": round(off * 1e3, 2), "on": round(on * 1e3, 2)},
-        "workload": {"trace": "azure2023 conv", "requests": NUM_REQUESTS, "length_scale": scaling.length_scale,
+        "workload": {"trace": "azure2023 conv", "requests": num_requests, "length_scale": scaling.length_scale,
                      "outputs": "x2 of the scaled trace, 4 to 32 tokens"},
         "prefix_caching": False,
         "prefix_cache_hit_rate": round(hit_rate(engine), 4),
         "pass": ratio <= 1.05,
         "machine": machine(),
-    })
+    }, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ Both count only the output tokens the trace asks for (``ignore_eos``; EOS disabl
 The two run alternately, twice each; the medians are compared. Target: ratio of output
 tokens/s ≥ 2. cadenza's prefix caching is off: the rounds replay the same prompts, which a cache
 would serve from the second round on, and transformers has none (the hit rate is reported: 0).
+
+``--quick``: one round of the first 8 requests (outputs capped at 16) on the tests' tiny random Llama.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.common import conv_trace, hit_rate, machine, prompt_ids, report
+from bench.common import arguments, bench_model, conv_trace, hit_rate, machine, prompt_ids, report
 from cadenza.node.replay.trace import scale_trace
-from cadenza.node.embedded import ensure_embedded_model
 from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import SamplingParams
 
 NUM_REQUESTS, LENGTH_SCALE, MAX_INPUT, MAX_OUTPUT, HF_BATCH, ROUNDS = 64, 1 / 8, 512, 128, 8, 2
+QUICK_REQUESTS, QUICK_MAX_OUTPUT, QUICK_ROUNDS = 8, 16, 1
 
 
 def run_cadenza(engine: Engine, prompts: list[list[int]], outputs: list[int]) -> float:
@@ -55,9 +57,12 @@ def run_hf(model, prompts: list[list[int]], outputs: list[int], pad_id: int) -> 
 
 
 def main() -> None:
-    model_dir = ensure_embedded_model()
+    args = arguments(__doc__)
+    model_dir = bench_model(args.quick)
+    num_requests, max_output, rounds = ((QUICK_REQUESTS, QUICK_MAX_OUTPUT, QUICK_ROUNDS) if args.quick
+                                        else (NUM_REQUESTS, MAX_OUTPUT, ROUNDS))
     trace, scaling = scale_trace(conv_trace(), length_scale=LENGTH_SCALE, max_input_len=MAX_INPUT,
-                                 max_output_len=MAX_OUTPUT, num_requests=NUM_REQUESTS)
+                                 max_output_len=max_output, num_requests=num_requests)
     print(f"workload: {scaling.describe()}")
     prompts = prompt_ids(model_dir, [r.input_len for r in trace])
     outputs = [r.output_len for r in trace]
@@ -66,12 +71,12 @@ def main() -> None:
     engine = Engine.from_model(model_dir, kv_cache_bytes=1 << 30, prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
-    pad_id = min(engine.eos_token_ids)
+    pad_id = min(engine.core.eos_token_ids)
     run_cadenza(engine, prompts[:4], outputs[:4])  # warm up
     run_hf(hf, prompts[:4], [4] * 4, pad_id)
 
     times: dict[str, list[float]] = {"cadenza": [], "transformers": []}
-    for r in range(ROUNDS):
+    for r in range(rounds):
         times["cadenza"].append(run_cadenza(engine, prompts, outputs))
         times["transformers"].append(run_hf(hf, prompts, outputs, pad_id))
         print(f"round {r + 1}: cadenza {useful / times['cadenza'][-1]:6.1f} tok/s, "
@@ -91,7 +96,7 @@ def main() -> None:
         "workload": {"trace": "azure2023 conv", **scaling.as_dict()},
         "pass": ratio >= 2.0,
         "machine": machine(),
-    })
+    }, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -64,9 +64,20 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long-benchmarks", action="store_true",
+                     help="also run the tests marked long_benchmark (`make test-long`; CI runs it after `make test`)")
+
+
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules holding ``slow`` tests first (stable: each module stays whole and in order)."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules holding ``slow`` tests first (stable: each module stays whole and in order); tests
+    marked ``long_benchmark`` skipped without ``--long-benchmarks``."""
+    if not config.getoption("--long-benchmarks"):
+        skip = pytest.mark.skip(reason="a long benchmark: run with --long-benchmarks (make test-long; CI runs it)")
+        for item in items:
+            if item.get_closest_marker("long_benchmark"):
+                item.add_marker(skip)
     slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_modules)
 
