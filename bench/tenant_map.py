@@ -7,7 +7,8 @@ configured, then the same after ``PUT /admin/config`` has configured N tenants (
 the policy accepts, ``MAX_TENANTS``), each with both quotas; then they are removed again. While
 a PUT runs, ``/health`` is polled every 20 ms; its slowest answer is reported. ``ratio``: median request latency with the
 tenants over without (target ≤ 1.2: a tenant costs only while it has live requests). A tenant map
-over the limit is refused with a 400 (printed, not timed). Last line JSON.
+over the limit is refused with a 400 (printed, not timed). ``--quick``: one round of 10 requests
+per phase. Last line JSON.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.common import machine, report, serving, tiny_random_llama
+from bench.common import arguments, machine, quick_model, report, serving, tiny_random_llama
 from cadenza.node.core.policy import MAX_TENANTS
 
 TOKEN = "bench-tenant-map"
@@ -101,19 +102,17 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=MAX_TENANTS, help="tenants to configure (default: the limit)")
     parser.add_argument("--requests", type=int, default=50, help="timed requests per phase and round")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
-    parser.add_argument("--quick", action="store_true", help="one round of 10 requests per phase")
-    args = parser.parse_args()
+    args = arguments(__doc__, parser)
     requests, rounds = (10, 1) if args.quick else (args.requests, args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
-        model = tiny_random_llama(Path(tmp) / "tiny")
+        model = quick_model() if args.quick else tiny_random_llama(Path(tmp) / "tiny")
         os.environ["CADENZA_ADMIN_TOKEN"] = TOKEN
         with serving(["--model", str(model), "--served-model-name", "tiny", "--max-model-len", "256",
-                      "--num-kv-blocks", "64"], Path(tmp) / "serve.log") as base:
+                      "--num-kv-blocks", "64"], Path(tmp) / "serve.log", quick=args.quick) as base:
             result = asyncio.run(measure(base, args.tenants, requests, rounds))
     with_ms = result["request_ms_with"]
     ratio = None if with_ms is None else round(with_ms / result["request_ms_without"], 3)
-    report({"benchmark": "tenant_map", "ratio": ratio, "target": "<= 1.2", **result, **machine()})
-
+    report({"benchmark": "tenant_map", "ratio": ratio, "target": "<= 1.2", **result, **machine()}, quick=args.quick)
 
 if __name__ == "__main__":
     main()

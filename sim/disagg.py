@@ -24,6 +24,8 @@ the blocks at its request's end; the lease is not modelled.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,6 +68,10 @@ def ready_at(link: KVLinkModel, arrival_s: float, prefill_end_s: float, prompt_t
 
 class SimConnector:
     """A decode replica's KV connector: tells the fleet a load began (the fleet ends it)."""
+
+    # The simulated prefill replica keeps a request's KV until the request ends (no lease to
+    # renew), so a request queued here keeps its source however long it waits.
+    max_hold_s = math.inf
 
     def __init__(self, on_start: Callable[[str, int], None]) -> None:
         self._on_start = on_start
