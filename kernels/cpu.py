@@ -68,11 +68,27 @@ def _cpu_fingerprint() -> str:
 
 
 def _build_dir() -> Path:
+    """The folder the module is built in: one per torch version, CPU and source text, so that every
+    checkout on a machine (a second clone, each CI run's fresh one) shares one build, and a changed
+    source gets a folder of its own. The source is built from its copy there (:func:`_source_copy`):
+    torch's build file names the source's path, and ninja rebuilds for a command that changed."""
     base = os.environ.get("CADENZA_CACHE_DIR")
     root = Path(base) if base else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cadenza"
-    path = root / "torch_extensions" / f"torch{torch.__version__.replace('+', '_')}-{_cpu_fingerprint()}"
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    path = root / "torch_extensions" / f"torch{torch.__version__.replace('+', '_')}-{_cpu_fingerprint()}-{digest}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _source_copy(build_dir: Path) -> Path:
+    """The source's copy in ``build_dir``, written once (atomically: starts at once never see half
+    of it); never rewritten, so its time stamp never makes ninja rebuild a current module."""
+    copy = build_dir / SOURCE.name
+    if not copy.exists():
+        staging = build_dir / f".{SOURCE.name}.{os.getpid()}"
+        staging.write_bytes(SOURCE.read_bytes())
+        os.replace(staging, copy)
+    return copy
 
 
 def _put_ninja_on_path() -> None:
@@ -101,13 +117,8 @@ def _interrupted(exc: BaseException) -> bool:
 
 
 def _needs_build(build_dir: Path) -> bool:
-    """Whether ``build_dir`` lacks a module built from the current source (the folder is per torch
-    version and CPU, so the source is what can have changed)."""
-    built = build_dir / "cadenza_cpu_ops.so"
-    try:
-        return built.stat().st_mtime < SOURCE.stat().st_mtime
-    except OSError:
-        return True
+    """Whether ``build_dir`` lacks the module (the folder is per torch version, CPU and source)."""
+    return not (build_dir / "cadenza_cpu_ops.so").exists()
 
 
 class _BuildNotice:
@@ -119,7 +130,7 @@ class _BuildNotice:
         expected: no module built from the current source is there: say so at once. Otherwise
             (it will most likely just load) say so only if loading still runs after
             :data:`NOTICE_AFTER_S` seconds: ninja rebuilds for reasons a look at the folder misses
-            (other compiler flags, the source at another path: a second checkout).
+            (other compiler flags, a compiler upgraded since).
     """
 
     def __init__(self, build_dir: Path, expected: bool) -> None:
@@ -165,7 +176,7 @@ def _load():
             _put_ninja_on_path()
             _ops = load(
                 name="cadenza_cpu_ops",
-                sources=[str(SOURCE)],
+                sources=[str(_source_copy(build_dir))],
                 extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),

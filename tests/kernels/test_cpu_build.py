@@ -122,8 +122,8 @@ def test_ctrl_c_during_the_first_build_stops_serve_cleanly_and_says_why(tmp_path
 
 
 def test_a_rebuild_the_cache_folder_did_not_predict_is_still_told(fresh, monkeypatch, caplog):
-    """A module built from the same source at another path (a second checkout) looks current, but
-    ninja rebuilds it: once loading runs long, the log says it is a build."""
+    """A module already in the folder looks current, but ninja rebuilds it when its command changed
+    (other flags, another compiler): once loading runs long, the log says it is a build."""
     monkeypatch.setattr(cpu, "NOTICE_AFTER_S", 0.05)
     (cpu._build_dir() / "cadenza_cpu_ops.so").touch()
 
@@ -136,3 +136,26 @@ def test_a_rebuild_the_cache_folder_did_not_predict_is_still_told(fresh, monkeyp
         assert cpu.available()
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0].startswith("building the compiled CPU kernels") and lines[-1].startswith("compiled CPU kernels: built")
+
+
+def test_checkouts_at_other_paths_share_one_build_and_a_changed_source_gets_its_own(fresh, monkeypatch, tmp_path):
+    """Each checkout (a second clone, each CI run's fresh one) built the same source at its own
+    path, so ninja, whose command names the path, rebuilt it for every checkout in turn."""
+    built = []
+
+    def loader(**kwargs):
+        built.append((kwargs["build_directory"], kwargs["sources"]))
+        return "the module"
+
+    for checkout, text in (("one", "// the kernels"), ("two", "// the kernels"), ("three", "// changed")):
+        source = tmp_path / checkout / "csrc" / "cpu_ops.cpp"
+        source.parent.mkdir(parents=True)
+        source.write_text(text)
+        monkeypatch.setattr(cpu, "SOURCE", source)
+        monkeypatch.setattr(cpu, "_ops", None)  # a new process
+        fresh(loader)
+        assert cpu.available()
+    (dir_one, sources_one), (dir_two, sources_two), (dir_three, sources_three) = built
+    assert (dir_one, sources_one) == (dir_two, sources_two)  # the same build command: nothing to rebuild
+    assert not sources_one[0].startswith(str(tmp_path / "one"))
+    assert dir_three != dir_one and open(sources_three[0]).read() == "// changed"
