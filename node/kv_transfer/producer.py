@@ -246,7 +246,8 @@ class KVProducer:
         except (TransferError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
             log.debug("KV transfer connection closed: %s", e)
         except asyncio.CancelledError:  # close(), or evicted for another: end quietly
-            pass
+            if conn is not None and conn.slot.evicted and not conn.slot.established:  # say why, unlogged
+                writer.write(protocol.encode("refused", code="busy", reason="handshake cut for another"))
         finally:
             if control is not None:
                 control.cancel()

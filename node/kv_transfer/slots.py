@@ -5,8 +5,11 @@ most :data:`HANDSHAKE_TIMEOUT_S`; then **established** (its peer proved the pool
 state has its own slots, so peers that never authenticate cannot take the slots real pulls need:
 
 - handshaking: at most :data:`MAX_HANDSHAKES_PER_PEER` from one address (more are refused
-  ``busy`` at once) and :data:`MAX_HANDSHAKES` in all (a new one cuts the oldest: a real
-  handshake takes two round trips, a stalling one waits for its deadline);
+  ``busy`` at once) and :data:`MAX_HANDSHAKES` in all. A new one past that cuts the oldest
+  handshake **of the address that has the most under way** (the cut peer is told ``busy``): a
+  flood from a few addresses cuts its own handshakes, not a real peer's, which takes two round
+  trips and holds one or a few. Only a flood from more addresses than :data:`MAX_HANDSHAKES`,
+  each holding as few handshakes as the real peer, can cut a real one (then the oldest goes);
 - established: at most :data:`MAX_CONNECTIONS_PER_PEER` from one address and
   :data:`MAX_CONNECTIONS` in all. A new one past either cap **evicts** the longest-idle
   connection (of that address, or of all) that is not streaming a pull; when every one is
@@ -28,6 +31,7 @@ callback closes its connection.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -77,8 +81,8 @@ class Slots:
         return sum(not s.evicted for s in self._slots)
 
     def open(self, peer: str, cut: Callable[[], None]) -> Slot:
-        """A handshaking slot for a connection from ``peer`` (cutting the oldest handshake when
-        all are taken).
+        """A handshaking slot for a connection from ``peer`` (when all are taken, cutting the
+        oldest handshake of the address with the most under way).
 
         Raises:
             Busy: ``peer`` already has :data:`MAX_HANDSHAKES_PER_PEER` handshakes under way.
@@ -87,7 +91,9 @@ class Slots:
         if sum(s.peer == peer for s in shaking) >= MAX_HANDSHAKES_PER_PEER:
             raise Busy(f"more than {MAX_HANDSHAKES_PER_PEER} handshakes at once from one address")
         if len(shaking) >= MAX_HANDSHAKES:
-            self._evict(min(shaking, key=lambda s: s.opened))
+            held = Counter(s.peer for s in shaking)
+            most = max(held.values())
+            self._evict(min((s for s in shaking if held[s.peer] == most), key=lambda s: s.opened))
         slot = Slot(peer, cut)
         self._slots.add(slot)
         return slot

@@ -202,6 +202,43 @@ async def test_connections_that_never_authenticate_cannot_take_the_slots_a_real_
     await consumer.close()
 
 
+async def test_a_handshake_flood_from_a_few_addresses_cuts_its_own_handshakes_not_a_real_peers(producer):
+    """Silent connections from 20 addresses (each under its per-address cap) kept the handshake
+    slots full, and each new one cut the oldest handshake: a real consumer's too, whose pull then
+    failed as a lost ``connection``. Now the flood's own handshakes are cut first."""
+    _, port = producer
+    flood = []
+
+    async def open_flood(n: int) -> None:
+        for i in range(n):
+            flood.append(await connect(port, f"127.0.0.{2 + i % 20}"))
+        await asyncio.sleep(0.05)
+
+    await open_flood(slots.MAX_HANDSHAKES - 1)
+    reader, writer = await connect(port, "127.0.0.1")  # a real peer starts its handshake, the 64th
+    frame, nonce_c = handshake.hello()
+    writer.write(frame)
+    auth, nonce_p = handshake.answer(await read_frame(reader), TOKEN, nonce_c, FP, "test")
+    await open_flood(2 * slots.MAX_HANDSHAKES)  # each one past the cap cuts a handshake
+    writer.write(auth)
+    handshake.check_welcome(await read_frame(reader), TOKEN, nonce_c, nonce_p, FP, "test")  # not cut
+    writer.close()
+    for _, w in flood:
+        w.close()
+
+
+async def test_a_handshake_cut_for_another_is_told_busy(producer, monkeypatch):
+    monkeypatch.setattr(slots, "MAX_HANDSHAKES", 2)
+    _, port = producer
+    kept = [await connect(port, "127.0.0.2") for _ in range(2)]
+    await asyncio.sleep(0.05)
+    kept.append(await connect(port, "127.0.0.3"))  # the handshakes are full: 127.0.0.2's oldest goes
+    refusal = await asyncio.wait_for(read_frame(kept[0][0]), 2)
+    assert (refusal["kind"], refusal["code"]) == ("refused", "busy")
+    for _, writer in kept:
+        writer.close()
+
+
 async def test_a_peer_holding_every_slot_by_pulling_nothing_gives_way_to_a_real_pull(producer, monkeypatch):
     monkeypatch.setattr(slots, "MAX_CONNECTIONS", 4)
     monkeypatch.setattr(producer_module, "PUBLISH_WAIT_S", 0.05)
