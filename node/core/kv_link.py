@@ -45,6 +45,7 @@ from cadenza.node.kv_transfer.consumer import KVConsumer
 from cadenza.node.kv_transfer.producer import KVProducer
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
 from cadenza.node.kv_transfer.threshold import FIXED_S, Rule
+from cadenza.node.kv_transfer.throttled_log import ThrottledLog
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class KVLink:
         self._renewed = time.monotonic()
         self._holding = None  # the last renewal of held sources, while it runs (one at a time)
         self._loads: dict[str, _Load] = {}
+        self._failures = ThrottledLog(log)  # failed pulls: a mismatched rollout must not be silent here
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-transfer", daemon=True)
         self._thread.start()
@@ -265,6 +267,8 @@ class KVLink:
                 self._events.put(("blocks", rid, frame))
             self._events.put(("done", rid, None))
         except TransferError as e:
+            self._failures.warning(e.kind, "KV transfer: pulling %s's prompt KV from %s:%s failed (%s), computing it "
+                                   "here: %s", rid, source.host, source.port, e.kind, e)
             self._events.put(("failed", rid, e.kind))
         except Exception:  # a bug: fail the load (recomputed), never the engine
             log.exception("pulling the KV of %s failed", rid)

@@ -46,6 +46,7 @@ from cadenza.node.kv_transfer.handshake import Refusal, TokenSource
 from cadenza.node.kv_transfer.leases import DEFAULT_LEASE_S, LeaseTable
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
 from cadenza.node.kv_transfer.slots import Busy, Slot, Slots
+from cadenza.node.kv_transfer.throttled_log import ThrottledLog
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,6 @@ PUBLISH_WAIT_S = 5.0  # a pull may arrive before its request is published (the e
 HEADER_TIMEOUT_S = 10.0  # once a header's length arrived, its bytes must follow within this
 MAX_QUEUED_PULLS = 4  # pulls waiting on one connection; more close it (a consumer sends one at a time)
 MAX_QUEUED_PULLS_TOTAL = 1024  # pulls waiting on every connection together; more close the one that sends it
-REFUSAL_LOG_EVERY_S = 60.0  # refusals of one kind are logged at most this often (a flood is one line a minute)
 EXPIRY_CHECK_S = 0.25  # how often leases past their deadline are ended (blocks freed within this)
 
 # Reads ``count`` blocks from ``first`` (all layers, layer-major within each block) as bytes.
@@ -121,7 +121,7 @@ class KVProducer:
         self._connections: dict[asyncio.Task, _Connection | None] = {}
         self.slots = Slots()  # connections by state; ``slots.evicted`` counts those cut for another
         self._queued = 0  # pull frames queued on every connection
-        self._logged: dict[str, tuple[float, int]] = {}  # refusal kind -> (last logged, refused since)
+        self._refusals = ThrottledLog(log)  # anyone can cause refusals: a flood logs one line a minute
         self._closed = False
         self._awaited: dict[str, asyncio.Event] = {}  # pulls waiting for their request to be published
         self._ended: deque[str] = deque(maxlen=4096)  # recently ended leases: a pull of one is not waited for
@@ -314,14 +314,7 @@ class KVProducer:
         """Count and log a refused handshake, and tell the peer only the refusal's reason."""
         self.stats.refused += 1
         self.stats.failed(refusal.kind)
-        last, since = self._logged.get(refusal.kind, (-REFUSAL_LOG_EVERY_S, 0))
-        now = time.monotonic()
-        if now - last >= REFUSAL_LOG_EVERY_S:  # anyone can cause refusals: a flood logs one line a minute
-            log.warning("KV transfer: refused %s (%s): %s%s", peer, refusal.kind, refusal.detail,
-                        f" ({since} more refused so since the last such line)" if since else "")
-            self._logged[refusal.kind] = (now, 0)
-        else:
-            self._logged[refusal.kind] = (last, since + 1)
+        self._refusals.warning(refusal.kind, "KV transfer: refused %s (%s): %s", peer, refusal.kind, refusal.detail)
         writer.write(protocol.encode("refused", code=refusal.kind, reason=refusal.reason[:1024]))
 
     async def _stream(self, request_id: str, first_block: int, num_blocks: int, conn: _Connection) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import random
 import time
 
@@ -258,8 +259,11 @@ def test_an_engine_without_an_endpoint_refuses_to_publish_and_computes_remote_pr
         plain, AddRequest("b", prompt, greedy(3)))
 
 
-def test_kv_of_other_weights_is_refused_before_any_block_moves_and_never_cached(tiny_llama_dir, other_weights_dir):
-    """A model-revision rollout keeps the served name and the shapes: the weights must still differ."""
+def test_kv_of_other_weights_is_refused_before_any_block_moves_and_never_cached(tiny_llama_dir, other_weights_dir,
+                                                                               caplog):
+    """A model-revision rollout keeps the served name and the shapes: the weights must still differ.
+    The decode replica says why it computes the prompt itself (it logged nothing: a mismatched
+    rollout showed only as quiet recomputation)."""
     knobs = dict(token_budget=64, chunk_size=64, max_model_len=512, num_kv_blocks=160, block_size=BS,
                  prefix_caching=True, attention_backend="torch", served_model_name="tiny")
     foreign = EngineCore.from_model(other_weights_dir, kv_transfer_port=0, **knobs)
@@ -269,7 +273,9 @@ def test_kv_of_other_weights_is_refused_before_any_block_moves_and_never_cached(
         prompt = [random.Random(11).randrange(3, 300) for _ in range(120)]
         want = run(colocated, AddRequest("c-foreign", prompt, greedy(6)))
         assert run(foreign, AddRequest("f-ref", prompt, greedy(6))) != want  # the weights do differ
-        assert disaggregated(foreign, decode, prompt) == want  # refused, then computed here
+        with caplog.at_level(logging.WARNING, logger="cadenza.node.core.kv_link"):
+            assert disaggregated(foreign, decode, prompt) == want  # refused, then computed here
+        assert any("(incompatible)" in r.getMessage() and "weights" in r.getMessage() for r in caplog.records)
         s = decode.scheduler.stats
         assert s.remote_kv_tokens == 0 and s.remote_kv_failed_loads == 1 and s.remote_kv_recomputed_tokens == 119
         assert dict(decode.kv_link.stats.failures) == {"incompatible": 1}
