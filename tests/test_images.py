@@ -193,3 +193,13 @@ def test_the_documented_pushes_go_to_your_registry_and_show_the_cpu_engine():
         assert True in variants, f"{doc}: no push shows ENGINE_VARIANT=cpu (a CPU engine image)"
     operations = (ROOT / "docs" / "operations.md").read_text()
     assert "No image is published" in operations and all(name in operations for name in defaults.values())
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize("variant", ["gpu", "CPU", ""])
+def test_an_unknown_engine_variant_is_refused_before_anything_builds(variant):
+    """ENGINE_VARIANT=gpu built the CUDA engine and labelled it '(gpu)'."""
+    done = subprocess.run(["make", "image", f"ENGINE_VARIANT={variant}", "OCI=echo"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "ENGINE_VARIANT must be cuda or cpu" in done.stdout + done.stderr
+    assert "engine.Dockerfile" not in done.stdout  # nothing was built (OCI=echo prints what it would build)
