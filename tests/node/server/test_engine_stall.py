@@ -64,7 +64,7 @@ def test_a_stopped_core_process_fails_health_and_requests_and_the_server_exits_f
             stopped = time.monotonic()
             with ThreadPoolExecutor(1) as pool:  # a request that arrives at the frozen core
                 waiting = pool.submit(post, f"{url}/completions", body)
-                events = [line for line in stream.read().split(b"\n\n") if line.startswith(b"data: ")]
+                events = [line for line in stream.read().splitlines() if line.startswith(b"data: ")]
                 ended = time.monotonic() - stopped
                 with pytest.raises(urllib.error.HTTPError) as refused:
                     waiting.result()
