@@ -38,7 +38,7 @@ def register_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pool", type=Path, metavar="POOL.yaml", help="a ServingPool manifest (required)")
     p.add_argument("--pool-name", help="which ServingPool of the file (default: the only one)")
     p.add_argument("--model", help="a shipped model (llama-3.1-8b, ...) or a config.json path (required)")
-    p.add_argument("--hardware", help="a profile (a100-80g, h100-sxm, h200, l40s) or a .json file (required)")
+    p.add_argument("--hardware", help="a profile (a100-80g, h100-sxm, h200, h200-roofline, l40s) or a .json file (required)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per replica (default 1)")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (< 1: more load)")

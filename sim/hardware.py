@@ -15,6 +15,12 @@ Sources (dense, no sparsity): NVIDIA A100 data sheet (312 TFLOP/s bf16, 2,039 GB
 NVLink 600 GB/s total), H100 SXM data sheet (989 TFLOP/s bf16, 3.35 TB/s HBM3, NVLink 900 GB/s
 total), H200 data sheet (989 TFLOP/s, 4.8 TB/s HBM3e, 141 GB), L40S data sheet (362 TFLOP/s bf16
 dense, 864 GB/s GDDR6, 48 GB, PCIe Gen4 x16).
+
+``h200`` is cadenza as it runs on one H200 today: the data-sheet device plus the host dispatch of
+its eager runner, fitted from measured steps (:mod:`cadenza.sim.dispatch`; a decode step takes
+~12 ms at any batch up to 64). ``h200-roofline`` is the same device with no dispatch: an engine
+whose launches hide behind the device (CUDA graphs), for "what if". The other profiles are
+roofline-only until a table measured on them gives their dispatch.
 """
 
 from __future__ import annotations
@@ -48,6 +54,11 @@ class HardwareProfile:
             sampling kernels).
         device_per_row_s: device seconds per row of the batch beyond its tokens (per-sequence
             metadata, sampling); 0 in the data-sheet profiles, fitted by a calibration.
+        dispatch_per_step_s, dispatch_per_row_s: the runner's host time to issue a step (eager
+            dispatch of every kernel, input building, sampling's synchronisation), per step and
+            per row; a step takes the longer of it and the device's time. 0 in the roofline
+            profiles (an engine whose launches hide behind the device); fitted from a measured
+            table by :func:`cadenza.sim.dispatch.fit_dispatch`.
         host_per_step_s, host_per_row_s: the scheduler's CPU time per step and per row
             (``schedule()`` + ``update_from_output()``; :mod:`bench.scheduler_overhead` measures it).
         dtype_bytes: bytes per weight and per KV element (2: bf16).
@@ -71,6 +82,8 @@ class HardwareProfile:
     memory_efficiency: float = 0.8
     step_overhead_s: float = 1.5e-3
     device_per_row_s: float = 0.0
+    dispatch_per_step_s: float = 0.0
+    dispatch_per_row_s: float = 0.0
     host_per_step_s: float = 50e-6
     host_per_row_s: float = 0.5e-6
     dtype_bytes: int = 2
@@ -96,7 +109,8 @@ class HardwareProfile:
         for f in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ProfileError(f"{self.name}: {f} must be in (0, 1], got {getattr(self, f)!r}")
-        for f in ("link_latency_s", "step_overhead_s", "device_per_row_s", "host_per_step_s", "host_per_row_s"):
+        for f in ("link_latency_s", "step_overhead_s", "device_per_row_s", "dispatch_per_step_s", "dispatch_per_row_s",
+                  "host_per_step_s", "host_per_row_s"):
             if not 0 <= getattr(self, f) < math.inf:
                 raise ProfileError(f"{self.name}: {f} must be finite and >= 0, got {getattr(self, f)!r}")
         if self.dtype_bytes not in (1, 2, 4):
@@ -126,12 +140,20 @@ class HardwareProfile:
         return replace(self, **factors)
 
 
+# cadenza's eager runner on one H200 (data/gpu/h200/steps-llama-3.1-8b.jsonl, no CUDA graphs):
+# :func:`cadenza.sim.dispatch.fit_dispatch` over the h200 roofline; tests/sim/test_dispatch.py refits it.
+H200_EAGER_DISPATCH_PER_STEP_S = 12.27e-3
+H200_EAGER_DISPATCH_PER_ROW_S = 15.8e-6
+
+_H200 = HardwareProfile("h200-roofline", 989 * TFLOPS, 4800 * GB, 141 * GB, 450 * GB)
 PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in (
         HardwareProfile("a100-80g", 312 * TFLOPS, 2039 * GB, 80 * GB, 300 * GB),
         HardwareProfile("h100-sxm", 989 * TFLOPS, 3350 * GB, 80 * GB, 450 * GB),
-        HardwareProfile("h200", 989 * TFLOPS, 4800 * GB, 141 * GB, 450 * GB),
+        replace(_H200, name="h200", dispatch_per_step_s=H200_EAGER_DISPATCH_PER_STEP_S,
+                dispatch_per_row_s=H200_EAGER_DISPATCH_PER_ROW_S),
+        _H200,
         HardwareProfile("l40s", 362 * TFLOPS, 864 * GB, 48 * GB, 32 * GB, link_latency_s=25e-6),
     )
 }

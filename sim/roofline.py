@@ -14,10 +14,13 @@ device, the sum of:
   context tokens, against its ``4 C h d L / tp`` FLOPs, whichever is slower;
 - **tensor-parallel all-reduces**: two per layer of ``T x hidden x b`` bytes, ring algorithm
   (``2 (tp - 1) / tp`` of the message over the link) plus a latency each;
-- **fixed costs**: the profile's per-step and per-row device overhead, and the scheduler's host
-  time per step and per row.
+- **fixed costs**: the profile's per-step and per-row device overhead.
 
-The terms are summed (no overlap between them assumed). Within a term, compute and memory
+The terms are summed (no overlap between them assumed). The host **dispatches** the step while
+the device runs it: an eager runner issues each kernel from Python, builds its inputs and waits
+for sampling, ``dispatch_per_step_s + dispatch_per_row_s x rows`` (0 for an engine whose launches
+hide behind the device, as CUDA graphs make them), and the step takes the longer of the device's
+time and the dispatch. The scheduler's host time per step and per row comes before and adds. Within a term, compute and memory
 traffic overlap on a GPU (the slower counts); a profile with ``overlap`` off adds them (a CPU). This is the shape of the models in Vidur (MLSys'24,
 per-operator) and DistServe's simulator (OSDI'24), with the per-operator profiles replaced by a
 roofline and fitted efficiency factors. No torch here.
@@ -75,7 +78,13 @@ class UnitTerms(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class StepTime:
-    """A step's predicted seconds, by term (see the module docstring)."""
+    """A step's predicted seconds, by term (see the module docstring).
+
+    The device terms add up to the device's time. ``dispatch_s`` is the host's time to issue the
+    step (an eager runner's Python dispatch, input building, sampling's synchronisation): the step
+    ends when both are done, so it takes the longer of the two. ``host_s`` (the scheduler's time)
+    comes before the step and adds.
+    """
 
     linear_s: float
     lm_head_s: float
@@ -83,11 +92,17 @@ class StepTime:
     decode_attention_s: float
     allreduce_s: float
     fixed_s: float
+    dispatch_s: float = 0.0
+    host_s: float = 0.0
+
+    @property
+    def device_s(self) -> float:
+        return (self.linear_s + self.lm_head_s + self.prefill_attention_s + self.decode_attention_s
+                + self.allreduce_s + self.fixed_s)
 
     @property
     def total_s(self) -> float:
-        return (self.linear_s + self.lm_head_s + self.prefill_attention_s + self.decode_attention_s
-                + self.allreduce_s + self.fixed_s)
+        return max(self.device_s, self.dispatch_s) + self.host_s
 
 
 class Roofline:
@@ -143,15 +158,17 @@ class Roofline:
         else:
             g = g_head = hw.gemm_efficiency
         both = max if hw.overlap else _add
-        fixed = (hw.step_overhead_s + hw.host_per_step_s
-                 + (hw.device_per_row_s + hw.host_per_row_s) * step.num_rows) if step.num_tokens else 0.0
+        if not step.num_tokens:
+            return StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         return StepTime(
             linear_s=both(u.linear_compute_s / g, u.linear_memory_s / m),
             lm_head_s=both(u.lm_head_compute_s / g_head, u.lm_head_memory_s / m),
             prefill_attention_s=u.prefill_attention_s / a,
             decode_attention_s=both(u.decode_attention_compute_s / a, u.decode_attention_memory_s / m),
             allreduce_s=u.allreduce_s,
-            fixed_s=fixed,
+            fixed_s=hw.step_overhead_s + hw.device_per_row_s * step.num_rows,
+            dispatch_s=hw.dispatch_per_step_s + hw.dispatch_per_row_s * step.num_rows,
+            host_s=hw.host_per_step_s + hw.host_per_row_s * step.num_rows,
         )
 
     def kv_capacity_tokens(self, memory_utilization: float = 0.9, activation_reserve: float = 0.05) -> int:

@@ -1,0 +1,101 @@
+"""The eager runner's host dispatch, fitted from a measured step table.
+
+On a fast GPU cadenza's runner is host-bound: it issues every kernel of a step from Python,
+builds the step's inputs and synchronises for sampling, and the device waits for it. One H200
+(``data/gpu/h200/``: Llama-3.1-8B shapes, no CUDA graphs) took ~12 ms for a decode step at 1 to 64
+rows alike, against a memory floor of 3.8 ms at one row. A profile carries that cost as
+``dispatch_per_step_s + dispatch_per_row_s x rows`` (:class:`~cadenza.sim.hardware.HardwareProfile`),
+and a step takes the longer of it and the device's roofline time (:mod:`cadenza.sim.roofline`).
+
+:func:`fit_dispatch` finds the two figures the way :mod:`cadenza.sim.calibrate` fits its pieces:
+given which steps the dispatch bounds (its prediction above the device's), a least-squares fit of
+their measured seconds, relative (each weighted by ``1 / t``, so a short step counts as much as a
+long one), the figures kept non-negative; then the bound steps are chosen again with the new
+figures, until the choice settles (at most :data:`MAX_ROUNDS`). The start takes the steps whose
+device time is under half their measured time. The device side is the profile as given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cadenza.sim.calibrate import MeasuredStep, step_errors
+from cadenza.sim.hardware import HardwareProfile
+from cadenza.sim.roofline import Roofline
+
+MAX_ROUNDS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchFit:
+    """:func:`fit_dispatch`'s result.
+
+    Attributes:
+        per_step_s, per_row_s: the fitted dispatch, seconds per step and per row.
+        bound_steps: steps the dispatch bounds (of those fitted).
+        mean_abs_error, p90_abs_error: ``|predicted - measured| / measured`` of the steps' runner
+            seconds with the fitted dispatch, mean and 90th percentile.
+    """
+
+    per_step_s: float
+    per_row_s: float
+    bound_steps: int
+    mean_abs_error: float
+    p90_abs_error: float
+
+    def profile(self, hw: HardwareProfile, name: str) -> HardwareProfile:
+        """``hw`` with this dispatch, named ``name``."""
+        return hw.with_factors(name=name, dispatch_per_step_s=self.per_step_s, dispatch_per_row_s=self.per_row_s)
+
+
+def device_seconds(steps: list[MeasuredStep], roofline: Roofline) -> np.ndarray:
+    """Each step's device time on ``roofline`` (seconds; no dispatch, no scheduler)."""
+    return np.array([roofline.step_time(s.composition).device_s for s in steps])
+
+
+def fit_dispatch(steps: list[MeasuredStep], roofline: Roofline) -> DispatchFit:
+    """Fit ``dispatch_per_step_s`` and ``dispatch_per_row_s`` to ``steps`` measured on the device
+    ``roofline.hw`` describes (see the module docstring).
+
+    Raises:
+        ValueError: fewer than two steps the dispatch could bound (nothing to fit).
+    """
+    device = device_seconds(steps, roofline.__class__(roofline.dims, roofline.hw.with_factors(
+        dispatch_per_step_s=0.0, dispatch_per_row_s=0.0), roofline.tp))
+    measured = np.array([s.seconds for s in steps])
+    rows = np.array([float(s.composition.num_rows) for s in steps])
+    bound = device < 0.5 * measured
+    w = np.zeros(2)
+    for _ in range(MAX_ROUNDS):
+        if bound.sum() < 2:
+            raise ValueError(f"{int(bound.sum())} steps are bound by the host's dispatch: nothing to fit")
+        x = np.column_stack([np.ones(int(bound.sum())), rows[bound]]) / measured[bound, None]
+        y = np.ones(int(bound.sum()))  # measured / measured: relative residuals
+        w = _nonnegative_lstsq(x, y)
+        again = w[0] + w[1] * rows > device
+        if (again == bound).all():
+            break
+        bound = again
+    fitted = roofline.__class__(roofline.dims, roofline.hw.with_factors(
+        dispatch_per_step_s=float(w[0]), dispatch_per_row_s=float(w[1])), roofline.tp)
+    errors = step_errors(steps, fitted)
+    return DispatchFit(float(w[0]), float(w[1]), int(bound.sum()), float(errors.mean()),
+                       float(np.percentile(errors, 90)))
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares of ``x w = y`` with ``w >= 0`` (two unknowns: a negative one is set to 0 and
+    the other refitted)."""
+    w, *_ = np.linalg.lstsq(x, y, rcond=None)
+    if (w >= 0).all():
+        return w
+    out = np.zeros(2)
+    for j in range(2):
+        col = x[:, j]
+        out_j = np.zeros(2)
+        out_j[j] = max(0.0, float(col @ y / (col @ col)))
+        if np.linalg.norm(x @ out_j - y) < np.linalg.norm(x @ out - y) or not out.any():
+            out = out_j
+    return out
