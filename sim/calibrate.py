@@ -227,7 +227,7 @@ def curve_knots(steps: list[MeasuredStep]) -> list[float]:
     return kept
 
 
-def _solve(x: np.ndarray, y: np.ndarray, fixed: dict[int, float], nonnegative: tuple[int, ...]) -> np.ndarray:
+def solve_relative(x: np.ndarray, y: np.ndarray, fixed: dict[int, float], nonnegative: tuple[int, ...]) -> np.ndarray:
     """Least squares of ``x w ~ y`` relative to ``y``, with the columns in ``fixed`` held at their
     values and those in ``nonnegative`` clamped at zero (fixed there, the rest refitted)."""
     fixed = dict(fixed)
@@ -285,7 +285,7 @@ def calibrate(steps: list[MeasuredStep], roofline: Roofline, name: str | None = 
     if len(host) >= 2:
         hx = np.array([[1.0, r] for r, _ in host])
         hy = np.maximum(np.array([h for _, h in host]), _TINY)
-        h0, hr = _solve(hx, hy, {}, nonnegative=(0, 1))
+        h0, hr = solve_relative(hx, hy, {}, nonnegative=(0, 1))
         fitted = fitted.with_factors(host_per_step_s=float(h0), host_per_row_s=float(hr))
     k = max(1, len(knots))
     names = [f"gemm_efficiency at {int(t)} tokens" for t in knots] or ["gemm_efficiency"]
@@ -310,7 +310,7 @@ def _fit(terms: list[UnitTerms], steps: list[MeasuredStep], y: np.ndarray, hw: H
         unidentified = {j: w[j] for j in factors if not x[:, j].any()}
         held = dict(unidentified)
         while True:  # a term the data says costs nothing (a factor at or below zero) is made free
-            w_new = _solve(x, y, held, nonnegative=constants)
+            w_new = solve_relative(x, y, held, nonnegative=constants)
             free = {j: _FREE for j in factors if j not in held and not w_new[j] > 0}
             if not free:
                 break

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cadenza.sim.calibrate import MeasuredStep, step_errors
+from cadenza.sim.calibrate import MeasuredStep, solve_relative, step_errors
 from cadenza.sim.hardware import HardwareProfile
 from cadenza.sim.roofline import Roofline
 
@@ -62,8 +62,7 @@ def fit_dispatch(steps: list[MeasuredStep], roofline: Roofline) -> DispatchFit:
     Raises:
         ValueError: fewer than two steps the dispatch could bound (nothing to fit).
     """
-    device = device_seconds(steps, roofline.__class__(roofline.dims, roofline.hw.with_factors(
-        dispatch_per_step_s=0.0, dispatch_per_row_s=0.0), roofline.tp))
+    device = device_seconds(steps, _with_dispatch(roofline, 0.0, 0.0))
     measured = np.array([s.seconds for s in steps])
     rows = np.array([float(s.composition.num_rows) for s in steps])
     bound = device < 0.5 * measured
@@ -71,31 +70,17 @@ def fit_dispatch(steps: list[MeasuredStep], roofline: Roofline) -> DispatchFit:
     for _ in range(MAX_ROUNDS):
         if bound.sum() < 2:
             raise ValueError(f"{int(bound.sum())} steps are bound by the host's dispatch: nothing to fit")
-        x = np.column_stack([np.ones(int(bound.sum())), rows[bound]]) / measured[bound, None]
-        y = np.ones(int(bound.sum()))  # measured / measured: relative residuals
-        w = _nonnegative_lstsq(x, y)
+        x = np.column_stack([np.ones(int(bound.sum())), rows[bound]])
+        w = solve_relative(x, measured[bound], {}, nonnegative=(0, 1))
         again = w[0] + w[1] * rows > device
         if (again == bound).all():
             break
         bound = again
-    fitted = roofline.__class__(roofline.dims, roofline.hw.with_factors(
-        dispatch_per_step_s=float(w[0]), dispatch_per_row_s=float(w[1])), roofline.tp)
-    errors = step_errors(steps, fitted)
+    errors = step_errors(steps, _with_dispatch(roofline, float(w[0]), float(w[1])))
     return DispatchFit(float(w[0]), float(w[1]), int(bound.sum()), float(errors.mean()),
                        float(np.percentile(errors, 90)))
 
 
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares of ``x w = y`` with ``w >= 0`` (two unknowns: a negative one is set to 0 and
-    the other refitted)."""
-    w, *_ = np.linalg.lstsq(x, y, rcond=None)
-    if (w >= 0).all():
-        return w
-    out = np.zeros(2)
-    for j in range(2):
-        col = x[:, j]
-        out_j = np.zeros(2)
-        out_j[j] = max(0.0, float(col @ y / (col @ col)))
-        if np.linalg.norm(x @ out_j - y) < np.linalg.norm(x @ out - y) or not out.any():
-            out = out_j
-    return out
+def _with_dispatch(roofline: Roofline, per_step_s: float, per_row_s: float) -> Roofline:
+    hw = roofline.hw.with_factors(dispatch_per_step_s=per_step_s, dispatch_per_row_s=per_row_s)
+    return Roofline(roofline.dims, hw, roofline.tp)
