@@ -167,10 +167,10 @@ def _load():
     with _lock:
         if _ops is not None or _error is not None:
             return _ops
-        build_dir = _build_dir()
-        notice = _BuildNotice(build_dir, expected=_needs_build(build_dir))
-        outcome = "failed"
-        try:
+        notice, outcome = None, "failed"
+        try:  # everything here may fail (a read-only cache folder too): the references stay
+            build_dir = _build_dir()
+            notice = _BuildNotice(build_dir, expected=_needs_build(build_dir))
             from torch.utils.cpp_extension import load
 
             _put_ninja_on_path()
@@ -193,7 +193,8 @@ def _load():
             _error = _reason(exc)
             logger.warning("compiled CPU kernels unavailable (%s); using the torch references", _error)
         finally:
-            notice.stop(outcome)
+            if notice is not None:
+                notice.stop(outcome)
         return _ops
 
 

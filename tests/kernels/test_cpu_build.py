@@ -159,3 +159,14 @@ def test_checkouts_at_other_paths_share_one_build_and_a_changed_source_gets_its_
     assert (dir_one, sources_one) == (dir_two, sources_two)  # the same build command: nothing to rebuild
     assert not sources_one[0].startswith(str(tmp_path / "one"))
     assert dir_three != dir_one and open(sources_three[0]).read() == "// changed"
+
+
+def test_a_cache_folder_that_cannot_be_written_keeps_the_references(fresh, monkeypatch, tmp_path, caplog):
+    """The build folder is made before the build: a read-only cache raised out of available()."""
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("CADENZA_CACHE_DIR", str(blocked))
+    fresh(lambda **_: "the module")
+    with caplog.at_level(logging.INFO, logger="cadenza.kernels.cpu"):
+        assert not cpu.available()
+    assert cpu.build_error() and any("torch references" in r.getMessage() for r in caplog.records)
