@@ -89,6 +89,9 @@ class CoreLoop:
             if self._queued:  # their callers answer now, not after the step
                 self.emit(RequestsQueued(self._queued))
                 self._queued = []
+            if failures:  # and so do those refused (a busy core's next step may take seconds)
+                self.emit(StepOutputs(time.monotonic(), failures=failures))
+                failures = []
             if not core.has_unfinished_requests():
                 transferring = core.poll()  # ended leases free their blocks even when idle
                 stats = self._stats(force=not transferring)
