@@ -26,7 +26,7 @@ from cadenza.node.core.config import (
 from cadenza.node.core.knobs import KNOBS, Knob
 from cadenza.node.core.policy import CLASSES, Policy
 from cadenza.node import hub
-from cadenza.node.credentials import KV_TRANSFER_NEEDS_TOKEN, admin_token
+from cadenza.node.credentials import require_kv_token
 from cadenza.node.embedded import EmbeddedModelError
 from cadenza.node.server.http import add_http_arguments
 
@@ -211,8 +211,7 @@ def _serve(args: argparse.Namespace) -> int:
     timeouts = http_timeouts_from_args(args)
     threads = choose_threads(args.threads)
     config = engine_config_from_args(args)
-    if config.kv_transfer_port is not None and admin_token() is None:
-        raise ConfigError(KV_TRANSFER_NEEDS_TOKEN)  # now, not once the model has loaded
+    require_kv_token(config.kv_transfer_port)  # now, not once the model has loaded
     try:
         check_model_folder(config.model)  # fail now, not in the engine core, on a bad folder
     except FileNotFoundError as exc:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cadenza.node.core.config import ConfigError
+
 TOKEN_ENV = "CADENZA_ADMIN_TOKEN"
 TOKEN_FILE_ENV = "CADENZA_ADMIN_TOKEN_FILE"
 # Why a replica with a KV transfer endpoint and no token does not start: an endpoint that refuses
@@ -32,3 +34,13 @@ def admin_token() -> str | None:
         except OSError:
             return None
     return None
+
+
+def require_kv_token(kv_transfer_port: int | None) -> None:
+    """Refuse a KV transfer endpoint (``kv_transfer_port`` set) without the pool's token.
+
+    Raises:
+        ConfigError: :data:`KV_TRANSFER_NEEDS_TOKEN`.
+    """
+    if kv_transfer_port is not None and admin_token() is None:
+        raise ConfigError(KV_TRANSFER_NEEDS_TOKEN)

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from cadenza.node.core.config import listen_problem as port_problem
+from cadenza.node.credentials import TOKEN_ENV, TOKEN_FILE_ENV
 from cadenza.operator.actuator import Actuator
 from cadenza.operator.local_control import local_actuator
 from cadenza.operator.pool import Pool, PoolSpecError
@@ -55,8 +56,6 @@ from cadenza.operator.render import cpu_threads
 logger = logging.getLogger("cadenza.up")
 GRACE_S = 30.0
 MAX_BACKOFF_S = 30.0
-# As `cadenza serve` reads its admin token (cadenza.node.server.auth, which the operator may not import).
-TOKEN_ENV, TOKEN_FILE_ENV = "CADENZA_ADMIN_TOKEN", "CADENZA_ADMIN_TOKEN_FILE"
 RUN_TOKEN_FILE = "admin-token"  # the per-run token, in the run folder (mode 0600)
 MODES_WITH_TOKEN = ("auto", "disaggregated")  # the controller's admin calls; the KV transfer headers
 

@@ -18,14 +18,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from cadenza.node.core.block_manager import KVBlockManager
-from cadenza.node.core.config import ConfigError, EngineConfig, SchedulerConfig, resolve_max_model_len
+from cadenza.node.core.config import EngineConfig, SchedulerConfig, resolve_max_model_len
 from cadenza.node.core.knobs import config_view, reconfigured
 from cadenza.node.core.kv_link import KVLink
 from cadenza.node.core.messages import AddRequest, EngineReady, RequestDelta, StepRecord
 from cadenza.node.core.request import Request, RequestStatus
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.core.stats import EngineStats
-from cadenza.node.credentials import KV_TRANSFER_NEEDS_TOKEN, admin_token
+from cadenza.node.credentials import require_kv_token
 from cadenza.node.kv_transfer.protocol import Fingerprint
 from cadenza.node.model_digest import model_digest
 from cadenza.node.runner.model_runner import ModelRunner
@@ -47,8 +47,7 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, extra_eos_token_ids: Iterable[int] = ()) -> None:
-        if config.kv_transfer_port is not None and admin_token() is None:
-            raise ConfigError(KV_TRANSFER_NEEDS_TOKEN)
+        require_kv_token(config.kv_transfer_port)
         self.model_config = ModelConfig.from_pretrained(config.model)
         model_max = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
