@@ -381,7 +381,8 @@ def apply(obj: dict, live: dict | None = None) -> str:
                 raise
             create(namespace, desired, field_manager=FIELD_MANAGER)  # a server that cannot create on apply (kmock)
             return outcome
-        if stored is not None and (removal := leftovers(api_client().sanitize_for_serialization(stored), desired)):
+        if (stored is not None and desired["kind"] in _ATOMIC  # only atomic fields can keep leftovers
+                and (removal := leftovers(api_client().sanitize_for_serialization(stored), desired))):
             patch(name, namespace, removal, field_manager=FIELD_MANAGER, _content_type=MERGE_PATCH)
         return outcome
     except Conflict:
