@@ -29,13 +29,17 @@ real content: each special-token occurrence in a message's strings (found by the
 itself, so its matching rules hold) is wrapped in two Unicode noncharacters that nothing the
 template renders holds (a client may send noncharacters too: a free pair is picked), and which
 templates copy as they copy any character. After rendering, the wrapped spans are where the
-caller's special text landed. The prompt is encoded as usual, and the tokens over each such span
-are re-encoded as plain text. A conversation without special-token text is encoded exactly as
-by default.
+caller's special text landed. The prompt is encoded as usual; the template's own control tokens
+(those outside every span) cut it into stretches of text, and each stretch that holds a span is
+encoded again, whole, as plain text, so the words around the caller's special text merge as in
+any text. A conversation without special-token text is encoded exactly as by default. (A
+SentencePiece tokenizer that marks only the prompt's first word as a word start would mark a
+re-encoded stretch's first word too.)
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -340,22 +344,30 @@ class Tokenizer:
         text, spans = _unwrap(prompt, *marks)
         encoding = self.hf.encode_batch([text], add_special_tokens=False)[0]
         ids, offsets = encoding.ids, encoding.offsets
+        starts = [a for a, _ in spans]
+
+        def callers(a: int, b: int) -> bool:  # does [a, b) overlap a span of the caller's special text?
+            k = bisect.bisect_right(starts, a) - 1
+            return any(s < b and a < e for s, e in spans[max(k, 0):k + 2])
+
+        # The template's own control tokens split the prompt into stretches of text, which the
+        # tokenizer encodes one by one; a stretch holding caller text is encoded again, whole,
+        # with special tokens as text (whole: so its merges and word starts are as in any text).
         out: list[int] = []
-        i = 0
-        for start, end in spans:  # the tokens over each span, again as plain text
-            j = i
-            while j < len(ids) and offsets[j][1] <= start:
-                j += 1
-            k = j
-            while k < len(ids) and offsets[k][0] < end:
-                k += 1
-            if k == j:
-                continue
-            low, high = offsets[j][0], max(offsets[m][1] for m in range(j, k))
-            out += ids[i:j]
-            out += self._plain.encode_batch([text[low:high]], add_special_tokens=False)[0].ids
-            i = k
-        return out + ids[i:]
+        stretch, stretch_from = 0, 0  # the current stretch's first token and first character
+        for m, (t, (a, b)) in enumerate(zip(ids, offsets)):
+            if t in self.special_token_ids and not callers(a, b):
+                out += self._stretch(ids[stretch:m], text, stretch_from, a, callers)
+                out.append(t)
+                stretch, stretch_from = m + 1, b
+        return out + self._stretch(ids[stretch:], text, stretch_from, len(text), callers)
+
+    def _stretch(self, ids: list[int], text: str, start: int, end: int, callers) -> list[int]:
+        """The tokens of ``text[start:end]``, text between two of the template's control tokens:
+        ``ids`` as encoded, or encoded again as plain text when it holds caller special text."""
+        if not ids or not callers(start, end):
+            return ids
+        return self._plain.encode_batch([text[start:end]], add_special_tokens=False)[0].ids
 
     def _wrap_special_text(
         self, messages: Sequence[Message], extra: Mapping[str, Any]
