@@ -229,14 +229,8 @@ class KVLink:
 
     def release(self, request: Request) -> None:
         source = request.remote_kv
-
-        async def release() -> None:
-            try:
-                await self.consumer.release(source.host, source.port, source.request_id)
-            except TransferError as e:  # its lease ends it anyway
-                log.debug("releasing %s at %s:%s: %s", source.request_id, source.host, source.port, e)
-
-        asyncio.run_coroutine_threadsafe(release(), self._loop)
+        call = self.consumer.release(source.host, source.port, source.boot_id, source.request_id)
+        asyncio.run_coroutine_threadsafe(self._logged(call, f"releasing {source.request_id}"), self._loop)
 
     def _renew_held(self, held) -> None:
         """Renew the sources' leases of the requests queued here (``scheduler.remote.held``),
@@ -249,16 +243,20 @@ class KVLink:
             source = req.remote_kv
             by_producer.setdefault((source.host, source.port, source.boot_id), []).append(source.request_id)
 
-        async def renew(host: str, port: int, boot_id: str, request_ids: list[str]) -> None:
-            try:
-                await self.consumer.renew(host, port, boot_id, request_ids)
-            except TransferError as e:  # its pull fails the same way and is recomputed
-                log.debug("renewing %d leases at %s:%s: %s", len(request_ids), host, port, e)
-
-        async def renew_all() -> None:
-            await asyncio.gather(*(renew(*where, ids) for where, ids in by_producer.items()))
+        async def renew_all() -> None:  # a failure here fails its pull the same way: recomputed
+            await asyncio.gather(*(self._logged(self.consumer.renew(*where, ids), f"renewing {len(ids)} leases")
+                                   for where, ids in by_producer.items()))
 
         self._holding = asyncio.run_coroutine_threadsafe(renew_all(), self._loop)
+
+    @staticmethod
+    async def _logged(call, what: str) -> None:
+        """Await a best-effort consumer ``call`` (a release, renewals): a failure is only logged,
+        the lease ends what it would have."""
+        try:
+            await call
+        except TransferError as e:
+            log.debug("KV transfer: %s: %s", what, e)
 
     async def _pull(self, rid: str, source, first_block: int, num_blocks: int) -> None:
         try:

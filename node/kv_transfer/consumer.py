@@ -213,20 +213,15 @@ class KVConsumer:
             else:
                 conn.close()
 
-    async def release(self, host: str, port: int, request_id: str) -> None:
+    async def release(self, host: str, port: int, boot_id: str, request_id: str) -> bool:
         """Tell the producer to free ``request_id``'s KV without pulling it (best effort: a
-        producer that cannot be reached frees it when its lease ends).
+        producer that cannot be reached frees it when its lease ends). False, with nothing sent,
+        when the producer is no longer the process ``boot_id`` names (it holds nothing of it).
 
         Raises:
             TransferError: the producer could not be reached or refused the handshake.
         """
-        conn = await self._connection(host, port)
-        try:
-            conn.write(protocol.encode("release", request_id=request_id))
-        except (ConnectionError, OSError) as e:
-            conn.close()
-            raise TransferError("connection", f"{host}:{port}: {e}") from None
-        self._return(host, port, conn)
+        return await self._control(host, port, boot_id, "release", [request_id])
 
     async def renew(self, host: str, port: int, boot_id: str, request_ids: list[str]) -> bool:
         """Tell the producer that this side still holds ``request_ids`` queued, so their leases
@@ -237,13 +232,18 @@ class KVConsumer:
         Raises:
             TransferError: the producer could not be reached or refused the handshake.
         """
+        return await self._control(host, port, boot_id, "renew", request_ids)
+
+    async def _control(self, host: str, port: int, boot_id: str, kind: str, request_ids: list[str]) -> bool:
+        """Send one ``kind`` frame per request id over a pooled connection to the producer
+        ``boot_id`` names; False, with nothing sent, when it has restarted since."""
         conn = await self._connection(host, port)
         if conn.boot_id != boot_id:
             self._return(host, port, conn)
             return False
         try:
             for request_id in request_ids:
-                conn.write(protocol.encode("renew", request_id=request_id))
+                conn.write(protocol.encode(kind, request_id=request_id))
         except (ConnectionError, OSError) as e:
             conn.close()
             raise TransferError("connection", f"{host}:{port}: {e}") from None
