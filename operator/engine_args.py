@@ -107,8 +107,8 @@ def serve_args(engine: Mapping[str, Any]) -> list[str]:
         if key not in engine:
             continue
         value = engine[key]
-        if key == "prefixCaching":
-            args.append(flag if value else "--no-prefix-caching")
+        if BY_CRD[key].kind is bool:  # argparse.BooleanOptionalAction: --x / --no-x
+            args.append(flag if value else "--no-" + flag.removeprefix("--"))
         else:
             args += [flag, "none" if value is None else str(value)]
     return args

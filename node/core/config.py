@@ -162,6 +162,10 @@ class EngineConfig:
             ``transformers`` and vLLM do (a user can forge a turn of another role); ``plain``
             encodes it as text, the chat template's own markup staying control tokens
             (:mod:`cadenza.node.frontend.tokenizer`). Read by the front end only.
+        cuda_graphs: True captures decode steps (and mixed steps with one bounded chunk) in
+            CUDA graphs at start-up and replays them (:mod:`cadenza.node.runner.cuda_graphs`);
+            False launches every kernel from Python each step. Meaningful on a CUDA device with
+            the triton backend only; elsewhere every step runs eagerly whatever it says.
     """
 
     model: str
@@ -177,6 +181,7 @@ class EngineConfig:
     kv_lease_s: float = 30.0
     kv_max_hold_s: float = 120.0
     text_special_tokens: str = "control"
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", "must be a model folder path")
@@ -203,6 +208,7 @@ class EngineConfig:
                f"must be seconds in (0, 3600], got {self.kv_max_hold_s!r}")
         _check(self.text_special_tokens in TEXT_SPECIAL_TOKENS, "text_special_tokens",
                f"must be one of {', '.join(TEXT_SPECIAL_TOKENS)}, got {self.text_special_tokens!r}")
+        _check(isinstance(self.cuda_graphs, bool), "cuda_graphs", f"must be true or false, got {self.cuda_graphs!r}")
 
     @property
     def model_name(self) -> str:

@@ -111,6 +111,11 @@ KNOBS: tuple[Knob, ...] = (
          "tokens, as vLLM and transformers do (a user can forge a system turn); plain encodes it as text, the chat "
          "template's own markup staying control tokens.",
          cli="--text-special-tokens", crd="textSpecialTokens", choices=TEXT_SPECIAL_TOKENS),
+    Knob("cuda_graphs", "engine", bool, True,
+         "Capture decode steps (and mixed steps with one bounded chunk) in CUDA graphs at start-up and replay them "
+         "(--no-cuda-graphs: every kernel launched from Python each step). CUDA with the triton backend only; ignored on "
+         "the CPU.",
+         cli="--cuda-graphs", crd="cudaGraphs"),
     Knob("step_time_target_ms", "policy", float, None,
          "Shrink prefill chunks so predicted steps stay within this while interactive streams decode.",
          cli="--step-time-target-ms", crd="stepTimeTargetMs", live=True, minimum=1, nullable=True),
