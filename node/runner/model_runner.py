@@ -12,15 +12,16 @@ import logging
 import random
 import warnings
 
-import numpy as np
 import torch
 
 from cadenza.node.runner.backend import AttentionMetadata, select_backend
-from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig
+from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from cadenza.node.runner.models.config import ModelConfig
 from cadenza.node.runner.models.llama import load_model
 from cadenza.node.runner.sampler import make_generator, sample
 from cadenza.node.core.step import SchedulerOutput
+from cadenza.node.runner.cuda_graphs import DEFAULT_MEMORY_BUDGET, StepGraphs, graph_shapes
+from cadenza.node.runner.step_inputs import InputBuffers, Layout, StepRows, step_rows
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.backend = select_backend(config.attention_backend, self.device, self.dtype)
         self.model = load_model(config.model, model_config, self.backend, max_model_len, self.dtype, self.device)
+        self.max_model_len = max_model_len
         self.num_kv_blocks = self._num_kv_blocks(config.cache)
-        shape = (model_config.num_hidden_layers, 2, self.num_kv_blocks, self.block_size,
+        # One block more than the block manager hands out: the scratch block padding tokens write to.
+        self.scratch_block = self.num_kv_blocks
+        shape = (model_config.num_hidden_layers, 2, self.num_kv_blocks + 1, self.block_size,
                  model_config.num_key_value_heads, model_config.head_dim)
         try:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -58,12 +62,19 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self._seeds = random.Random(config.seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.inputs = InputBuffers(self.device, 4096, 4096)
+        self.graphs: StepGraphs | None = None
         logger.info(
             "model loaded: %s, %d layers, %s on %s; KV cache %d blocks x %d tokens (%.1f MiB), attention=%s",
             model_config.architecture, model_config.num_hidden_layers, self.dtype, self.device,
             self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
             self.backend.name,
         )
+        if config.cuda_graphs and self.device.type == "cuda":
+            if self.backend.name == "triton":
+                self.capture_graphs(config.scheduler)
+            else:  # the torch reference reads device values on the host: it cannot be captured
+                logger.info("CUDA graphs need the triton backend; every step runs eagerly on %s", self.backend.name)
 
     def _num_kv_blocks(self, cache: CacheConfig) -> int:
         if cache.num_kv_blocks is not None:
@@ -82,57 +93,47 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> list[int]:
         """Run one step; return one sampled token per row with ``sample`` set, in row order.
 
-        The batch's index arrays are built with a handful of vectorised numpy operations over
-        all rows (not per row): token ``j`` of row ``i`` sits at position ``start_i + j`` and in
-        slot ``table_i[pos // block_size] * block_size + pos % block_size``.
+        The step is replayed from a captured CUDA graph when one holds it (:attr:`graphs`), and
+        run eagerly otherwise; either way its inputs are built by :mod:`.step_inputs` (vectorised
+        numpy into persistent buffers, two copies to the device) and logits are computed only for
+        the rows that sample.
         """
-        bs = self.block_size
-        decodes, chunks = step.decodes, step.prefill_rows
-        num_decodes = len(decodes)
-        num_rows = num_decodes + len(chunks)
-        tables = step.decode_tables + [row.block_table for row in chunks]
-        ids = [req.token_ids[pos] for req, pos in zip(decodes, step.decode_positions)]
-        starts = np.empty(num_rows, dtype=np.int64)
-        counts = np.ones(num_rows, dtype=np.int64)
-        starts[:num_decodes] = step.decode_positions
-        sampled, sampled_reqs = list(range(num_decodes)), list(decodes)  # every decode samples
-        for i, (req, start, n, do_sample, _table) in enumerate(chunks, num_decodes):
-            ids.extend(req.token_ids[start : start + n])
-            starts[i] = start
-            counts[i] = n
-            if do_sample:
-                sampled.append(i)
-                sampled_reqs.append(req)
-        params = [req.sampling for req in sampled_reqs]
-        generators = [None if sp.greedy else self._generator(req.request_id, sp.seed)
-                      for req, sp in zip(sampled_reqs, params)]
-        width = max(map(len, tables))
-        table_arr = np.zeros((num_rows, width), dtype=np.int64)
-        for i, table in enumerate(tables):
-            table_arr[i, : len(table)] = table
-        query_start = np.zeros(num_rows + 1, dtype=np.int64)
-        np.cumsum(counts, out=query_start[1:])
-        seq_lens = starts + counts
-        row_of_token = np.repeat(np.arange(num_rows), counts)
-        positions = np.arange(len(ids)) - np.repeat(query_start[:-1] - starts, counts)
-        slots = table_arr[row_of_token, positions // bs] * bs + positions % bs
-
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(table_arr.astype(np.int32)).to(dev),
-            max_query_len=int(counts.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        hidden = self.model(input_ids, torch.from_numpy(positions).to(dev), self.kv_caches, meta)
-        if not sampled:
+        rows = step_rows(step)
+        logits = self.graphs.run(rows) if self.graphs is not None else None
+        if logits is None:
+            logits = self._run_eager(rows)
+        if logits is None:
             return []
-        last = torch.from_numpy(query_start[1:][sampled] - 1).to(dev)
-        logits = self.model.compute_logits(hidden[last])
+        params = [req.sampling for req in rows.sampled_requests]
+        generators = [None if sp.greedy else self._generator(req.request_id, sp.seed)
+                      for req, sp in zip(rows.sampled_requests, params)]
         return sample(logits, params, generators)
+
+    def _run_eager(self, rows: StepRows) -> torch.Tensor | None:
+        """The logits ``[len(rows.sampled), V]`` of one step run op by op (None: nothing samples)."""
+        layout = Layout(rows.num_tokens, len(rows.sampled), rows.num_rows, max(map(len, rows.tables)))
+        views = self.inputs.prepare(rows, layout, self.block_size, self.scratch_block)
+        max_seq_len = int((rows.starts + rows.counts).max())
+        return self._forward(views, rows.max_query_len, max_seq_len, logits=bool(rows.sampled))
+
+    def _forward(self, views: tuple, max_query_len: int, max_seq_len: int, logits: bool = True) -> torch.Tensor | None:
+        """The model on a step's device views (:meth:`.step_inputs.InputBuffers.views`): the logits
+        of the rows ``logits_index`` names. Reads no device value on the host (graph capture)."""
+        input_ids, positions, slot_mapping, logits_index, query_start_loc, seq_lens, block_tables = views
+        meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                                 block_tables=block_tables, max_query_len=max_query_len, max_seq_len=max_seq_len)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden[logits_index]) if logits else None
+
+    def capture_graphs(self, scheduler: SchedulerConfig, record: str = "cuda", mixed: bool = True,
+                       memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
+        """Capture the step graphs for ``scheduler``'s sizes (:mod:`.cuda_graphs`); later steps a
+        graph holds replay it. ``record="eager"`` runs everything but the capture (CPU tests)."""
+        shapes = graph_shapes(scheduler.max_num_seqs, scheduler.token_budget, scheduler.effective_chunk_size, mixed)
+        width = -(-self.max_model_len // self.block_size)
+        graphs = StepGraphs(self.device, self.block_size, self.scratch_block, width, shapes, memory_budget, record)
+        graphs.capture(lambda views, shape: self._forward(views, shape.max_query_len, self.max_model_len))
+        self.graphs = graphs
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         gen = self._generators.get(request_id)

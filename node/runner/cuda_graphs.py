@@ -1,0 +1,214 @@
+"""CUDA graphs for the steps that repeat: decodes, and decodes with one bounded prefill chunk.
+
+On a GPU the engine's decode step is host-bound: the forward launches a few hundred kernels from
+Python, and a Llama-3.1-8B step took ~12 ms on an H200 at every batch size against a 3.8 ms memory
+floor (``data/gpu/h200/``). A CUDA graph records the launches of one step once and replays them
+with a single call. As vLLM and SGLang do, one graph is captured per padded shape at start-up: a
+step is padded up to the smallest captured shape that holds it (:func:`shape_for`; the padding is
+:func:`cadenza.node.runner.step_inputs.fill`'s), its inputs are written in place into the graph's
+fixed buffers, and the graph is replayed. Steps no shape holds (a large prefill, several chunks, a
+live reconfiguration past the captured sizes) run eagerly, as every step does with graphs off.
+
+Shapes (:func:`graph_shapes`): decode-only steps of ``b`` rows for each bucket ``b`` of
+:func:`decode_buckets` (1, 2, 4, 8, 16, 24, 32, ... up to ``max_num_seqs``); and, where the step's
+piggybacked chunk is small enough to pay for its padding, ``b`` decode rows plus one chunk of at
+most ``c`` tokens for each chunk bucket ``c`` (powers of two from 16 up to ``MAX_GRAPH_CHUNK``),
+as ``(b + 2, b + c + 1, c)``: the chunk row, and one padding row at least.
+
+What makes the kernels capture-safe: no host reads of device values inside the forward (the
+attention grid is sized by the shape's ``max_query_len``, a host int), launch grids fixed by the
+shape, every buffer's address fixed (inputs here, the KV cache and weights allocated once), and
+intermediates from the graphs' shared memory pool. Capture runs largest shape first, so smaller
+graphs reuse the pool, and stops when the pool passes ``memory_budget`` bytes; its time and memory
+are logged. Sampling runs after the replay, outside the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from cadenza.node.runner.step_inputs import GraphShape, InputBuffers, Layout, StepRows
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPH_ROWS = 256  # the largest decode bucket captured, whatever max_num_seqs says (vLLM: 512)
+MAX_GRAPH_CHUNK = 512  # the largest prefill chunk a mixed-step graph carries
+MIN_GRAPH_CHUNK = 16
+DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes of graph memory pool captured at most
+
+Forward = Callable[[tuple, GraphShape], torch.Tensor]  # (device input views, shape) -> logits [rows, V]
+
+
+def decode_buckets(max_rows: int) -> list[int]:
+    """Row counts a decode graph is captured for: 1, 2, 4, 8, then every multiple of 8, up to
+    ``min(max_rows, MAX_GRAPH_ROWS)`` (which is always included).
+
+    Raises:
+        ValueError: ``max_rows < 1``.
+    """
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    top = min(max_rows, MAX_GRAPH_ROWS)
+    buckets = [b for b in (1, 2, 4) if b < top] + list(range(8, top, 8))
+    return buckets + [top]
+
+
+def chunk_buckets(max_chunk: int) -> list[int]:
+    """Chunk sizes a mixed-step graph is captured for: powers of two from ``MIN_GRAPH_CHUNK`` up
+    to ``min(max_chunk, MAX_GRAPH_CHUNK)`` rounded down to one (none below ``MIN_GRAPH_CHUNK``)."""
+    top = min(max_chunk, MAX_GRAPH_CHUNK)
+    out, c = [], MIN_GRAPH_CHUNK
+    while c <= top:
+        out.append(c)
+        c *= 2
+    return out
+
+
+def graph_shapes(max_num_seqs: int, token_budget: int, max_chunk: int, mixed: bool = True) -> list[GraphShape]:
+    """Every shape to capture, largest first.
+
+    Args:
+        max_num_seqs: most rows a step has.
+        token_budget: most tokens a step has (a mixed shape's decodes plus chunk stay within it).
+        max_chunk: the largest chunk the scheduler cuts (its effective chunk size).
+        mixed: also capture decode-plus-one-chunk shapes.
+    """
+    decode = decode_buckets(max_num_seqs)
+    shapes = [GraphShape(b, b, 1) for b in decode if b <= token_budget]
+    if mixed:
+        shapes += [GraphShape(b + 2, b + c + 1, c) for b in decode for c in chunk_buckets(max_chunk)
+                   if b + c <= token_budget]
+    return sorted(shapes, key=lambda s: (s.tokens, s.rows), reverse=True)
+
+
+def shape_for(rows: StepRows, shapes: Sequence[GraphShape]) -> GraphShape | None:
+    """The smallest captured shape that holds ``rows`` (fewest tokens, then rows), or None.
+
+    A decode-only step fits a decode shape of at least its rows; a step of decodes and exactly one
+    chunk fits a mixed shape whose decode part and chunk are at least its own.
+    """
+    num_chunks = rows.num_rows - rows.num_decodes
+    if num_chunks > 1:
+        return None
+    best = None
+    for shape in shapes:
+        if num_chunks == 0:
+            fits = shape.max_query_len == 1 and shape.rows >= rows.num_rows
+        else:
+            chunk = int(rows.counts[-1])
+            fits = (shape.max_query_len > 1 and shape.rows - 2 >= rows.num_decodes
+                    and shape.max_query_len >= chunk)
+        if fits and (best is None or (shape.tokens, shape.rows) < (best.tokens, best.rows)):
+            best = shape
+    return best
+
+
+class StepGraphs:
+    """The captured step graphs of one model runner, and their fixed input buffers.
+
+    Args:
+        device: the runner's device.
+        block_size: tokens per KV block.
+        scratch_block: the KV block padding tokens write to (never handed out).
+        table_width: block-table width of every graph (blocks of the longest sequence).
+        shapes: the shapes to capture (:func:`graph_shapes`).
+        memory_budget: bytes of graph memory pool past which capture stops (smaller shapes then
+            run eagerly).
+        record: ``"cuda"`` captures CUDA graphs; ``"eager"`` runs the same forward on the same
+            fixed, padded buffers at every replay: everything but the capture itself, for tests on
+            a CPU.
+    """
+
+    def __init__(self, device: torch.device, block_size: int, scratch_block: int, table_width: int,
+                 shapes: Sequence[GraphShape], memory_budget: int = DEFAULT_MEMORY_BUDGET, record: str = "cuda") -> None:
+        if record not in ("cuda", "eager"):
+            raise ValueError(f"record must be 'cuda' or 'eager', got {record!r}")
+        self.device, self.width, self.record = device, table_width, record
+        self.block_size, self.scratch_block = block_size, scratch_block
+        self.memory_budget = memory_budget
+        self._wanted = list(shapes)
+        largest = [self.layout(s) for s in self._wanted] or [Layout(0, 0, 0, 0)]
+        self.inputs = InputBuffers(device, max(l.int64_size for l in largest), max(l.int32_size for l in largest),
+                                   growable=False)
+        self._graphs: dict[GraphShape, tuple[Callable[[], None], torch.Tensor]] = {}
+        self.capture_seconds = 0.0
+        self.pool_bytes = 0
+
+    def layout(self, shape: GraphShape) -> Layout:
+        """A graph's layout: logits for every row (the sampled ones first)."""
+        return Layout(shape.tokens, shape.rows, shape.rows, self.width)
+
+    @property
+    def shapes(self) -> list[GraphShape]:
+        """The shapes captured."""
+        return list(self._graphs)
+
+    def capture(self, forward: Forward) -> None:
+        """Capture a graph of ``forward`` for each shape, largest first, within the memory budget.
+
+        ``forward(views, shape)`` runs one step on the device views of the fixed buffers and
+        returns its logits. Each shape is run once eagerly first (Triton compiles its kernels, the
+        allocator settles), then recorded. On CUDA out of memory, capture stops where it is.
+        """
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if self.record == "cuda" else None
+        before = torch.cuda.memory_reserved(self.device) if self.record == "cuda" else 0
+        for shape in self._wanted:
+            views = self.inputs.views(self.layout(shape))
+            try:
+                if self.record == "cuda":
+                    self._graphs[shape] = self._capture_cuda(forward, views, shape, pool)
+                    self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
+                else:
+                    self._graphs[shape] = (lambda v=views, s=shape: forward(v, s), None)
+            except torch.cuda.OutOfMemoryError:
+                logger.warning("CUDA graphs: out of memory capturing %s; %d shapes captured, the rest run eagerly",
+                               shape, len(self._graphs))
+                break
+            if self.pool_bytes > self.memory_budget:
+                logger.warning("CUDA graphs: %.0f MiB of pool passes the budget of %.0f MiB after %s; smaller "
+                               "shapes run eagerly", self.pool_bytes / 2**20, self.memory_budget / 2**20, shape)
+                break
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("CUDA graphs (%s): %d of %d shapes captured in %.2f s, %.0f MiB of memory pool",
+                    self.record, len(self._graphs), len(self._wanted), self.capture_seconds, self.pool_bytes / 2**20)
+
+    def _capture_cuda(self, forward: Forward, views: tuple, shape: GraphShape, pool) -> tuple:
+        self._neutral(shape)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            forward(views, shape)  # warm-up: compiles the kernels for this shape
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward(views, shape)
+        return graph.replay, out
+
+    def _neutral(self, shape: GraphShape) -> None:
+        """Fill the buffers with a step of padding only: valid indices, KV writes to the scratch block."""
+        empty = np.empty(0, dtype=np.int64)
+        self.inputs.prepare(StepRows(empty, empty, empty, [], [], [], 0), self.layout(shape), self.block_size,
+                            self.scratch_block)
+
+    def run(self, rows: StepRows) -> torch.Tensor | None:
+        """Run ``rows`` through the smallest captured graph that holds it.
+
+        Returns:
+            ``[len(rows.sampled), V]`` logits of the sampled rows (a view of the graph's output,
+            valid until the next replay), or None when no captured shape holds the step.
+        """
+        shape = shape_for(rows, self._graphs)
+        if shape is None:
+            return None
+        replay, out = self._graphs[shape]
+        self.inputs.prepare(rows, self.layout(shape), self.block_size, self.scratch_block)
+        logits = replay()
+        if out is None:  # recorded eagerly: the forward's return is the output
+            out = logits
+        return out[: len(rows.sampled)]

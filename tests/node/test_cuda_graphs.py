@@ -1,0 +1,163 @@
+"""CUDA graphs, all but the capture: shapes, padding, fixed buffers and the eager fallback, on a CPU.
+
+``StepGraphs(record="eager")`` runs the very forward a graph would record, on the same fixed,
+padded buffers, at every replay; so a step that takes a graph here computes what its replay would.
+tests/node/test_cuda_graphs_gpu.py captures real graphs where there is a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cadenza.node.core.request import SamplingParams
+from cadenza.node.frontend.llm import Engine
+from cadenza.node.runner.cuda_graphs import (
+    MAX_GRAPH_ROWS,
+    chunk_buckets,
+    decode_buckets,
+    graph_shapes,
+    shape_for,
+)
+from cadenza.node.runner.step_inputs import GraphShape, InputBuffers, Layout, StepRows, fill
+
+
+def rows_of(counts: list[int], starts: list[int], tables: list[list[int]], sampled: list[int], num_decodes: int):
+    ids = np.arange(100, 100 + sum(counts), dtype=np.int64)
+    return StepRows(ids, np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64), tables, sampled,
+                    [None] * len(sampled), num_decodes)
+
+
+def test_decode_buckets_are_small_powers_then_multiples_of_eight_up_to_the_cap():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(3) == [1, 2, 3]
+    assert decode_buckets(8) == [1, 2, 4, 8]
+    assert decode_buckets(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert decode_buckets(10_000)[-1] == MAX_GRAPH_ROWS
+    with pytest.raises(ValueError):
+        decode_buckets(0)
+
+
+def test_chunk_buckets_are_powers_of_two_within_the_chunk_and_the_cap():
+    assert chunk_buckets(8) == []
+    assert chunk_buckets(100) == [16, 32, 64]
+    assert chunk_buckets(100_000)[-1] == 512
+
+
+def test_graph_shapes_stay_within_the_token_budget_and_come_largest_first():
+    shapes = graph_shapes(max_num_seqs=32, token_budget=64, max_chunk=64)
+    assert GraphShape(32, 32, 1) in shapes and GraphShape(8 + 2, 8 + 32 + 1, 32) in shapes
+    assert all(s.tokens - 1 <= 64 for s in shapes if s.max_query_len > 1)
+    assert [s.tokens for s in shapes] == sorted((s.tokens for s in shapes), reverse=True)
+    assert all(s.max_query_len == 1 for s in graph_shapes(32, 64, 64, mixed=False))
+
+
+def test_a_step_takes_the_smallest_shape_that_holds_it_or_none():
+    shapes = graph_shapes(max_num_seqs=32, token_budget=600, max_chunk=512)
+    decode5 = rows_of([1] * 5, [10] * 5, [[1]] * 5, list(range(5)), 5)
+    assert shape_for(decode5, shapes) == GraphShape(8, 8, 1)
+    mixed = rows_of([1] * 5 + [20], [10] * 5 + [0], [[1]] * 6, list(range(5)), 5)
+    assert shape_for(mixed, shapes) == GraphShape(8 + 2, 8 + 32 + 1, 32)
+    two_chunks = rows_of([1, 20, 20], [3, 0, 0], [[1]] * 3, [0], 1)
+    assert shape_for(two_chunks, shapes) is None
+    too_long = rows_of([1, 600], [3, 0], [[1]] * 2, [0], 1)
+    assert shape_for(too_long, shapes) is None
+    assert shape_for(rows_of([1] * 40, [1] * 40, [[1]] * 40, list(range(40)), 40), shapes) is None
+
+
+def test_padding_rows_write_only_the_scratch_block_and_are_never_sampled():
+    bs, scratch = 4, 9
+    # Two decodes and a 6-token chunk that does not sample, padded to a mixed shape (5 rows, 16 tokens).
+    rows = rows_of([1, 1, 6], [5, 2, 0], [[3, 4], [7], [1, 2]], [0, 1], 2)
+    layout = Layout(tokens=16, logits=5, rows=5, width=4)
+    int64, int32 = np.full(layout.int64_size, -7, np.int64), np.full(layout.int32_size, -7, np.int32)
+    fill(rows, layout, int64, int32, bs, scratch)
+    ids, positions, slots, logits_index = layout.int64_views(int64)
+    query_start, seq_lens, tables = layout.int32_views(int32)
+    assert query_start.tolist() == [0, 1, 2, 8, 9, 16]  # padding rows: 1 token, then the 7 left
+    assert seq_lens.tolist() == [6, 3, 6, 1, 7]
+    assert positions.tolist() == [5, 2, 0, 1, 2, 3, 4, 5, 0, 0, 1, 2, 3, 4, 5, 6]
+    assert slots[:8].tolist() == [4 * 4 + 1, 7 * 4 + 2, 4, 5, 6, 7, 8, 9]  # the real rows' own slots
+    assert (slots[8:] // bs == scratch).all()
+    assert (tables[3:] == scratch).all() and tables[0, :2].tolist() == [3, 4]
+    assert ids[:8].tolist() == list(range(100, 108)) and (ids[8:] == 0).all()
+    assert logits_index.tolist() == [0, 1, 0, 0, 0]  # the sampled rows' last tokens, then zeros
+
+
+def test_an_unpadded_layout_is_the_step_itself_and_a_small_layout_is_refused():
+    rows = rows_of([1, 3], [4, 0], [[2, 5], [6]], [0, 1], 1)
+    layout = Layout(tokens=4, logits=2, rows=2, width=2)
+    int64, int32 = np.zeros(layout.int64_size, np.int64), np.zeros(layout.int32_size, np.int32)
+    fill(rows, layout, int64, int32, block_size=4, scratch_block=9)
+    _ids, positions, slots, logits_index = layout.int64_views(int64)
+    assert positions.tolist() == [4, 0, 1, 2] and slots.tolist() == [20, 24, 25, 26]
+    assert logits_index.tolist() == [0, 3]
+    with pytest.raises(ValueError, match="does not fit"):
+        fill(rows, Layout(tokens=6, logits=2, rows=2, width=2), int64, int32, 4, 9)  # spare tokens, no spare row
+    with pytest.raises(ValueError, match="wider"):
+        fill(rows, Layout(tokens=4, logits=2, rows=2, width=1), int64, int32, 4, 9)
+
+
+def test_fixed_buffers_refuse_a_step_over_their_capacity_and_growable_ones_grow():
+    rows = rows_of([1, 3], [4, 0], [[2, 5], [6]], [0, 1], 1)
+    layout = Layout(tokens=4, logits=2, rows=2, width=2)
+    with pytest.raises(ValueError, match="capacity"):
+        InputBuffers(torch.device("cpu"), 4, 4, growable=False).prepare(rows, layout, 4, 9)
+    buffers = InputBuffers(torch.device("cpu"), 4, 4)
+    views = buffers.prepare(rows, layout, 4, 9)
+    assert views[2].tolist() == [20, 24, 25, 26]
+
+
+PROMPT_LENS = [1, 3, 16, 17, 40, 64, 100, 130]
+
+
+def _generate(model_dir, graphs: bool, backend: str, **knobs):
+    engine = Engine.from_model(model_dir, max_model_len=320, attention_backend=backend, **knobs)
+    if graphs:
+        engine.runner.capture_graphs(engine.core.config.scheduler, record="eager")
+    calls = []
+    run = engine.runner.graphs.run if graphs else None
+    if graphs:
+        def counting(rows):
+            out = run(rows)
+            calls.append(out is not None)
+            return out
+        engine.runner.graphs.run = counting
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert engine.block_manager.num_used_blocks == 0
+    return outs, calls
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize(("token_budget", "chunk_size", "prefix_caching", "num_kv_blocks"), [
+    (64, 16, True, None),
+    (512, None, False, None),
+    (32, 8, True, 80),  # 320 tokens of KV for ~560: decodes preempt and recompute
+], ids=["chunked", "whole-prompts", "preempting"])
+def test_steps_through_padded_graph_buffers_give_the_eager_steps_tokens(
+        tiny_llama_dir, backend, token_budget, chunk_size, prefix_caching, num_kv_blocks):
+    knobs = dict(token_budget=token_budget, chunk_size=chunk_size, prefix_caching=prefix_caching, block_size=4,
+                 num_kv_blocks=num_kv_blocks)
+    eager, _ = _generate(tiny_llama_dir, False, backend, **knobs)
+    graphed, calls = _generate(tiny_llama_dir, True, backend, **knobs)
+    assert graphed == eager
+    assert any(calls) and sum(calls) >= len(calls) // 2, calls  # most steps took a graph, some did not
+
+
+def test_padding_never_touches_a_block_the_pool_hands_out(tiny_llama_dir):
+    engine = Engine.from_model(tiny_llama_dir, max_model_len=320, attention_backend="torch", block_size=4)
+    runner = engine.runner
+    runner.capture_graphs(engine.core.config.scheduler, record="eager")
+    before = runner.kv_cache[:, :, : runner.scratch_block].clone()
+    rows = rows_of([1], [0], [[0]], [], 1)  # one decode in block 0, padded to the 1-row graph: no padding
+    assert runner.graphs.run(rows) is not None
+    changed = (runner.kv_cache[:, :, : runner.scratch_block] != before).flatten(3).any(-1)
+    assert changed[:, :, 0].any() and not changed[:, :, 1:].any()  # block 0 written, others not
+    before = runner.kv_cache[:, :, : runner.scratch_block].clone()
+    rows = rows_of([1, 1, 1], [0, 0, 0], [[1], [2], [3]], [0, 1, 2], 3)  # 3 rows, padded to 4
+    assert runner.graphs.run(rows) is not None
+    changed = (runner.kv_cache[:, :, : runner.scratch_block] != before).flatten(3).any(-1)
+    assert changed[:, :, 1:4].all() and not changed[:, :, 4:].any() and not changed[:, :, 0].any()
