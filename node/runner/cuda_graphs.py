@@ -20,7 +20,8 @@ attention grid is sized by the shape's ``max_query_len``, a host int), launch gr
 shape, every buffer's address fixed (inputs here, the KV cache and weights allocated once), and
 intermediates from the graphs' shared memory pool. Capture runs largest shape first, so smaller
 graphs reuse the pool, and stops when the pool passes ``memory_budget`` bytes; its time and memory
-are logged. Sampling runs after the replay, outside the graph.
+are logged. A graph ends at the hidden states of the rows that sample, copied into one buffer all
+graphs share: the LM head and sampling run after the replay, for the real rows only.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ MAX_GRAPH_CHUNK = 512  # the largest prefill chunk a mixed-step graph carries
 MIN_GRAPH_CHUNK = 16
 DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes of graph memory pool captured at most
 
-Forward = Callable[[tuple, GraphShape], torch.Tensor]  # (device input views, shape) -> logits [rows, V]
+Forward = Callable[[tuple, GraphShape], torch.Tensor]  # (device input views, shape) -> hidden [rows, H]
 
 
 def decode_buckets(max_rows: int) -> list[int]:
@@ -69,15 +70,18 @@ def chunk_buckets(max_chunk: int) -> list[int]:
     return out
 
 
-def graph_shapes(max_num_seqs: int, token_budget: int, max_chunk: int, mixed: bool = True) -> list[GraphShape]:
+def graph_shapes(max_num_seqs: int, token_budget: int, max_chunk: int, max_model_len: int,
+                 mixed: bool = True) -> list[GraphShape]:
     """Every shape to capture, largest first.
 
     Args:
         max_num_seqs: most rows a step has.
         token_budget: most tokens a step has (a mixed shape's decodes plus chunk stay within it).
         max_chunk: the largest chunk the scheduler cuts (its effective chunk size).
+        max_model_len: the longest sequence: a padding row's positions stay below it.
         mixed: also capture decode-plus-one-chunk shapes.
     """
+    max_chunk = min(max_chunk, max_model_len)
     decode = decode_buckets(max_num_seqs)
     shapes = [GraphShape(b, b, 1) for b in decode if b <= token_budget]
     if mixed:
@@ -135,7 +139,8 @@ class StepGraphs:
         largest = [self.layout(s) for s in self._wanted] or [Layout(0, 0, 0, 0)]
         self.inputs = InputBuffers(device, max(l.int64_size for l in largest), max(l.int32_size for l in largest),
                                    growable=False)
-        self._graphs: dict[GraphShape, tuple[Callable[[], None], torch.Tensor]] = {}
+        self._graphs: dict[GraphShape, Callable[[], None]] = {}
+        self._out: torch.Tensor | None = None
         self.capture_seconds = 0.0
         self.pool_bytes = 0
 
@@ -152,20 +157,27 @@ class StepGraphs:
         """Capture a graph of ``forward`` for each shape, largest first, within the memory budget.
 
         ``forward(views, shape)`` runs one step on the device views of the fixed buffers and
-        returns its logits. Each shape is run once eagerly first (Triton compiles its kernels, the
-        allocator settles), then recorded. On CUDA out of memory, capture stops where it is.
+        returns the hidden states ``[shape.rows, H]`` of its logits rows; each graph copies them
+        into one output buffer that all graphs share (one graph's output is read before the next
+        replays). Each shape runs once eagerly first (Triton compiles its kernels, the allocator
+        settles), then is recorded. On CUDA out of memory, capture stops where it is.
         """
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle() if self.record == "cuda" else None
-        before = torch.cuda.memory_reserved(self.device) if self.record == "cuda" else 0
+        cuda = self.record == "cuda"
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        before = torch.cuda.memory_reserved(self.device) if cuda else 0
         for shape in self._wanted:
             views = self.inputs.views(self.layout(shape))
             try:
-                if self.record == "cuda":
-                    self._graphs[shape] = self._capture_cuda(forward, views, shape, pool)
+                self._neutral(shape)
+                if self._out is None:  # the largest shape comes first: size the shared output from it
+                    hidden = forward(views, shape)
+                    rows = max(s.rows for s in self._wanted)
+                    self._out = torch.empty((rows, *hidden.shape[1:]), dtype=hidden.dtype, device=self.device)
+                self._graphs[shape] = self._capture_cuda(forward, views, shape, pool) if cuda else (
+                    lambda v=views, s=shape: self._out[: s.rows].copy_(forward(v, s)))
+                if cuda:
                     self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
-                else:
-                    self._graphs[shape] = (lambda v=views, s=shape: forward(v, s), None)
             except torch.cuda.OutOfMemoryError:
                 logger.warning("CUDA graphs: out of memory capturing %s; %d shapes captured, the rest run eagerly",
                                shape, len(self._graphs))
@@ -178,8 +190,7 @@ class StepGraphs:
         logger.info("CUDA graphs (%s): %d of %d shapes captured in %.2f s, %.0f MiB of memory pool",
                     self.record, len(self._graphs), len(self._wanted), self.capture_seconds, self.pool_bytes / 2**20)
 
-    def _capture_cuda(self, forward: Forward, views: tuple, shape: GraphShape, pool) -> tuple:
-        self._neutral(shape)
+    def _capture_cuda(self, forward: Forward, views: tuple, shape: GraphShape, pool) -> Callable[[], None]:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -187,8 +198,8 @@ class StepGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out = forward(views, shape)
-        return graph.replay, out
+            self._out[: shape.rows].copy_(forward(views, shape))
+        return graph.replay
 
     def _neutral(self, shape: GraphShape) -> None:
         """Fill the buffers with a step of padding only: valid indices, KV writes to the scratch block."""
@@ -200,15 +211,13 @@ class StepGraphs:
         """Run ``rows`` through the smallest captured graph that holds it.
 
         Returns:
-            ``[len(rows.sampled), V]`` logits of the sampled rows (a view of the graph's output,
-            valid until the next replay), or None when no captured shape holds the step.
+            ``[len(rows.sampled), H]`` hidden states of the sampled rows' last tokens (a view of
+            the shared output, valid until the next replay), or None when no captured shape
+            holds the step.
         """
         shape = shape_for(rows, self._graphs)
         if shape is None:
             return None
-        replay, out = self._graphs[shape]
         self.inputs.prepare(rows, self.layout(shape), self.block_size, self.scratch_block)
-        logits = replay()
-        if out is None:  # recorded eagerly: the forward's return is the output
-            out = logits
-        return out[: len(rows.sampled)]
+        self._graphs[shape]()
+        return self._out[: len(rows.sampled)]

@@ -99,37 +99,39 @@ class ModelRunner:
         the rows that sample.
         """
         rows = step_rows(step)
-        logits = self.graphs.run(rows) if self.graphs is not None else None
-        if logits is None:
-            logits = self._run_eager(rows)
-        if logits is None:
+        hidden = self.graphs.run(rows) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self._run_eager(rows)
+        if not rows.sampled:
             return []
+        logits = self.model.compute_logits(hidden)
         params = [req.sampling for req in rows.sampled_requests]
         generators = [None if sp.greedy else self._generator(req.request_id, sp.seed)
                       for req, sp in zip(rows.sampled_requests, params)]
         return sample(logits, params, generators)
 
-    def _run_eager(self, rows: StepRows) -> torch.Tensor | None:
-        """The logits ``[len(rows.sampled), V]`` of one step run op by op (None: nothing samples)."""
+    def _run_eager(self, rows: StepRows) -> torch.Tensor:
+        """The hidden states ``[len(rows.sampled), H]`` of the sampled rows' last tokens, the step
+        run op by op."""
         layout = Layout(rows.num_tokens, len(rows.sampled), rows.num_rows, max(map(len, rows.tables)))
         views = self.inputs.prepare(rows, layout, self.block_size, self.scratch_block)
-        max_seq_len = int((rows.starts + rows.counts).max())
-        return self._forward(views, rows.max_query_len, max_seq_len, logits=bool(rows.sampled))
+        return self._forward(views, rows.max_query_len, int((rows.starts + rows.counts).max()))
 
-    def _forward(self, views: tuple, max_query_len: int, max_seq_len: int, logits: bool = True) -> torch.Tensor | None:
-        """The model on a step's device views (:meth:`.step_inputs.InputBuffers.views`): the logits
-        of the rows ``logits_index`` names. Reads no device value on the host (graph capture)."""
+    def _forward(self, views: tuple, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+        """The model on a step's device views (:meth:`.step_inputs.InputBuffers.views`): the final
+        hidden states of the tokens ``logits_index`` names. Reads no device value on the host, so
+        a CUDA graph can record it."""
         input_ids, positions, slot_mapping, logits_index, query_start_loc, seq_lens, block_tables = views
         meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
                                  block_tables=block_tables, max_query_len=max_query_len, max_seq_len=max_seq_len)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        return self.model.compute_logits(hidden[logits_index]) if logits else None
+        return self.model(input_ids, positions, self.kv_caches, meta)[logits_index]
 
     def capture_graphs(self, scheduler: SchedulerConfig, record: str = "cuda", mixed: bool = True,
                        memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
         """Capture the step graphs for ``scheduler``'s sizes (:mod:`.cuda_graphs`); later steps a
         graph holds replay it. ``record="eager"`` runs everything but the capture (CPU tests)."""
-        shapes = graph_shapes(scheduler.max_num_seqs, scheduler.token_budget, scheduler.effective_chunk_size, mixed)
+        shapes = graph_shapes(scheduler.max_num_seqs, scheduler.token_budget, scheduler.effective_chunk_size,
+                              self.max_model_len, mixed)
         width = -(-self.max_model_len // self.block_size)
         graphs = StepGraphs(self.device, self.block_size, self.scratch_block, width, shapes, memory_budget, record)
         graphs.capture(lambda views, shape: self._forward(views, shape.max_query_len, self.max_model_len))
