@@ -11,9 +11,10 @@ live reconfiguration past the captured sizes) run eagerly, as every step does wi
 
 Shapes (:func:`graph_shapes`): decode-only steps of ``b`` rows for each bucket ``b`` of
 :func:`decode_buckets` (1, 2, 4, 8, 16, 24, 32, ... up to ``max_num_seqs``); and, where the step's
-piggybacked chunk is small enough to pay for its padding, ``b`` decode rows plus one chunk of at
-most ``c`` tokens for each chunk bucket ``c`` (powers of two from 16 up to ``MAX_GRAPH_CHUNK``),
-as ``(b + 2, b + c + 1, c)``: the chunk row, and one padding row at least.
+piggybacked chunk is small enough to pay for its padding, ``b`` decode rows
+(:func:`mixed_decode_buckets`) plus one chunk of at most ``c`` tokens for each chunk bucket ``c``
+(:func:`chunk_buckets`, up to ``MAX_GRAPH_CHUNK``), as ``(b + 2, b + c + 1, c)``: the chunk row,
+and one padding row at least.
 
 What makes the kernels capture-safe: no host reads of device values inside the forward (the
 attention grid is sized by the shape's ``max_query_len``, a host int), launch grids fixed by the
@@ -60,14 +61,19 @@ def decode_buckets(max_rows: int) -> list[int]:
 
 
 def chunk_buckets(max_chunk: int) -> list[int]:
-    """Chunk sizes a mixed-step graph is captured for: powers of two from ``MIN_GRAPH_CHUNK`` up
-    to ``min(max_chunk, MAX_GRAPH_CHUNK)`` rounded down to one (none below ``MIN_GRAPH_CHUNK``)."""
+    """Chunk sizes a mixed-step graph is captured for: 16, 32, 64, then every multiple of 64, up to
+    ``min(max_chunk, MAX_GRAPH_CHUNK)`` (none below ``MIN_GRAPH_CHUNK``). A chunk pads to the next
+    one: at most 63 tokens of padding past 64, where the step's compute starts to count."""
     top = min(max_chunk, MAX_GRAPH_CHUNK)
-    out, c = [], MIN_GRAPH_CHUNK
-    while c <= top:
-        out.append(c)
-        c *= 2
-    return out
+    return [c for c in (16, 32) if c <= top] + list(range(64, top + 1, 64))
+
+
+def mixed_decode_buckets(max_rows: int) -> list[int]:
+    """Decode rows of the mixed-step graphs: powers of two up to ``min(max_rows, MAX_GRAPH_ROWS)``
+    (which is included). Coarser than :func:`decode_buckets`: next to a chunk, padded decode rows
+    cost little, and each one multiplies the chunk buckets."""
+    top = min(max_rows, MAX_GRAPH_ROWS)
+    return [1 << i for i in range(top.bit_length()) if 1 << i < top] + [top]
 
 
 def graph_shapes(max_num_seqs: int, token_budget: int, max_chunk: int, max_model_len: int,
@@ -85,8 +91,8 @@ def graph_shapes(max_num_seqs: int, token_budget: int, max_chunk: int, max_model
     decode = decode_buckets(max_num_seqs)
     shapes = [GraphShape(b, b, 1) for b in decode if b <= token_budget]
     if mixed:
-        shapes += [GraphShape(b + 2, b + c + 1, c) for b in decode for c in chunk_buckets(max_chunk)
-                   if b + c <= token_budget]
+        shapes += [GraphShape(b + 2, b + c + 1, c) for b in mixed_decode_buckets(max_num_seqs)
+                   for c in chunk_buckets(max_chunk) if b + c <= token_budget]
     return sorted(shapes, key=lambda s: (s.tokens, s.rows), reverse=True)
 
 

@@ -18,6 +18,7 @@ from cadenza.node.runner.cuda_graphs import (
     chunk_buckets,
     decode_buckets,
     graph_shapes,
+    mixed_decode_buckets,
     shape_for,
 )
 from cadenza.node.runner.step_inputs import GraphShape, InputBuffers, Layout, StepRows, fill
@@ -42,7 +43,9 @@ def test_decode_buckets_are_small_powers_then_multiples_of_eight_up_to_the_cap()
 def test_chunk_buckets_are_powers_of_two_within_the_chunk_and_the_cap():
     assert chunk_buckets(8) == []
     assert chunk_buckets(100) == [16, 32, 64]
+    assert chunk_buckets(300) == [16, 32, 64, 128, 192, 256]
     assert chunk_buckets(100_000)[-1] == 512
+    assert mixed_decode_buckets(1) == [1] and mixed_decode_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
 def test_graph_shapes_stay_within_the_token_budget_and_come_largest_first():
@@ -60,6 +63,8 @@ def test_a_step_takes_the_smallest_shape_that_holds_it_or_none():
     assert shape_for(decode5, shapes) == GraphShape(8, 8, 1)
     mixed = rows_of([1] * 5 + [20], [10] * 5 + [0], [[1]] * 6, list(range(5)), 5)
     assert shape_for(mixed, shapes) == GraphShape(8 + 2, 8 + 32 + 1, 32)
+    big_chunk = rows_of([1] * 5 + [130], [10] * 5 + [0], [[1]] * 6, list(range(5)), 5)
+    assert shape_for(big_chunk, shapes) == GraphShape(8 + 2, 8 + 192 + 1, 192)
     two_chunks = rows_of([1, 20, 20], [3, 0, 0], [[1]] * 3, [0], 1)
     assert shape_for(two_chunks, shapes) is None
     too_long = rows_of([1, 600], [3, 0], [[1]] * 2, [0], 1)
