@@ -126,6 +126,7 @@ class ModelRunner:
                                  block_tables=block_tables, max_query_len=max_query_len, max_seq_len=max_seq_len)
         return self.model(input_ids, positions, self.kv_caches, meta)[logits_index]
 
+    @torch.inference_mode()
     def capture_graphs(self, scheduler: SchedulerConfig, record: str = "cuda", mixed: bool = True,
                        memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
         """Capture the step graphs for ``scheduler``'s sizes (:mod:`.cuda_graphs`); later steps a
