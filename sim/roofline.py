@@ -24,10 +24,11 @@ A step the runner **replays as a CUDA graph** (a profile with ``cuda_graphs``: d
 and steps with one bounded prefill chunk, :func:`replays_graph`) has no dispatch; what the host
 still does — build and copy the inputs before the launch, launch, read the sampled tokens after —
 ``graph_per_step_s + graph_per_row_s x rows``, is serial with the device and adds to its time.
-The scheduler's host time per step and per row comes before and adds. Within a term, compute and memory
-traffic overlap on a GPU (the slower counts); a profile with ``overlap`` off adds them (a CPU). This is the shape of the models in Vidur (MLSys'24,
-per-operator) and DistServe's simulator (OSDI'24), with the per-operator profiles replaced by a
-roofline and fitted efficiency factors. No torch here.
+The scheduler's host time per step and per row comes before and adds. Within a term, compute
+and memory traffic overlap on a GPU (the slower counts); a profile with ``overlap`` off adds them
+(a CPU). This is the shape of the models in Vidur (MLSys'24, per-operator) and DistServe's
+simulator (OSDI'24), with the per-operator profiles replaced by a roofline and fitted efficiency
+factors. No torch here.
 """
 
 from __future__ import annotations
