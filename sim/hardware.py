@@ -175,8 +175,9 @@ H200_EAGER_DISPATCH_PER_STEP_S = 12.27e-3
 H200_EAGER_DISPATCH_PER_ROW_S = 15.8e-6
 
 # The graphed steps of h200-graphs: decode-only steps and steps with one prefill chunk of at most this
-# many tokens (the engine captures its mixed-step graphs for one bounded chunk; a step's tokens then fit
-# the largest captured shape). Every other step is eager and keeps the eager dispatch above.
+# many tokens (the engine's cuda_graphs knob graphs "mixed steps with one bounded chunk"; 512 is this
+# profile's assumption of that bound, to follow the engine's). Every other step is eager and keeps the
+# eager dispatch above.
 GRAPH_MAX_PREFILL_TOKENS = 512
 
 # A graphed step's runner host time on the H200 machine: a PROJECTION, not a measurement (no table was
@@ -189,7 +190,7 @@ GRAPH_MAX_PREFILL_TOKENS = 512
 #   documentation measures 3.5 us of CPU time to launch an 80-kernel graph; NVIDIA's "Constant Time
 #   Launch for Straight-Line CUDA Graphs" (CUDA 12.6, 2024) makes a straight-line graph's launch
 #   independent of its node count, which grew with it before. A decode graph of Llama-3.1-8B holds a few
-#   hundred kernels (32 layers of ~12); 20 us budgets tens of microseconds on an older driver;
+#   hundred kernels (32 layers of ~12); 20 us leaves room for an older driver, where it grows with them;
 # - one H2D copy of the pinned inputs (a few KiB): 10 us; sampling's one synchronisation (the sampled
 #   tokens read back): 20 us;
 # - per row: the eager fit's per-row term, 15.8 us (the rows' arrays are built as before; replay removes
