@@ -28,8 +28,8 @@ memory overlapping (``max``, a GPU) and adding (``overlap`` off: on this project
 decode step's time grows with its rows long before the weight stream is hidden) — and the one
 of the lower mean error is kept. The host side is fitted apart, as
 ``host_seconds = h0 + h_r x rows``, when the table has it. The fitted profile has no separate
-dispatch term (``c0`` and ``c_r`` absorb an eager runner's host dispatch);
-:mod:`cadenza.sim.dispatch` fits one apart, beside a data-sheet device.
+dispatch term and no graph replay (``c0`` and ``c_r`` absorb the runner's host time, eager or
+graphed); :mod:`cadenza.sim.dispatch` fits them apart, beside a data-sheet device.
 
 A fitted efficiency above 1 says the base's peak is too low (a CPU has no data-sheet figure, and
 ``--base cpu`` starts from nominal ones): the peak is raised to the throughput reached and the
@@ -278,9 +278,9 @@ def calibrate(steps: list[MeasuredStep], roofline: Roofline, name: str | None = 
             form_knots = [t for t in form_knots if t not in dropped]
         fits.append((*fit, form_knots))
     w, overlap, rounds, errors, unidentified, free, knots = min(fits, key=lambda f: float(f[3].mean()))
-    # the fixed costs c0 and c_r absorb the host's dispatch: the fitted profile adds no other
+    # c0 and c_r absorb the runner's host time (dispatch or graph replay): the profile adds no other
     fitted = _profile(hw, w, name, knots, free).with_factors(overlap=overlap, dispatch_per_step_s=0.0,
-                                                             dispatch_per_row_s=0.0)
+                                                             dispatch_per_row_s=0.0, cuda_graphs=False)
     host = [(s.composition.num_rows, s.host_seconds) for s in steps if s.host_seconds is not None]
     if len(host) >= 2:
         hx = np.array([[1.0, r] for r, _ in host])
@@ -352,10 +352,11 @@ def _profile(hw: HardwareProfile, w: np.ndarray, name: str | None, knots: Sequen
 
 def step_errors(steps: list[MeasuredStep], roofline: Roofline) -> np.ndarray:
     """``|predicted - measured| / measured`` of each step's runner time on ``roofline`` (a held-out
-    table's per-step error): the step log's ``seconds``, the longer of the device's time and the
-    host's dispatch (not the scheduler's time, which the log keeps apart)."""
+    table's per-step error): the step log's ``seconds``, the runner's time (``StepTime.runner_s``:
+    the device and the host's dispatch or graph replay, not the scheduler's time, which the log
+    keeps apart)."""
     out = []
     for s in steps:
-        t = roofline.step_time(s.composition)
-        out.append(abs(max(t.device_s, t.dispatch_s) - s.seconds) / s.seconds)
+        t = roofline.step_time(s.composition).runner_s
+        out.append(abs(t - s.seconds) / s.seconds)
     return np.array(out)

@@ -5,7 +5,7 @@
                 [--time-scale F | --qps-scale F] [--length-scale F] [--num-requests N]
                 [--class NAME | --batch-above N]
                 [--compare [POLICY ...]] [--sweep] [--json OUT] [--plot DIR]
-    cadenza sim calibrate --steps STEPS.jsonl --model M --base cpu|PROFILE --out PROFILE.json
+    cadenza sim calibrate --steps STEPS.jsonl --model M --base cpu|PROFILE [--dispatch-only] --out PROFILE.json
 
 A request goes as the class and tenant its trace names (``class`` and ``tenant`` columns), else
 as ``interactive`` (the Azure traces carry neither); ``--class NAME`` sends every request as
@@ -30,7 +30,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 
+# A graph replay's host time per step above this (seconds) is an eager runner's (the H200's eager
+# dispatch is ~12 ms; the projection of replay, ~0.14 ms): a table taken with graphs off.
+IMPLAUSIBLE_REPLAY_S = 1e-3
+
+
 def register_sim(sub: argparse._SubParsersAction) -> None:
+    from cadenza.sim.hardware import describe_profiles
+
     p = sub.add_parser("sim", help="simulate a ServingPool on a trace with GPU cost models (no GPU needed)",
                        description="Simulate a ServingPool on a trace (`cadenza sim --trace ... --pool ...`), "
                                    "or fit a hardware profile to measured steps (`cadenza sim calibrate`).")
@@ -38,7 +45,7 @@ def register_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pool", type=Path, metavar="POOL.yaml", help="a ServingPool manifest (required)")
     p.add_argument("--pool-name", help="which ServingPool of the file (default: the only one)")
     p.add_argument("--model", help="a shipped model (llama-3.1-8b, ...) or a config.json path (required)")
-    p.add_argument("--hardware", help="a profile (a100-80g, h100-sxm, h200, h200-roofline, l40s) or a .json file (required)")
+    p.add_argument("--hardware", help=f"a profile: {describe_profiles()}; or a .json file (required)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per replica (default 1)")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (< 1: more load)")
@@ -75,6 +82,10 @@ def register_sim(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--base", required=True,
                      help="the profile to start from: a built-in GPU profile, a .json file, or `cpu` (this host)")
     cal.add_argument("--tp", type=int, default=1, help="tensor-parallel devices the steps ran on (default 1)")
+    cal.add_argument("--dispatch-only", action="store_true",
+                     help="fit only the runner's host time beside BASE's device (cadenza.sim.dispatch): an eager "
+                          "BASE's dispatch from the steps it bounds, or, for a BASE with CUDA graphs "
+                          "(h200-graphs), a graphed step's replay time from the graphed steps; the rest is BASE's")
     cal.add_argument("--name", help="the fitted profile's name (default: BASE-calibrated)")
     cal.add_argument("--out", type=Path, required=True, metavar="PROFILE.json", help="where to write the profile")
     cal.set_defaults(func=run_calibrate)
@@ -91,7 +102,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
             raise ValueError(f"--out {args.out}: a profile is a .json file (what --hardware reads)")
         base = cpu_base() if args.base == "cpu" else load_profile(args.base)
         roofline = Roofline(load_model_dims(args.model), base, args.tp)
-        fit = calibrate(load_step_table(args.steps), roofline, args.name)
+        steps = load_step_table(args.steps)
+        if args.dispatch_only:
+            return _calibrate_dispatch(args, steps, roofline)
+        fit = calibrate(steps, roofline, args.name)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(fit.profile.to_dict(), indent=2) + "\n")
     except (OSError, ValueError, ProfileError, ModelDimsError) as exc:
@@ -112,6 +126,30 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(f"cadenza sim calibrate: warning: a poor fit ({100 * fit.mean_abs_error:.0f} % mean error): the table "
               "may be too small, too noisy (a busy machine) or too alike (one step shape) to calibrate from",
               file=sys.stderr)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _calibrate_dispatch(args: argparse.Namespace, steps, roofline) -> int:
+    """``--dispatch-only``: the base's device with the runner's host time fitted (errors raise to
+    :func:`run_calibrate`)."""
+    from cadenza.sim.dispatch import fit_dispatch, fit_graph_replay
+
+    base, name = roofline.hw, args.name or f"{args.base}-calibrated"
+    if base.cuda_graphs:
+        fit = fit_graph_replay(steps, roofline)
+        what = (f"graph replay {1e6 * fit.per_step_s:.0f} us/step + {1e6 * fit.per_row_s:.1f} us/row over "
+                f"{fit.graphed_steps} graphed steps of {len(steps)} (the others keep {args.base}'s eager dispatch)")
+    else:
+        fit = fit_dispatch(steps, roofline)
+        what = (f"eager dispatch {1e3 * fit.per_step_s:.2f} ms/step + {1e6 * fit.per_row_s:.1f} us/row; "
+                f"{fit.bound_steps} of {len(steps)} steps bound by it")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(fit.profile(base, name).to_dict(), indent=2) + "\n")
+    print(f"fitted {what}: per-step error mean {100 * fit.mean_abs_error:.1f} %, p90 {100 * fit.p90_abs_error:.1f} %")
+    if base.cuda_graphs and fit.per_step_s > IMPLAUSIBLE_REPLAY_S:
+        print(f"cadenza sim calibrate: warning: {1e3 * fit.per_step_s:.1f} ms of host time per graphed step is an "
+              "eager runner's: was the table taken with --no-cuda-graphs?", file=sys.stderr)
     print(f"wrote {args.out}")
     return 0
 

@@ -16,11 +16,21 @@ NVLink 600 GB/s total), H100 SXM data sheet (989 TFLOP/s bf16, 3.35 TB/s HBM3, N
 total), H200 data sheet (989 TFLOP/s, 4.8 TB/s HBM3e, 141 GB), L40S data sheet (362 TFLOP/s bf16
 dense, 864 GB/s GDDR6, 48 GB, PCIe Gen4 x16).
 
-``h200`` is cadenza as it runs on one H200 today: the data-sheet device plus the host dispatch of
-its eager runner, fitted from measured steps (:mod:`cadenza.sim.dispatch`; a decode step takes
-~12 ms at any batch up to 64). ``h200-roofline`` is the same device with no dispatch: an engine
-whose launches hide behind the device (CUDA graphs), for "what if". The other profiles are
-roofline-only until a table measured on them gives their dispatch.
+Three profiles of one H200, each marked in :data:`PROFILE_BASIS`:
+
+- ``h200`` (**measured**): cadenza as it ran on one H200 without CUDA graphs, the data-sheet
+  device plus its eager runner's host dispatch fitted from measured steps
+  (:mod:`cadenza.sim.dispatch`; a decode step takes ~12 ms at any batch up to 64).
+- ``h200-roofline`` (**roofline**): the same device with no host time in the runner at all, the
+  ideal "what if".
+- ``h200-graphs`` (**projection**): the same device with the runner replaying CUDA graphs for
+  decode steps and for steps that add one prefill chunk of at most
+  :data:`GRAPH_MAX_PREFILL_TOKENS` tokens (every other step stays eager and keeps ``h200``'s
+  dispatch). A graphed step's host time is estimated, not measured: see
+  :data:`H200_GRAPH_PER_STEP_S`. ``cadenza sim calibrate --dispatch-only --base h200-graphs``
+  fits it once a table measured with graphs on exists.
+
+The other profiles are **roofline**-only until a table measured on them gives their dispatch.
 """
 
 from __future__ import annotations
@@ -54,11 +64,21 @@ class HardwareProfile:
             sampling kernels).
         device_per_row_s: device seconds per row of the batch beyond its tokens (per-sequence
             metadata, sampling); 0 in the data-sheet profiles, fitted by a calibration.
-        dispatch_per_step_s, dispatch_per_row_s: the runner's host time to issue a step (eager
-            dispatch of every kernel, input building, sampling's synchronisation), per step and
-            per row; a step takes the longer of it and the device's time. 0 in the roofline
+        dispatch_per_step_s, dispatch_per_row_s: the runner's host time to issue an eager step
+            (dispatch of every kernel, input building, sampling's synchronisation), per step and
+            per row; an eager step takes the longer of it and the device's time. 0 in the roofline
             profiles (an engine whose launches hide behind the device); fitted from a measured
             table by :func:`cadenza.sim.dispatch.fit_dispatch`.
+        cuda_graphs: the runner replays CUDA graphs for the steps it captured: decode-only steps
+            and steps whose prefill is one chunk of at most ``graph_max_prefill_tokens`` tokens
+            (:func:`cadenza.sim.roofline.replays_graph`); other steps run eagerly. False: every
+            step is eager.
+        graph_max_prefill_tokens: the longest prefill chunk a graphed step takes (tokens; 0:
+            decode-only steps alone).
+        graph_per_step_s, graph_per_row_s: a graphed step's runner host time, per step and per
+            row (inputs built and copied before the launch, the launch, the sampled tokens read
+            after it): it does not overlap the device and adds to its time. Fitted from a table
+            measured with graphs on by :func:`cadenza.sim.dispatch.fit_graph_replay`.
         host_per_step_s, host_per_row_s: the scheduler's CPU time per step and per row
             (``schedule()`` + ``update_from_output()``; :mod:`bench.scheduler_overhead` measures it).
         dtype_bytes: bytes per weight and per KV element (2: bf16).
@@ -84,6 +104,10 @@ class HardwareProfile:
     device_per_row_s: float = 0.0
     dispatch_per_step_s: float = 0.0
     dispatch_per_row_s: float = 0.0
+    cuda_graphs: bool = False
+    graph_max_prefill_tokens: int = 0
+    graph_per_step_s: float = 0.0
+    graph_per_row_s: float = 0.0
     host_per_step_s: float = 50e-6
     host_per_row_s: float = 0.5e-6
     dtype_bytes: int = 2
@@ -101,8 +125,13 @@ class HardwareProfile:
                 or any(b[0] <= a[0] for a, b in zip(curve, curve[1:]))):
             raise ProfileError(f"{self.name}: gemm_curve needs increasing finite token counts above 0 and "
                                "efficiencies in (0, 1]")
-        if not isinstance(self.overlap, bool):
-            raise ProfileError(f"{self.name}: overlap must be true or false, got {self.overlap!r}")
+        for f in ("overlap", "cuda_graphs"):
+            if not isinstance(getattr(self, f), bool):
+                raise ProfileError(f"{self.name}: {f} must be true or false, got {getattr(self, f)!r}")
+        if isinstance(self.graph_max_prefill_tokens, bool) or not isinstance(self.graph_max_prefill_tokens, int) \
+                or self.graph_max_prefill_tokens < 0:
+            raise ProfileError(f"{self.name}: graph_max_prefill_tokens must be a whole number >= 0, "
+                               f"got {self.graph_max_prefill_tokens!r}")
         for f in ("peak_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth"):
             if not 0 < getattr(self, f) < math.inf:
                 raise ProfileError(f"{self.name}: {f} must be positive and finite, got {getattr(self, f)!r}")
@@ -110,7 +139,7 @@ class HardwareProfile:
             if not 0 < getattr(self, f) <= 1:
                 raise ProfileError(f"{self.name}: {f} must be in (0, 1], got {getattr(self, f)!r}")
         for f in ("link_latency_s", "step_overhead_s", "device_per_row_s", "dispatch_per_step_s", "dispatch_per_row_s",
-                  "host_per_step_s", "host_per_row_s"):
+                  "graph_per_step_s", "graph_per_row_s", "host_per_step_s", "host_per_row_s"):
             if not 0 <= getattr(self, f) < math.inf:
                 raise ProfileError(f"{self.name}: {f} must be finite and >= 0, got {getattr(self, f)!r}")
         if self.dtype_bytes not in (1, 2, 4):
@@ -145,18 +174,64 @@ class HardwareProfile:
 H200_EAGER_DISPATCH_PER_STEP_S = 12.27e-3
 H200_EAGER_DISPATCH_PER_ROW_S = 15.8e-6
 
+# The graphed steps of h200-graphs: decode-only steps and steps with one prefill chunk of at most this
+# many tokens (the engine's cuda_graphs knob graphs "mixed steps with one bounded chunk"; 512 is this
+# profile's assumption of that bound, to follow the engine's). Every other step is eager and keeps the
+# eager dispatch above.
+GRAPH_MAX_PREFILL_TOKENS = 512
+
+# A graphed step's runner host time on the H200 machine: a PROJECTION, not a measurement (no table was
+# taken with graphs on yet). What replay leaves on the host, serial with the device:
+# - the runner's own Python and numpy per step (the step's arrays, the pinned buffers filled): taken as
+#   the scheduler's measured per-step time on the same host, work of the same kind and size: 86 us, the
+#   intercept of host_seconds fitted on rows over the 8B table's decode steps (tests/sim/test_graphs.py
+#   refits it);
+# - the graph launch (torch's CUDAGraph.replay, one cudaGraphLaunch): 20 us. Published: CUDA.jl's
+#   documentation measures 3.5 us of CPU time to launch an 80-kernel graph; NVIDIA's "Constant Time
+#   Launch for Straight-Line CUDA Graphs" (CUDA 12.6, 2024) makes a straight-line graph's launch
+#   independent of its node count, which grew with it before. A decode graph of Llama-3.1-8B holds a few
+#   hundred kernels (32 layers of ~12); 20 us leaves room for an older driver, where it grows with them;
+# - one H2D copy of the pinned inputs (a few KiB): 10 us; sampling's one synchronisation (the sampled
+#   tokens read back): 20 us;
+# - per row: the eager fit's per-row term, 15.8 us (the rows' arrays are built as before; replay removes
+#   per-kernel launches, which do not grow with rows).
+H200_RUNNER_PYTHON_PER_STEP_S = 86e-6
+GRAPH_LAUNCH_S = 20e-6
+GRAPH_INPUT_COPY_S = 10e-6
+GRAPH_SAMPLING_SYNC_S = 20e-6
+H200_GRAPH_PER_STEP_S = H200_RUNNER_PYTHON_PER_STEP_S + GRAPH_LAUNCH_S + GRAPH_INPUT_COPY_S + GRAPH_SAMPLING_SYNC_S
+H200_GRAPH_PER_ROW_S = H200_EAGER_DISPATCH_PER_ROW_S
+
 _H200 = HardwareProfile("h200-roofline", 989 * TFLOPS, 4800 * GB, 141 * GB, 450 * GB)
+_H200_EAGER = replace(_H200, name="h200", dispatch_per_step_s=H200_EAGER_DISPATCH_PER_STEP_S,
+                      dispatch_per_row_s=H200_EAGER_DISPATCH_PER_ROW_S)
 PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in (
         HardwareProfile("a100-80g", 312 * TFLOPS, 2039 * GB, 80 * GB, 300 * GB),
         HardwareProfile("h100-sxm", 989 * TFLOPS, 3350 * GB, 80 * GB, 450 * GB),
-        replace(_H200, name="h200", dispatch_per_step_s=H200_EAGER_DISPATCH_PER_STEP_S,
-                dispatch_per_row_s=H200_EAGER_DISPATCH_PER_ROW_S),
+        _H200_EAGER,
         _H200,
+        replace(_H200_EAGER, name="h200-graphs", cuda_graphs=True, graph_max_prefill_tokens=GRAPH_MAX_PREFILL_TOKENS,
+                graph_per_step_s=H200_GRAPH_PER_STEP_S, graph_per_row_s=H200_GRAPH_PER_ROW_S),
         HardwareProfile("l40s", 362 * TFLOPS, 864 * GB, 48 * GB, 32 * GB, link_latency_s=25e-6),
     )
 }
+
+# What each built-in profile's runner time rests on: "measured" (fitted from a step table taken on the
+# part), "roofline" (data-sheet peaks and round efficiencies, no host time in the runner), "projection"
+# (a host time estimated from measured parts and published figures, not yet measured whole).
+PROFILE_BASIS: dict[str, str] = {
+    "a100-80g": "roofline", "h100-sxm": "roofline", "l40s": "roofline", "h200-roofline": "roofline",
+    "h200": "measured: eager runner, data/gpu/h200",
+    "h200-graphs": "projection: CUDA graphs, not yet measured",
+}
+
+
+def describe_profiles() -> str:
+    """The built-in profiles with what each rests on, for ``--hardware``'s help:
+    ``"a100-80g (roofline), ..., h200 (measured: ...), ..."``."""
+    return ", ".join(f"{name} ({PROFILE_BASIS[name]})" for name in PROFILES)
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:

@@ -18,12 +18,17 @@ device, the sum of:
 
 The terms are summed (no overlap between them assumed). The host **dispatches** the step while
 the device runs it: an eager runner issues each kernel from Python, builds its inputs and waits
-for sampling, ``dispatch_per_step_s + dispatch_per_row_s x rows`` (0 for an engine whose launches
-hide behind the device, as CUDA graphs make them), and the step takes the longer of the device's
-time and the dispatch. The scheduler's host time per step and per row comes before and adds. Within a term, compute and memory
-traffic overlap on a GPU (the slower counts); a profile with ``overlap`` off adds them (a CPU). This is the shape of the models in Vidur (MLSys'24,
-per-operator) and DistServe's simulator (OSDI'24), with the per-operator profiles replaced by a
-roofline and fitted efficiency factors. No torch here.
+for sampling, ``dispatch_per_step_s + dispatch_per_row_s x rows`` (0 in a roofline profile, an
+engine with no host time), and the step takes the longer of the device's time and the dispatch.
+A step the runner **replays as a CUDA graph** (a profile with ``cuda_graphs``: decode-only steps
+and steps with one bounded prefill chunk, :func:`replays_graph`) has no dispatch; what the host
+still does — build and copy the inputs before the launch, launch, read the sampled tokens after —
+``graph_per_step_s + graph_per_row_s x rows``, is serial with the device and adds to its time.
+The scheduler's host time per step and per row comes before and adds. Within a term, compute
+and memory traffic overlap on a GPU (the slower counts); a profile with ``overlap`` off adds them
+(a CPU). This is the shape of the models in Vidur (MLSys'24, per-operator) and DistServe's
+simulator (OSDI'24), with the per-operator profiles replaced by a roofline and fitted efficiency
+factors. No torch here.
 """
 
 from __future__ import annotations
@@ -58,6 +63,20 @@ class StepComposition:
     def num_tokens(self) -> int:
         return self.prefill_tokens + self.decode_tokens
 
+    @property
+    def prefill_rows(self) -> int:
+        """Rows that prefill (chunks): every row but the decodes, which take one token each."""
+        return self.num_rows - self.decode_tokens
+
+
+def replays_graph(hw: HardwareProfile, step: StepComposition) -> bool:
+    """Whether the runner replays ``step`` as a CUDA graph on ``hw``: the profile has
+    ``cuda_graphs``, and the step decodes only or adds one prefill chunk of at most
+    ``hw.graph_max_prefill_tokens`` tokens (the shapes the engine captures); any other step runs
+    eagerly."""
+    return (hw.cuda_graphs and step.prefill_rows <= 1
+            and step.prefill_tokens <= hw.graph_max_prefill_tokens)
+
 
 def _add(compute: float, memory: float) -> float:
     return compute + memory
@@ -80,10 +99,12 @@ class UnitTerms(NamedTuple):
 class StepTime:
     """A step's predicted seconds, by term (see the module docstring).
 
-    The device terms add up to the device's time. ``dispatch_s`` is the host's time to issue the
-    step (an eager runner's Python dispatch, input building, sampling's synchronisation): the step
-    ends when both are done, so it takes the longer of the two. ``host_s`` (the scheduler's time)
-    comes before the step and adds.
+    The device terms add up to the device's time. ``dispatch_s`` is the host's time to issue an
+    eager step (the runner's Python dispatch, input building, sampling's synchronisation): the step
+    ends when both are done, so it takes the longer of the two. ``replay_s`` is a graphed step's
+    host time (inputs built and copied, the graph launched, the sampled tokens read), serial with
+    the device: it adds. One of the two is 0. ``runner_s`` is what the step log's ``seconds``
+    measures; ``host_s`` (the scheduler's time) comes before the step and adds to ``total_s``.
     """
 
     linear_s: float
@@ -93,6 +114,7 @@ class StepTime:
     allreduce_s: float
     fixed_s: float
     dispatch_s: float = 0.0
+    replay_s: float = 0.0
     host_s: float = 0.0
 
     @property
@@ -101,8 +123,12 @@ class StepTime:
                 + self.allreduce_s + self.fixed_s)
 
     @property
+    def runner_s(self) -> float:
+        return max(self.device_s, self.dispatch_s) + self.replay_s
+
+    @property
     def total_s(self) -> float:
-        return max(self.device_s, self.dispatch_s) + self.host_s
+        return self.runner_s + self.host_s
 
 
 class Roofline:
@@ -160,15 +186,18 @@ class Roofline:
         both = max if hw.overlap else _add
         if not step.num_tokens:
             return StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        rows = step.num_rows
+        graphed = replays_graph(hw, step)
         return StepTime(
             linear_s=both(u.linear_compute_s / g, u.linear_memory_s / m),
             lm_head_s=both(u.lm_head_compute_s / g_head, u.lm_head_memory_s / m),
             prefill_attention_s=u.prefill_attention_s / a,
             decode_attention_s=both(u.decode_attention_compute_s / a, u.decode_attention_memory_s / m),
             allreduce_s=u.allreduce_s,
-            fixed_s=hw.step_overhead_s + hw.device_per_row_s * step.num_rows,
-            dispatch_s=hw.dispatch_per_step_s + hw.dispatch_per_row_s * step.num_rows,
-            host_s=hw.host_per_step_s + hw.host_per_row_s * step.num_rows,
+            fixed_s=hw.step_overhead_s + hw.device_per_row_s * rows,
+            dispatch_s=0.0 if graphed else hw.dispatch_per_step_s + hw.dispatch_per_row_s * rows,
+            replay_s=hw.graph_per_step_s + hw.graph_per_row_s * rows if graphed else 0.0,
+            host_s=hw.host_per_step_s + hw.host_per_row_s * rows,
         )
 
     def kv_capacity_tokens(self, memory_utilization: float = 0.9, activation_reserve: float = 0.05) -> int:

@@ -83,3 +83,16 @@ def test_the_shipped_h200_profile_predicts_the_measured_h200_steps():
     half, rest = [steps[i] for i in order[::2]], [steps[i] for i in order[1::2]]
     held_out = Roofline(roofline.dims, fit_dispatch(half, roofline).profile(PROFILES["h200-roofline"], "half"))
     assert float(np.mean(step_errors(rest, held_out))) <= TARGET
+
+
+def test_cadenza_sim_calibrate_dispatch_only_refits_the_shipped_h200_figures(tmp_path, capsys):
+    from cadenza.node.cli import main
+    from cadenza.sim.hardware import load_profile
+
+    out = tmp_path / "h200.json"
+    assert main(["sim", "calibrate", "--dispatch-only", "--steps", str(H200_8B), "--model", "llama-3.1-8b",
+                 "--base", "h200-roofline", "--name", "h200", "--out", str(out)]) == 0
+    assert "eager dispatch 12.27 ms/step" in capsys.readouterr().out
+    fitted = load_profile(out)
+    assert fitted.dispatch_per_step_s == pytest.approx(H200_EAGER_DISPATCH_PER_STEP_S, rel=0.01)
+    assert not fitted.cuda_graphs and fitted.peak_flops == PROFILES["h200"].peak_flops
