@@ -40,6 +40,8 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from cadenza.node.core.config import CUDA_GRAPH_MAX_CHUNK
+
 GB = 1e9
 TFLOPS = 1e12
 
@@ -175,10 +177,8 @@ H200_EAGER_DISPATCH_PER_STEP_S = 12.27e-3
 H200_EAGER_DISPATCH_PER_ROW_S = 15.8e-6
 
 # The graphed steps of h200-graphs: decode-only steps and steps with one prefill chunk of at most this
-# many tokens (the engine's cuda_graphs knob graphs "mixed steps with one bounded chunk"; 512 is this
-# profile's assumption of that bound, to follow the engine's). Every other step is eager and keeps the
-# eager dispatch above.
-GRAPH_MAX_PREFILL_TOKENS = 512
+# many tokens, the engine's own bound. Every other step is eager and keeps the eager dispatch above.
+GRAPH_MAX_PREFILL_TOKENS = CUDA_GRAPH_MAX_CHUNK  # the engine's own bound (node/runner/cuda_graphs.py)
 
 # A graphed step's runner host time on the H200 machine: a PROJECTION, not a measurement (no table was
 # taken with graphs on yet). What replay leaves on the host, serial with the device:

@@ -16,6 +16,8 @@ from cadenza.node.core.policy import Policy
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 TEXT_SPECIAL_TOKENS = ("control", "plain")  # special-token text in requests: control tokens, or plain text
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
+# The largest CUDA-graphed steps (node/runner/cuda_graphs.py; sim's graphs profiles): decode rows, chunk tokens.
+CUDA_GRAPH_MAX_ROWS, CUDA_GRAPH_MAX_CHUNK = 256, 512
 
 
 class ConfigError(ValueError):
@@ -162,10 +164,8 @@ class EngineConfig:
             ``transformers`` and vLLM do (a user can forge a turn of another role); ``plain``
             encodes it as text, the chat template's own markup staying control tokens
             (:mod:`cadenza.node.frontend.tokenizer`). Read by the front end only.
-        cuda_graphs: True captures decode steps (and mixed steps with one bounded chunk) in
-            CUDA graphs at start-up and replays them (:mod:`cadenza.node.runner.cuda_graphs`);
-            False launches every kernel from Python each step. Meaningful on a CUDA device with
-            the triton backend only; elsewhere every step runs eagerly whatever it says.
+        cuda_graphs: capture decode steps and steps with one bounded chunk in CUDA graphs
+            (:mod:`cadenza.node.runner.cuda_graphs`; CUDA and the triton backend only).
     """
 
     model: str

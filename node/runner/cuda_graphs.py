@@ -34,12 +34,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from cadenza.node.core.config import CUDA_GRAPH_MAX_CHUNK, CUDA_GRAPH_MAX_ROWS
 from cadenza.node.runner.step_inputs import GraphShape, InputBuffers, Layout, StepRows
 
 logger = logging.getLogger(__name__)
 
-MAX_GRAPH_ROWS = 256  # the largest decode bucket captured, whatever max_num_seqs says (vLLM: 512)
-MAX_GRAPH_CHUNK = 512  # the largest prefill chunk a mixed-step graph carries
+MAX_GRAPH_ROWS = CUDA_GRAPH_MAX_ROWS  # the largest decode bucket captured, whatever max_num_seqs says (vLLM: 512)
+MAX_GRAPH_CHUNK = CUDA_GRAPH_MAX_CHUNK  # the largest prefill chunk a mixed-step graph carries
 MIN_GRAPH_CHUNK = 16
 DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes of graph memory pool captured at most
 
