@@ -19,7 +19,7 @@
 
 6. **The GPU probe**: ``python -m bench.gpu_probe --quick`` in its own process (about 4
    minutes; :mod:`bench.gpu_probe`: the engine against the device's floors, Llama-3.1-8B shapes),
-   its lines echoed and its result line kept under ``probe``.
+   its lines echoed, its files in ``gpu-probe/`` and its result line kept under ``probe``.
 
 Prints each figure and, last, one JSON line with ``benchmark``, ``ratio`` (decode bandwidth
 fraction), ``target``, the other ratios and the probe's line.
@@ -257,7 +257,7 @@ def cpu_only(path: Path) -> int:
     print(f"no CUDA GPU: the step table and the probe run on the CPU; the other sections are {skipped}")
     table = step_table(path, bench_model(True), device="cpu", max_steps=QUICK.table_steps)
     try:
-        probe_line = probe(path.parent)
+        probe_line = probe(path.parent / "gpu-probe")
     except (RuntimeError, ValueError) as exc:
         print(f"probe: FAILED: {exc}")
         probe_line = {"error": str(exc)}
@@ -287,7 +287,7 @@ def main() -> int:
                      ("prefill", lambda: prefill_throughput(do_bench, shape.prefill_seqs, shape.prefill_len)),
                      ("engine_step", lambda: engine_step(model, shape)),
                      ("step_table", lambda: step_table(steps_path, model, max_steps=shape.table_steps)),
-                     ("probe", lambda: probe(steps_path.parent))):
+                     ("probe", lambda: probe(steps_path.parent / "gpu-probe"))):
         try:
             result[name] = fn()
         except Exception as exc:  # report every section even if one fails

@@ -26,7 +26,8 @@ engine core (the real scheduler and runner) runs every step.
    against the ~2,048-token prefill steps of the H200 table in ``data/gpu/h200`` (taken before
    CUDA graphs): no regression, >= 0.95 of it (compared on an H200 only).
 7. **A step table** for ``cadenza sim calibrate``, CUDA graphs on
-   (:func:`bench.gpu_check.step_table`), written to ``DIR/gpu-probe-steps-MODEL.jsonl``.
+   (:func:`bench.gpu_check.step_table`), written to ``DIR/gpu-probe-steps-MODEL.jsonl`` (``DIR``:
+   ``--out``, default ``gpu-probe``).
 
 Last line: one JSON object, ``benchmark: "gpu_probe"``, ``ratio`` (section 1 at batch 1),
 ``target``, each other ratio with its target, ``pass``, the device, torch, Triton and CUDA
@@ -395,8 +396,9 @@ def run(shape: Shape, out: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("."),
-                        help="folder for the step table and gpu-probe.json (default: the current one)")
+    parser.add_argument("--out", type=Path, default=Path("gpu-probe"),
+                        help="folder for the step table, the models' config.json and gpu-probe.json "
+                             "(default: gpu-probe)")
     args = arguments(__doc__, parser)
     if torch.cuda.is_available():
         os.environ.pop("TRITON_INTERPRET", None)  # native kernels (tests set it on machines without CUDA)

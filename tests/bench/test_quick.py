@@ -5,6 +5,7 @@ with ``--long-benchmarks`` (``make test-long``, which CI runs after ``make test`
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -54,9 +55,11 @@ def _check_probe_on_the_cpu(result: dict, workdir) -> None:
     assert result["mixed_ratio"] > 0 and result["stall_ratio"] > 0 and sections["prefill"]["tflops"] > 0
     assert result["prefill_ratio"] is None and "H200" in sections["prefill"]["not_compared"]
     assert result["device"] == "cpu" and result["pass"] is False
-    table = load_step_table(workdir / "gpu-probe-steps-tiny.jsonl")
+    out = workdir / "gpu-probe"  # --out's default
+    assert json.loads((out / "gpu-probe.json").read_text())["sections"]["decode"] == sections["decode"]
+    table = load_step_table(out / "gpu-probe-steps-tiny.jsonl")
     assert len(table) == sections["step_table"]["steps"] > 0
-    model = workdir / "gpu-probe-models" / "tiny"
+    model = out / "gpu-probe-models" / "tiny"
     assert f"--model {model.relative_to(workdir)} --base cpu" in sections["step_table"]["calibrate"]
     fit = calibrate(table, Roofline(load_model_dims(model), cpu_base()))
     assert fit.steps == len(table)
