@@ -17,13 +17,18 @@
    step log's format): ``cadenza sim calibrate --steps gpu-steps.jsonl --model smollm2-135m
    --base h100-sxm --out my-gpu.json`` fits a profile of this GPU from it.
 
+6. **The GPU probe**: ``python -m bench.gpu_probe --quick`` in its own process (about 4
+   minutes; :mod:`bench.gpu_probe`: the engine against the device's floors, Llama-3.1-8B shapes),
+   its lines echoed, its files in ``gpu-probe/`` and its result line kept under ``probe``.
+
 Prints each figure and, last, one JSON line with ``benchmark``, ``ratio`` (decode bandwidth
-fraction), ``target`` and the other ratios.
+fraction), ``target``, the other ratios and the probe's line.
 
 ``--quick``: the same sections on the smallest shapes (kernel tests not marked ``slow``, 8 x 1,024
 decode, one 512-token prefill, the tests' tiny random Llama for the engine sections, 64 steps of
-step table). Without a CUDA GPU, ``--quick`` runs the one section that needs none, the step table on
-the CPU, and reports the others as skipped (exit 0); without ``--quick`` it exits 2.
+step table). Without a CUDA GPU, ``--quick`` runs the sections that need none, the step table on
+the CPU and the probe's CPU quick run, and reports the others as skipped (exit 0); without
+``--quick`` it exits 2.
 """
 
 from __future__ import annotations
@@ -92,6 +97,15 @@ def paged_inputs(num_seqs: int, context: int, query: int, dtype=torch.bfloat16):
     return q, k_cache, v_cache, qsl, lens, tables
 
 
+def copy_bandwidth(do_bench, nbytes: int = 2**30, device: str = "cuda") -> float:
+    """The device's copy bandwidth, GB/s: a ``Tensor.copy_`` of ``nbytes`` (1 GiB), counted read +
+    write, timed by ``do_bench`` (a callable -> milliseconds, as ``triton.testing.do_bench``)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src))
+    return 2 * nbytes / (copy_ms * 1e-3) / 1e9
+
+
 def decode_bandwidth(do_bench, num_seqs: int = 64, context: int = 4096) -> dict:
     from cadenza.kernels.attention import paged_attention
 
@@ -99,10 +113,7 @@ def decode_bandwidth(do_bench, num_seqs: int = 64, context: int = 4096) -> dict:
     ms = do_bench(lambda: paged_attention(q, kc, vc, qsl, lens, tables, HEAD_DIM**-0.5, max_query_len=1))
     kv_bytes = 2 * num_seqs * context * KV_HEADS * HEAD_DIM * q.element_size()
     attn_gbs = kv_bytes / (ms * 1e-3) / 1e9
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src))
-    copy_gbs = 2 * src.numel() / (copy_ms * 1e-3) / 1e9
+    copy_gbs = copy_bandwidth(do_bench)
     fraction = attn_gbs / copy_gbs
     print(f"decode attention: {attn_gbs:.0f} GB/s ({ms:.3f} ms) vs copy {copy_gbs:.0f} GB/s -> {fraction:.2f} (target >= 0.70)")
     return {"attention_gb_s": round(attn_gbs, 1), "copy_gb_s": round(copy_gbs, 1), "fraction": round(fraction, 3)}
@@ -173,57 +184,87 @@ def engine_step(model: Path, shape: Shape = Shape()) -> dict:
     return {"triton_ms": round(times["triton"], 2), "torch_ms": round(times["torch"], 2), "speedup": round(speedup, 3)}
 
 
-def step_table(path: Path, model: Path, device: str = "cuda", max_steps: int = 3000) -> dict:
+def step_table(path: Path, model: Path, device: str = "cuda", max_steps: int = 3000, weights_seed: int | None = None,
+               sim_model: str = "smollm2-135m", base: str = "h100-sxm", **knobs: object) -> dict:
     """Waves of random requests (prompts 16-4,096 tokens, at most the model's length less the
-    output; outputs 1-256, 1 to 128 at once) through the engine, every step logged to ``path`` as
-    ``cadenza serve --step-log`` logs it."""
+    output; outputs 1-256, 1 to 128 at once) through the engine core (token budget 2,048, chunk
+    1,024, 256 sequences, as ``data/gpu/h200``'s tables were taken), every step logged to ``path``
+    as ``cadenza serve --step-log`` logs it. ``weights_seed``: draw the weights
+    (:class:`~cadenza.node.core.engine_core.EngineCore`) instead of loading ``model``'s;
+    ``sim_model`` (a shipped model or a ``config.json`` folder of ``model``'s shapes) and ``base``
+    (a hardware profile): the printed calibration command's; ``knobs``: engine settings over these (``attention_backend``, ``dtype``, ...)."""
     import random
 
+    from cadenza.node.core.config import EngineConfig
+    from cadenza.node.core.engine_core import EngineCore
+    from cadenza.node.core.messages import AddRequest
     from cadenza.node.core.request import SamplingParams
-    from cadenza.node.frontend.llm import Engine
     from cadenza.node.frontend.step_log import StepLog
 
-    engine = Engine.from_model(model, device=device, dtype="bfloat16" if device == "cuda" else "auto",
-                               token_budget=2048, chunk_size=1024, max_num_seqs=256,
-                               kv_cache_bytes=(4 << 30) if device == "cuda" else (256 << 20), prefix_caching=False)
+    config = EngineConfig.from_knobs(str(model), **{
+        "device": device, "dtype": "bfloat16" if device == "cuda" else "auto", "token_budget": 2048,
+        "chunk_size": 1024, "max_num_seqs": 256, "prefix_caching": False,
+        "kv_cache_bytes": (4 << 30) if device == "cuda" else (256 << 20), **knobs})
+    core = EngineCore(config, weights_seed=weights_seed)
     path.unlink(missing_ok=True)
     log = StepLog(path)
-
-    class Observer:
-        @staticmethod
-        def on_step(record, _now):
-            log.write(record)
-
-    engine.observer = Observer()
     rng, steps, wave = random.Random(0), 0, 0
+    vocab = core.model_config.vocab_size
     while steps < max_steps:
         for i in range(rng.choice([1, 4, 16, 64, 128])):
             length, output = int(2 ** rng.uniform(4, 12)), rng.randint(1, 256)
-            vocab = engine.model_config.vocab_size
             prompt = [rng.randrange(min(100, vocab // 2), min(40000, vocab))
-                      for _ in range(min(length, engine.max_model_len - output))]
-            engine.add_request(f"w{wave}-{i}", prompt, SamplingParams(max_tokens=output, temperature=0,
-                                                                      ignore_eos=True))
-        while engine.has_unfinished_requests() and steps < max_steps:
-            engine.step()
+                      for _ in range(min(length, core.max_model_len - output))]
+            core.add_request(AddRequest(f"w{wave}-{i}", prompt, SamplingParams(max_tokens=output, temperature=0,
+                                                                               ignore_eos=True)))
+        while core.has_unfinished_requests() and steps < max_steps:
+            _deltas, record = core.step()
+            if record is not None:
+                log.write(record)
             steps += 1
         wave += 1
     log.close()
-    print(f"step table: {steps} steps in {wave} waves -> {path} (cadenza sim calibrate --steps {path} "
-          f"--model smollm2-135m --base h100-sxm --out my-gpu.json)")
-    return {"steps": steps, "path": str(path)}
+    calibrate = f"cadenza sim calibrate --steps {path} --model {sim_model} --base {base} --out my-gpu.json"
+    print(f"step table: {steps} steps in {wave} waves -> {path} ({calibrate})")
+    return {"steps": steps, "path": str(path), "calibrate": calibrate}
+
+
+def probe(out: Path) -> dict:
+    """``python -m bench.gpu_probe --quick --out OUT`` in a process of its own (a CUDA context of
+    its own: nothing of the sections above holds device memory there), its lines echoed as they
+    come; its result line.
+
+    Raises:
+        RuntimeError: it exited with an error; ValueError: its last line is not JSON.
+    """
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "bench.gpu_probe", "--quick", "--out", str(out)],
+                            env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, text=True)
+    last = ""
+    for line in proc.stdout:
+        print(f"  probe: {line}", end="")
+        last = line
+    if proc.wait():
+        raise RuntimeError(f"python -m bench.gpu_probe --quick exited {proc.returncode}")
+    return json.loads(last)
 
 
 def cpu_only(path: Path) -> int:
-    """``--quick`` without a CUDA GPU: the step table on the CPU (the one section that needs no
-    GPU, on the tiny model), the other sections reported as skipped."""
+    """``--quick`` without a CUDA GPU: the sections that need no GPU — the step table on the CPU
+    (on the tiny model) and the probe's CPU quick run — the others reported as skipped."""
     skipped = "skipped: needs a CUDA GPU (torch.cuda.is_available() is False)"
-    print(f"no CUDA GPU: only the step table runs, on the CPU; the other sections are {skipped}")
+    print(f"no CUDA GPU: the step table and the probe run on the CPU; the other sections are {skipped}")
     table = step_table(path, bench_model(True), device="cpu", max_steps=QUICK.table_steps)
+    try:
+        probe_line = probe(path.parent / "gpu-probe")
+    except (RuntimeError, ValueError) as exc:
+        print(f"probe: FAILED: {exc}")
+        probe_line = {"error": str(exc)}
     print(json.dumps({"benchmark": "gpu_check", "ratio": None, "target": 0.7, "device": "cpu",
                       "torch": torch.__version__,
                       **{name: {"skipped": skipped} for name in ("kernel_tests", "decode", "prefill", "engine_step")},
-                      "step_table": table, "pass": False, "quick": True}))
+                      "step_table": table, "probe": probe_line, "pass": False, "quick": True}))
     return 0
 
 
@@ -245,7 +286,8 @@ def main() -> int:
                      ("decode", lambda: decode_bandwidth(do_bench, shape.decode_seqs, shape.decode_context)),
                      ("prefill", lambda: prefill_throughput(do_bench, shape.prefill_seqs, shape.prefill_len)),
                      ("engine_step", lambda: engine_step(model, shape)),
-                     ("step_table", lambda: step_table(steps_path, model, max_steps=shape.table_steps))):
+                     ("step_table", lambda: step_table(steps_path, model, max_steps=shape.table_steps)),
+                     ("probe", lambda: probe(steps_path.parent / "gpu-probe"))):
         try:
             result[name] = fn()
         except Exception as exc:  # report every section even if one fails

@@ -39,6 +39,9 @@ class EngineCore:
         config: the engine configuration; checked again against the model here.
         extra_eos_token_ids: end-of-sequence ids besides the model's own (the tokenizer's
             ``eos_token``, which only the front end reads).
+        weights_seed: draw the weights from this seed instead of loading them (benchmarks of a
+            model's shapes: ``config.model`` then needs only its ``config.json``); see
+            :class:`~cadenza.node.runner.model_runner.ModelRunner`.
 
     Raises:
         ConfigError: a configuration that can never serve a request on this model, or a KV
@@ -46,7 +49,8 @@ class EngineCore:
         FileNotFoundError, ModelConfigError: the model folder is unusable.
     """
 
-    def __init__(self, config: EngineConfig, extra_eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, config: EngineConfig, extra_eos_token_ids: Iterable[int] = (),
+                 weights_seed: int | None = None) -> None:
         require_kv_token(config.kv_transfer_port)
         self.model_config = ModelConfig.from_pretrained(config.model)
         model_max = self.model_config.max_position_embeddings
@@ -54,7 +58,8 @@ class EngineCore:
             model_max = min(model_max, self.model_config.sliding_window)
         resolve_max_model_len(config.scheduler.max_model_len, model_max, model_max)  # refuse before loading
         rope_len = config.scheduler.max_model_len or model_max
-        self.runner = ModelRunner(config, self.model_config, max_model_len=min(rope_len, model_max))
+        self.runner = ModelRunner(config, self.model_config, max_model_len=min(rope_len, model_max),
+                                  weights_seed=weights_seed)
         capacity = self.runner.num_kv_blocks * config.cache.block_size
         max_model_len = resolve_max_model_len(config.scheduler.max_model_len, model_max, capacity)
         self.config = config.replace(scheduler=dataclasses.replace(config.scheduler, max_model_len=max_model_len))

@@ -36,16 +36,21 @@ class ModelRunner:
         config: the engine configuration (model path, dtype, device, cache size).
         model_config: the model's shape.
         max_model_len: resolved longest sequence (sizes the RoPE table).
+        weights_seed: draw the weights from this seed instead of loading them
+            (:func:`~cadenza.node.runner.models.llama.random_weights`; benchmarks of a model's
+            shapes without its files). None: load ``config.model``'s safetensors.
     """
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 weights_seed: int | None = None) -> None:
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype] if config.dtype != "auto" else (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model_config = model_config
         self.block_size = config.cache.block_size
         self.backend = select_backend(config.attention_backend, self.device, self.dtype)
-        self.model = load_model(config.model, model_config, self.backend, max_model_len, self.dtype, self.device)
+        self.model = load_model(config.model, model_config, self.backend, max_model_len, self.dtype, self.device,
+                                weights_seed)
         self.max_model_len = max_model_len
         self.num_kv_blocks = self._num_kv_blocks(config.cache)
         # One block more than the block manager hands out: the scratch block padding tokens write to.

@@ -7,8 +7,9 @@ batch layout follows vLLM: there is no batch dimension, only ``T`` tokens of man
 with each layer's attention reading and writing the paged KV cache through an
 :class:`~cadenza.node.runner.backend.KernelBackend` (torch references or Triton kernels).
 
-Weights are loaded from ``*.safetensors`` with the ``safetensors`` library. q/k/v and gate/up
-projections are fused into one matmul each (``qkv_proj``, ``gate_up_proj``).
+Weights are loaded from ``*.safetensors`` with the ``safetensors`` library, or drawn from a seed
+(:func:`random_weights`: a model of a real model's shapes without its files, for benchmarks). q/k/v
+and gate/up projections are fused into one matmul each (``qkv_proj``, ``gate_up_proj``).
 """
 
 from __future__ import annotations
@@ -184,8 +185,11 @@ def load_model(
     max_position: int,
     dtype: torch.dtype,
     device: torch.device,
+    weights_seed: int | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model without initialising it (meta device), then load its weights in place.
+    """Build the model without initialising it (meta device), then load its weights in place —
+    from ``path``'s safetensors, or with ``weights_seed`` drawn by :func:`random_weights` (``path``
+    is then not read).
 
     Raises:
         FileNotFoundError, ValueError: as :meth:`LlamaForCausalLM.load_weights`.
@@ -199,7 +203,10 @@ def load_model(
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)
     model.cos_sin = cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling).to(device)
-    model.load_weights(path)
+    if weights_seed is None:
+        model.load_weights(path)
+    else:
+        random_weights(model, weights_seed)
     model = model.eval().requires_grad_(False)
     if device.type == "cpu" and dtype == torch.float32:
         from cadenza.node.runner.cpu_linear import compile_linears, pack_linears
@@ -213,6 +220,24 @@ def load_model(
         else:
             pack_linears(model, device, dtype)
     return model
+
+
+@torch.no_grad()
+def random_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Fill every parameter in place, drawn on its own device from a generator seeded with
+    ``seed``: matrices and embeddings from N(0, ``std``²), norm weights 1, biases 0 — Hugging Face's
+    Llama initialisation (``initializer_range`` 0.02), under which bf16 activations stay finite
+    through a deep model. The same seed on the same device gives the same weights."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            param.zero_()
+        elif param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            param.normal_(0.0, std, generator=generators[param.device])
 
 
 def _shard_offsets(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
