@@ -1,7 +1,7 @@
 """The GPU check: ``python -m bench.gpu_check`` on a machine with a CUDA GPU (about 3-5 minutes).
 
-1. **Kernel tests, natively**: ``pytest tests/kernels tests/node/test_triton_backend.py`` with the
-   Triton interpreter off.
+1. **Kernel and GPU tests, natively**: ``pytest`` of :data:`GPU_TESTS` (the kernels, the Triton
+   backend's parity, CUDA graphs, the probe's CUDA parts) with the Triton interpreter off.
 2. **Decode attention bandwidth**: 64 sequences x 4,096 cached tokens, one query each,
    Llama-3-8B attention shape (32 query heads, 8 KV heads, head dim 128, bf16, block 16): bytes of
    K and V read per launch / time, against the device's copy bandwidth (a 1 GiB
@@ -70,11 +70,16 @@ QUICK = Shape(decode_seqs=8, decode_context=1024, prefill_seqs=1, prefill_len=51
               engine_chunk=128, engine_long=256, table_steps=64, kernel_tests_args=("-m", "not slow"))
 
 
+# Every test that runs natively on a CUDA GPU (each skips, or runs slowly under the interpreter, on a CPU).
+GPU_TESTS = ("tests/kernels", "tests/node/test_triton_backend.py", "tests/node/test_cuda_graphs_gpu.py",
+             "tests/node/test_random_weights.py", "tests/bench/test_gpu_probe_cuda.py")
+
+
 def kernel_tests(extra: tuple[str, ...] = ()) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", *extra, "tests/kernels", "tests/node/test_triton_backend.py"],
+        [sys.executable, "-m", "pytest", "-q", "-x", *extra, *GPU_TESTS],
         cwd=ROOT, env=env, capture_output=True, text=True,
     )
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]

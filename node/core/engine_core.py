@@ -52,6 +52,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, extra_eos_token_ids: Iterable[int] = (),
                  weights_seed: int | None = None) -> None:
         require_kv_token(config.kv_transfer_port)
+        self._weights_seed = weights_seed
         self.model_config = ModelConfig.from_pretrained(config.model)
         model_max = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
@@ -80,7 +81,8 @@ class EngineCore:
         mc = self.model_config
         return Fingerprint(self.config.model_name, str(self.runner.dtype).removeprefix("torch."),
                            self.config.cache.block_size, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                           weights=model_digest(self.config.model))
+                           weights=model_digest(self.config.model) if self._weights_seed is None
+                           else f"drawn from seed {self._weights_seed}")
 
     def close(self) -> None:
         """Stop the KV transfer endpoint, if any (the rest goes with the process)."""

@@ -60,6 +60,8 @@ def test_an_engine_runs_on_drawn_weights_from_a_config_alone(tmp_path):
     first = greedy(0)
     assert len(first) == 6 and first == greedy(0)
     assert first != greedy(1)  # the tokens come from the drawn weights
+    # KV made by other drawn weights is other KV: the transfer fingerprint says which seed.
+    assert EngineCore(config, weights_seed=0)._fingerprint() != EngineCore(config, weights_seed=1)._fingerprint()
     with pytest.raises(FileNotFoundError, match="safetensors"):
         EngineCore(config)  # without a seed the weights are loaded, and there are none
 
