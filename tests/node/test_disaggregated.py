@@ -27,6 +27,21 @@ from cadenza.node.credentials import TOKEN_ENV, TOKEN_FILE_ENV
 from tiny_models import build_tiny_model
 
 BS = 16
+def test_kv_pulled_into_a_replica_that_replays_step_graphs_decodes_as_colocated(tiny_llama_dir):
+    """Pulled blocks are written into the KV cache between steps; the decode side's steps run
+    through the fixed, padded buffers of its step graphs (recorded eagerly on the CPU)."""
+    with engines(tiny_llama_dir, 16, False) as (prefill, decode, colocated):
+        decode.runner.capture_graphs(decode.config.scheduler, record="eager")
+        taken, replay = [], decode.runner.graphs.run
+        decode.runner.graphs.run = lambda rows: taken.append(replay(rows)) or taken[-1]
+        for n in (17, 65, 129):
+            prompt = [random.Random(n).randrange(3, 300) for _ in range(n)]
+            want = run(colocated, AddRequest(f"c{next(_ids)}", prompt, greedy(6)))
+            assert disaggregated(prefill, decode, prompt) == want, f"prompt of {n} tokens"
+        assert decode.scheduler.stats.remote_kv_tokens == 16 + 64 + 128
+        assert sum(t is not None for t in taken) >= 3 * 5  # the decodes after each pull replayed a graph
+
+
 # 25 and 217 end in a one-token chunk with chunks of 24 (its last token a decode row) in a block
 # the decode side needs; 17 and 65 do so too with chunks of 16 and 64, in a block it does not
 LENGTHS = (1, 2, 15, 16, 17, 25, 31, 33, 64, 65, 100, 127, 128, 129, 200, 217, 255, 257, 300)
