@@ -20,8 +20,8 @@ What makes the kernels capture-safe: no host reads of device values inside the f
 attention grid is sized by the shape's ``max_query_len``, a host int), launch grids fixed by the
 shape, every buffer's address fixed (inputs here, the KV cache and weights allocated once), and
 intermediates from the graphs' shared memory pool. Capture runs largest shape first, so smaller
-graphs reuse the pool, and stops when the pool passes ``memory_budget`` bytes; its time and memory
-are logged. A graph ends at the hidden states of the rows that sample, copied into one buffer all
+graphs reuse the pool, and stops when the pool passes ``memory_budget`` bytes or the capture its
+``time_budget_s``; its time and memory are logged. A graph ends at the hidden states of the rows that sample, copied into one buffer all
 graphs share: the LM head and sampling run after the replay, for the real rows only.
 """
 
@@ -43,6 +43,7 @@ MAX_GRAPH_ROWS = CUDA_GRAPH_MAX_ROWS  # the largest decode bucket captured, what
 MAX_GRAPH_CHUNK = CUDA_GRAPH_MAX_CHUNK  # the largest prefill chunk a mixed-step graph carries
 MIN_GRAPH_CHUNK = 16
 DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes of graph memory pool captured at most
+DEFAULT_TIME_BUDGET_S = 60.0  # seconds of capture at start-up at most
 
 Forward = Callable[[tuple, GraphShape], torch.Tensor]  # (device input views, shape) -> hidden [rows, H]
 
@@ -130,18 +131,20 @@ class StepGraphs:
         shapes: the shapes to capture (:func:`graph_shapes`).
         memory_budget: bytes of graph memory pool past which capture stops (smaller shapes then
             run eagerly).
+        time_budget_s: seconds of capture past which it stops, likewise.
         record: ``"cuda"`` captures CUDA graphs; ``"eager"`` runs the same forward on the same
             fixed, padded buffers at every replay: everything but the capture itself, for tests on
             a CPU.
     """
 
     def __init__(self, device: torch.device, block_size: int, scratch_block: int, table_width: int,
-                 shapes: Sequence[GraphShape], memory_budget: int = DEFAULT_MEMORY_BUDGET, record: str = "cuda") -> None:
+                 shapes: Sequence[GraphShape], memory_budget: int = DEFAULT_MEMORY_BUDGET, record: str = "cuda",
+                 time_budget_s: float = DEFAULT_TIME_BUDGET_S) -> None:
         if record not in ("cuda", "eager"):
             raise ValueError(f"record must be 'cuda' or 'eager', got {record!r}")
         self.device, self.width, self.record = device, table_width, record
         self.block_size, self.scratch_block = block_size, scratch_block
-        self.memory_budget = memory_budget
+        self.memory_budget, self.time_budget_s = memory_budget, time_budget_s
         self._wanted = list(shapes)
         largest = [self.layout(s) for s in self._wanted] or [Layout(0, 0, 0, 0)]
         self.inputs = InputBuffers(device, max(l.int64_size for l in largest), max(l.int32_size for l in largest),
@@ -192,6 +195,10 @@ class StepGraphs:
             if self.pool_bytes > self.memory_budget:
                 logger.warning("CUDA graphs: %.0f MiB of pool passes the budget of %.0f MiB after %s; smaller "
                                "shapes run eagerly", self.pool_bytes / 2**20, self.memory_budget / 2**20, shape)
+                break
+            if time.perf_counter() - start > self.time_budget_s:
+                logger.warning("CUDA graphs: capture passed its %.0f s after %s; smaller shapes run eagerly",
+                               self.time_budget_s, shape)
                 break
         self.capture_seconds = time.perf_counter() - start
         logger.info("CUDA graphs (%s): %d of %d shapes captured in %.2f s, %.0f MiB of memory pool",

@@ -20,6 +20,7 @@ from cadenza.node.runner.cuda_graphs import (
     graph_shapes,
     mixed_decode_buckets,
     shape_for,
+    StepGraphs,
 )
 from cadenza.node.runner.step_inputs import GraphShape, InputBuffers, Layout, StepRows, fill
 
@@ -181,3 +182,14 @@ def test_padding_never_touches_a_block_the_pool_hands_out(tiny_llama_dir):
         assert runner.graphs.run(rows) is not None
     changed = (runner.kv_cache[:, :, : runner.scratch_block] != before).flatten(3).any(-1)
     assert changed[:, :, 1:4].all() and not changed[:, :, 4:].any() and not changed[:, :, 0].any()
+
+
+def test_capture_stops_at_its_time_budget_and_the_rest_run_eagerly(tiny_llama_dir, caplog):
+    engine = Engine.from_model(tiny_llama_dir, max_model_len=320, attention_backend="torch", block_size=4)
+    runner = engine.runner
+    shapes = graph_shapes(16, 64, 32, 320)
+    graphs = StepGraphs(runner.device, 4, runner.scratch_block, 80, shapes, record="eager", time_budget_s=0.0)
+    with caplog.at_level("WARNING", logger="cadenza.node.runner.cuda_graphs"), torch.inference_mode():
+        graphs.capture(lambda views, shape: runner._forward(views, shape.max_query_len, 320))
+    assert graphs.shapes == shapes[:1] and "passed its 0 s" in caplog.text
+    assert graphs.run(rows_of([1], [0], [[0]], [0], 1)) is None  # the 1-row shape was not captured
