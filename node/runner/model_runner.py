@@ -19,7 +19,7 @@ from cadenza.node.runner.backend import AttentionMetadata, select_backend
 from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig
 from cadenza.node.runner.models.config import ModelConfig
 from cadenza.node.runner.models.llama import load_model
-from cadenza.node.runner.sampler import make_generator, sample
+from cadenza.node.runner.sampler import sample, sampling_tensors
 from cadenza.node.core.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ _CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 class ModelRunner:
-    """Owns the model weights, the paged KV cache and per-request sampling generators.
+    """Owns the model weights, the paged KV cache and per-request sampling seeds.
 
     Args:
         config: the engine configuration (model path, dtype, device, cache size).
@@ -57,7 +57,7 @@ class ModelRunner:
             ) from None
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self._seeds = random.Random(config.seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeds_of: dict[str, int] = {}
         logger.info(
             "model loaded: %s, %d layers, %s on %s; KV cache %d blocks x %d tokens (%.1f MiB), attention=%s",
             model_config.architecture, model_config.num_hidden_layers, self.dtype, self.device,
@@ -104,8 +104,7 @@ class ModelRunner:
                 sampled.append(i)
                 sampled_reqs.append(req)
         params = [req.sampling for req in sampled_reqs]
-        generators = [None if sp.greedy else self._generator(req.request_id, sp.seed)
-                      for req, sp in zip(sampled_reqs, params)]
+        seeds = [0 if sp.greedy else self._seed(req.request_id, sp.seed) for req, sp in zip(sampled_reqs, params)]
         width = max(map(len, tables))
         table_arr = np.zeros((num_rows, width), dtype=np.int64)
         for i, table in enumerate(tables):
@@ -132,14 +131,15 @@ class ModelRunner:
             return []
         last = torch.from_numpy(query_start[1:][sampled] - 1).to(dev)
         logits = self.model.compute_logits(hidden[last])
-        return sample(logits, params, generators)
+        # a row samples the token after its last: decode at p samples p + 1, a chunk [s, s + n) samples s + n
+        st = sampling_tensors(params, seeds, seq_lens[sampled], dev, pinned=dev.type == "cuda")
+        return sample(logits, st).tolist()
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = make_generator(self._seeds.getrandbits(63) if seed is None else seed, self.device)
-            self._generators[request_id] = gen
-        return gen
+    def _seed(self, request_id: str, seed: int | None) -> int:
+        """The request's own seed, else one drawn from the engine's seed at its first sampled row."""
+        if request_id not in self._seeds_of:
+            self._seeds_of[request_id] = self._seeds.getrandbits(63) if seed is None else seed
+        return self._seeds_of[request_id]
 
     def read_kv_blocks(self, block_ids: list[int]) -> memoryview:
         """The KV of ``block_ids`` as raw bytes, block after block, each ``[L, 2, BS, Hkv, D]``
@@ -167,4 +167,4 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state."""
-        self._generators.pop(request_id, None)
+        self._seeds_of.pop(request_id, None)
