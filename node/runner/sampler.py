@@ -159,9 +159,9 @@ def _race(values: torch.Tensor, index: torch.Tensor | None, st: SamplingTensors)
     weights = torch.exp(values - values[:, :1])  # [R, C], descending
     cumulative = weights.cumsum(dim=-1)
     total = cumulative[:, -1]
-    if st.any_top_p:  # drop a token once the strictly likelier ones reach top_p: never the first,
-        # whose mass before is exactly 0 while top_p * total > 0 (a NaN total is degenerate anyway)
+    if st.any_top_p:  # drop a token once the strictly likelier ones reach top_p
         drop = cumulative - weights >= st.top_p.unsqueeze(1) * total.unsqueeze(1)
+        drop[:, 0] = False  # never the most likely, even where top_p is a float32 0 (1e-46 is valid)
         weights = weights.masked_fill(drop, 0.0)
     choice = (weights / _exponential(st.seed, st.position, index)).argmax(dim=-1, keepdim=True)
     return index.gather(1, choice).squeeze(1), total

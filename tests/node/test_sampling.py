@@ -116,6 +116,7 @@ def test_top_p_applies_to_the_distribution_left_by_top_k():
 
 def test_top_p_always_keeps_the_most_likely_token():
     assert draws(SamplingParams(temperature=1.0, top_p=0.01), n=200).tolist() == [0] * 200
+    assert draws(SamplingParams(temperature=1.0, top_p=1e-46), n=200).tolist() == [0] * 200  # 0 in float32
 
 
 def test_one_batch_applies_each_rows_own_parameters():
