@@ -52,7 +52,7 @@ class SamplingParams:
         temperature: 0 means greedy; otherwise logits are divided by it.
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 disables it.
-        seed: seeds this request's generator; None draws one from the engine's seed.
+        seed: seeds this request's sampling noise; None draws one from the engine's seed.
         stop: strings that end generation; the match is not included in the output.
         stop_token_ids: token ids that end generation (the token is not included in the text);
             kept as a frozenset, so checking a token costs the same however many there are.

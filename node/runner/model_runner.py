@@ -18,7 +18,7 @@ from cadenza.node.runner.backend import AttentionMetadata, select_backend
 from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from cadenza.node.runner.models.config import ModelConfig
 from cadenza.node.runner.models.llama import load_model
-from cadenza.node.runner.sampler import make_generator, sample
+from cadenza.node.runner.sampler import sample, sampling_tensors
 from cadenza.node.core.step import SchedulerOutput
 from cadenza.node.runner.cuda_graphs import DEFAULT_MEMORY_BUDGET, StepGraphs, graph_shapes
 from cadenza.node.runner.step_inputs import InputBuffers, Layout, StepRows, step_rows
@@ -30,7 +30,7 @@ _CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 class ModelRunner:
-    """Owns the model weights, the paged KV cache and per-request sampling generators.
+    """Owns the model weights, the paged KV cache and per-request sampling seeds.
 
     Args:
         config: the engine configuration (model path, dtype, device, cache size).
@@ -66,7 +66,7 @@ class ModelRunner:
             ) from None
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self._seeds = random.Random(config.seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeds_of: dict[str, int] = {}
         self.inputs = InputBuffers(self.device, 4096, 4096)
         self.graphs: StepGraphs | None = None
         logger.info(
@@ -111,9 +111,11 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden)
         params = [req.sampling for req in rows.sampled_requests]
-        generators = [None if sp.greedy else self._generator(req.request_id, sp.seed)
-                      for req, sp in zip(rows.sampled_requests, params)]
-        return sample(logits, params, generators)
+        seeds = [0 if sp.greedy else self._seed(req.request_id, sp.seed)
+                 for req, sp in zip(rows.sampled_requests, params)]
+        # a row samples the token after its last: decode at p samples p + 1, a chunk [s, s + n) samples s + n
+        st = sampling_tensors(params, seeds, rows.sample_positions, self.device, pinned=self.device.type == "cuda")
+        return sample(logits, st).tolist()  # the step's one read of the device
 
     def _run_eager(self, rows: StepRows) -> torch.Tensor:
         """The hidden states ``[len(rows.sampled), H]`` of the sampled rows' last tokens, the step
@@ -143,12 +145,11 @@ class ModelRunner:
         graphs.capture(lambda views, shape: self._forward(views, shape.max_query_len, self.max_model_len))
         self.graphs = graphs
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = make_generator(self._seeds.getrandbits(63) if seed is None else seed, self.device)
-            self._generators[request_id] = gen
-        return gen
+    def _seed(self, request_id: str, seed: int | None) -> int:
+        """The request's own seed, else one drawn from the engine's seed at its first sampled row."""
+        if request_id not in self._seeds_of:
+            self._seeds_of[request_id] = self._seeds.getrandbits(63) if seed is None else seed
+        return self._seeds_of[request_id]
 
     def read_kv_blocks(self, block_ids: list[int]) -> memoryview:
         """The KV of ``block_ids`` as raw bytes, block after block, each ``[L, 2, BS, Hkv, D]``
@@ -176,4 +177,4 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state."""
-        self._generators.pop(request_id, None)
+        self._seeds_of.pop(request_id, None)
