@@ -28,6 +28,7 @@ graphs share: the LM head and sampling run after the replay, for the real rows o
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -44,6 +45,7 @@ MAX_GRAPH_CHUNK = CUDA_GRAPH_MAX_CHUNK  # the largest prefill chunk a mixed-step
 MIN_GRAPH_CHUNK = 16
 DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes of graph memory pool captured at most
 DEFAULT_TIME_BUDGET_S = 60.0  # seconds of capture at start-up at most
+_CAPTURE_LOCK = threading.Lock()  # torch captures one graph at a time per process
 
 Forward = Callable[[tuple, GraphShape], torch.Tensor]  # (device input views, shape) -> hidden [rows, H]
 
@@ -63,11 +65,14 @@ def decode_buckets(max_rows: int) -> list[int]:
 
 
 def chunk_buckets(max_chunk: int) -> list[int]:
-    """Chunk sizes a mixed-step graph is captured for: 16, 32, 64, then every multiple of 64, up to
-    ``min(max_chunk, MAX_GRAPH_CHUNK)`` (none below ``MIN_GRAPH_CHUNK``). A chunk pads to the next
-    one: at most 63 tokens of padding past 64, where the step's compute starts to count."""
+    """Chunk sizes a mixed-step graph is captured for: 16, 32, 64, then every multiple of 64, and
+    ``min(max_chunk, MAX_GRAPH_CHUNK)`` itself, the size of every full chunk (none below
+    ``MIN_GRAPH_CHUNK``). A chunk pads to the next one: at most 63 tokens of padding past 64,
+    where the step's compute starts to count."""
     top = min(max_chunk, MAX_GRAPH_CHUNK)
-    return [c for c in (16, 32) if c <= top] + list(range(64, top + 1, 64))
+    if top < MIN_GRAPH_CHUNK:
+        return []
+    return sorted({c for c in (16, 32) if c <= top} | set(range(64, top + 1, 64)) | {top})
 
 
 def mixed_decode_buckets(max_rows: int) -> list[int]:
@@ -80,22 +85,25 @@ def mixed_decode_buckets(max_rows: int) -> list[int]:
 
 def graph_shapes(max_num_seqs: int, token_budget: int, max_chunk: int, max_model_len: int,
                  mixed: bool = True) -> list[GraphShape]:
-    """Every shape to capture, largest first.
+    """Every shape to capture: the decode shapes, then the mixed ones, each largest first (the
+    pool sized by the first is reused by the rest; a capture cut short by its budget loses the
+    mixed shapes, not the small decodes, where graphs pay most).
 
     Args:
         max_num_seqs: most rows a step has.
-        token_budget: most tokens a step has (a mixed shape's decodes plus chunk stay within it).
+        token_budget: most tokens a step has (a chunk is never larger).
         max_chunk: the largest chunk the scheduler cuts (its effective chunk size).
         max_model_len: the longest sequence: a padding row's positions stay below it.
         mixed: also capture decode-plus-one-chunk shapes.
     """
     max_chunk = min(max_chunk, max_model_len)
     decode = decode_buckets(max_num_seqs)
-    shapes = [GraphShape(b, b, 1) for b in decode if b <= token_budget]
+    shapes = [GraphShape(b, b, 1) for b in reversed(decode) if b <= token_budget]
     if mixed:
-        shapes += [GraphShape(b + 2, b + c + 1, c) for b in mixed_decode_buckets(max_num_seqs)
-                   for c in chunk_buckets(max_chunk) if b + c <= token_budget]
-    return sorted(shapes, key=lambda s: (s.tokens, s.rows), reverse=True)
+        shapes += sorted((GraphShape(b + 2, b + c + 1, c) for b in mixed_decode_buckets(max_num_seqs)
+                          for c in chunk_buckets(min(max_chunk, token_budget)) if b < token_budget),
+                         key=lambda s: (s.tokens, s.rows), reverse=True)
+    return shapes
 
 
 def shape_for(rows: StepRows, shapes: Sequence[GraphShape]) -> GraphShape | None:
@@ -164,54 +172,61 @@ class StepGraphs:
         return list(self._graphs)
 
     def capture(self, forward: Forward) -> None:
-        """Capture a graph of ``forward`` for each shape, largest first, within the memory budget.
+        """Capture a graph of ``forward`` for each shape in order, within the memory and time budgets.
 
         ``forward(views, shape)`` runs one step on the device views of the fixed buffers and
         returns the hidden states ``[shape.rows, H]`` of its logits rows; each graph copies them
         into one output buffer that all graphs share (one graph's output is read before the next
-        replays). Each shape runs once eagerly first (Triton compiles its kernels, the allocator
-        settles), then is recorded. On CUDA out of memory, capture stops where it is.
+        replays). Each shape runs once eagerly first, on the capture stream (Triton compiles its
+        kernels, the allocator settles), then is recorded. Past a budget, or at an error, capture
+        stops and the graphs already captured stay: the other steps run eagerly.
         """
-        start = time.perf_counter()
-        cuda = self.record == "cuda"
-        pool = torch.cuda.graph_pool_handle() if cuda else None
-        before = torch.cuda.memory_reserved(self.device) if cuda else 0
-        for shape in self._wanted:
-            views = self.inputs.views(self.layout(shape))
-            try:
-                self._neutral(shape)
-                if self._out is None:  # the largest shape comes first: size the shared output from it
-                    hidden = forward(views, shape)
-                    rows = max(s.rows for s in self._wanted)
-                    self._out = torch.empty((rows, *hidden.shape[1:]), dtype=hidden.dtype, device=self.device)
-                self._graphs[shape] = self._capture_cuda(forward, views, shape, pool) if cuda else (
-                    lambda v=views, s=shape: self._out[: s.rows].copy_(forward(v, s)))
+        with _CAPTURE_LOCK:  # one capture at a time in a process (engines in threads share it)
+            start = time.perf_counter()
+            cuda = self.record == "cuda"
+            if cuda:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+                pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
+                before = torch.cuda.memory_reserved(self.device)
+            for shape in self._wanted:
+                views = self.inputs.views(self.layout(shape))
+                try:
+                    self._neutral(shape)
+                    if self._out is None:  # the largest shape comes first: size the shared output from it
+                        hidden = forward(views, shape)
+                        rows = max(s.rows for s in self._wanted)
+                        self._out = torch.empty((rows, *hidden.shape[1:]), dtype=hidden.dtype, device=self.device)
+                    self._graphs[shape] = self._capture_cuda(forward, views, shape, pool, stream) if cuda else (
+                        lambda v=views, s=shape: self._out[: s.rows].copy_(forward(v, s)))
+                except Exception as exc:  # noqa: BLE001 - any failure: keep what is captured, run the rest eagerly
+                    if cuda:
+                        torch.cuda.set_stream(torch.cuda.default_stream(self.device))
+                    logger.warning("CUDA graphs: capturing %s failed (%s: %s); %d shapes captured, the rest run "
+                                   "eagerly", shape, type(exc).__name__, exc, len(self._graphs))
+                    break
                 if cuda:
                     self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
-            except torch.cuda.OutOfMemoryError:
-                logger.warning("CUDA graphs: out of memory capturing %s; %d shapes captured, the rest run eagerly",
-                               shape, len(self._graphs))
-                break
-            if self.pool_bytes > self.memory_budget:
-                logger.warning("CUDA graphs: %.0f MiB of pool passes the budget of %.0f MiB after %s; smaller "
-                               "shapes run eagerly", self.pool_bytes / 2**20, self.memory_budget / 2**20, shape)
-                break
-            if time.perf_counter() - start > self.time_budget_s:
-                logger.warning("CUDA graphs: capture passed its %.0f s after %s; smaller shapes run eagerly",
-                               self.time_budget_s, shape)
-                break
-        self.capture_seconds = time.perf_counter() - start
+                if self.pool_bytes > self.memory_budget:
+                    logger.warning("CUDA graphs: %.0f MiB of pool passes the budget of %.0f MiB after %s; the "
+                                   "shapes left run eagerly", self.pool_bytes / 2**20, self.memory_budget / 2**20,
+                                   shape)
+                    break
+                if time.perf_counter() - start > self.time_budget_s:
+                    logger.warning("CUDA graphs: capture passed its %.0f s after %s; the shapes left run eagerly",
+                                   self.time_budget_s, shape)
+                    break
+            self.capture_seconds = time.perf_counter() - start
         logger.info("CUDA graphs (%s): %d of %d shapes captured in %.2f s, %.0f MiB of memory pool",
                     self.record, len(self._graphs), len(self._wanted), self.capture_seconds, self.pool_bytes / 2**20)
 
-    def _capture_cuda(self, forward: Forward, views: tuple, shape: GraphShape, pool) -> Callable[[], None]:
-        stream = torch.cuda.Stream(self.device)
+    def _capture_cuda(self, forward: Forward, views: tuple, shape: GraphShape, pool, stream) -> Callable[[], None]:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             forward(views, shape)  # warm-up: compiles the kernels for this shape
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             self._out[: shape.rows].copy_(forward(views, shape))
         return graph.replay
 
@@ -230,7 +245,7 @@ class StepGraphs:
             holds the step.
         """
         shape = shape_for(rows, self._graphs)
-        if shape is None:
+        if shape is None or max(map(len, rows.tables)) > self.width:
             return None
         self.inputs.prepare(rows, self.layout(shape), self.block_size, self.scratch_block)
         self._graphs[shape]()

@@ -52,6 +52,7 @@ class ModelRunner:
         self.model = load_model(config.model, model_config, self.backend, max_model_len, self.dtype, self.device,
                                 weights_seed)
         self.max_model_len = max_model_len
+        self._capture = config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
         self.num_kv_blocks = self._num_kv_blocks(config.cache)
         # One block more than the block manager hands out: the scratch block padding tokens write to.
         self.scratch_block = self.num_kv_blocks
@@ -75,11 +76,10 @@ class ModelRunner:
             self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
             self.backend.name,
         )
-        if config.cuda_graphs and self.device.type == "cuda":
-            if self.backend.name == "triton":
-                self.capture_graphs(config.scheduler)
-            else:  # the torch reference reads device values on the host: it cannot be captured
-                logger.info("CUDA graphs need the triton backend; every step runs eagerly on %s", self.backend.name)
+        if self._capture:
+            self.capture_graphs(config.scheduler)
+        elif config.cuda_graphs and self.device.type == "cuda":  # the torch reference reads device values on the host
+            logger.info("CUDA graphs need the triton backend; every step runs eagerly on %s", self.backend.name)
 
     def _num_kv_blocks(self, cache: CacheConfig) -> int:
         if cache.num_kv_blocks is not None:
@@ -87,9 +87,9 @@ class ModelRunner:
         per_block = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * self.block_size
         if cache.kv_cache_bytes is not None:
             budget = cache.kv_cache_bytes
-        elif self.device.type == "cuda":
+        elif self.device.type == "cuda":  # the graphs' memory pool comes out of the free memory first
             free, _total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cache.kv_cache_fraction)
+            budget = int(max(0, free - (DEFAULT_MEMORY_BUDGET if self._capture else 0)) * cache.kv_cache_fraction)
         else:
             budget = _CPU_DEFAULT_KV_BYTES
         return max(1, budget // per_block)

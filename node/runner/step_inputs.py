@@ -100,9 +100,18 @@ def step_rows(step: SchedulerOutput) -> StepRows:
     return StepRows(np.asarray(ids, dtype=np.int64), starts, counts, tables, sampled, sampled_reqs, num_decodes)
 
 
+def _up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 class Layout(NamedTuple):
     """Where each array sits in the two buffers, for ``tokens`` tokens, ``logits`` logits rows,
-    ``rows`` rows and block tables ``width`` wide."""
+    ``rows`` rows and block tables ``width`` wide.
+
+    Every array starts on 16 bytes, as a separate allocation would: Triton specialises a kernel
+    on its pointers' 16-byte alignment, so an unaligned view would compile (and run) another
+    variant of the kernel.
+    """
 
     tokens: int
     logits: int
@@ -111,22 +120,24 @@ class Layout(NamedTuple):
 
     @property
     def int64_size(self) -> int:
-        return 3 * self.tokens + self.logits
+        return 3 * _up(self.tokens, 2) + self.logits
 
     @property
     def int32_size(self) -> int:
-        return 2 * self.rows + 1 + self.rows * self.width
+        return _up(self.rows + 1, 4) + _up(self.rows, 4) + self.rows * self.width
 
     def int64_views(self, buf):
         """``input_ids, positions, slot_mapping [T], logits_index [L]`` of an int64 buffer."""
-        t = self.tokens
-        return buf[:t], buf[t : 2 * t], buf[2 * t : 3 * t], buf[3 * t : 3 * t + self.logits]
+        t, step = self.tokens, _up(self.tokens, 2)
+        return buf[:t], buf[step : step + t], buf[2 * step : 2 * step + t], buf[3 * step : 3 * step + self.logits]
 
     def int32_views(self, buf):
         """``query_start_loc [S + 1], seq_lens [S], block_tables [S, W]`` of an int32 buffer."""
         s = self.rows
-        tables = buf[2 * s + 1 : 2 * s + 1 + s * self.width]
-        return buf[: s + 1], buf[s + 1 : 2 * s + 1], tables.reshape(s, self.width)
+        lens_at = _up(s + 1, 4)
+        tables_at = lens_at + _up(s, 4)
+        tables = buf[tables_at : tables_at + s * self.width]
+        return buf[: s + 1], buf[lens_at : lens_at + s], tables.reshape(s, self.width)
 
 
 def fill(rows: StepRows, layout: Layout, int64: np.ndarray, int32: np.ndarray, block_size: int,
@@ -148,8 +159,9 @@ def fill(rows: StepRows, layout: Layout, int64: np.ndarray, int32: np.ndarray, b
     spare_tokens, spare_rows = layout.tokens - t, layout.rows - s
     if spare_tokens < spare_rows or spare_rows < 0 or (spare_tokens and not spare_rows) or layout.logits < len(rows.sampled):
         raise ValueError(f"a step of {s} rows and {t} tokens ({len(rows.sampled)} sampled) does not fit {layout}")
-    if max(map(len, rows.tables), default=0) > layout.width:
-        raise ValueError(f"a block table of {max(map(len, rows.tables))} blocks is wider than {layout.width}")
+    used = max(map(len, rows.tables), default=0)
+    if used > layout.width:
+        raise ValueError(f"a block table of {used} blocks is wider than {layout.width}")
     ids, positions, slots, logits_index = layout.int64_views(int64)
     query_start, seq_lens, tables = layout.int32_views(int32)
     starts, counts = rows.starts, rows.counts
@@ -161,10 +173,14 @@ def fill(rows: StepRows, layout: Layout, int64: np.ndarray, int32: np.ndarray, b
     query_start[0] = 0
     np.cumsum(counts, out=query_start[1:])
     seq_lens[:] = starts + counts
-    tables[:s] = 0
+    # Only the columns a kernel can reach are written: the blocks below the step's longest sequence
+    # (the torch reference gathers a group of rows up to its longest), so a graph's full-width
+    # tables cost what the step's own do.
+    reach = max(used, -(-int(counts[s:].max(initial=0)) // block_size))
+    tables[:s, :reach] = 0
     for i, table in enumerate(rows.tables):
         tables[i, : len(table)] = table
-    tables[s:] = scratch_block
+    tables[s:, :reach] = scratch_block
     ids[:t] = rows.token_ids
     ids[t:] = 0
     row_of_token = np.repeat(np.arange(layout.rows), counts)

@@ -41,19 +41,23 @@ def test_decode_buckets_are_small_powers_then_multiples_of_eight_up_to_the_cap()
         decode_buckets(0)
 
 
-def test_chunk_buckets_are_powers_of_two_within_the_chunk_and_the_cap():
+def test_chunk_buckets_step_by_64_past_64_and_end_at_the_full_chunk():
     assert chunk_buckets(8) == []
-    assert chunk_buckets(100) == [16, 32, 64]
-    assert chunk_buckets(300) == [16, 32, 64, 128, 192, 256]
+    assert chunk_buckets(100) == [16, 32, 64, 100]  # a full 100-token chunk takes a graph of its own
+    assert chunk_buckets(300) == [16, 32, 64, 128, 192, 256, 300]
     assert chunk_buckets(100_000)[-1] == 512
     assert mixed_decode_buckets(1) == [1] and mixed_decode_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
-def test_graph_shapes_stay_within_the_token_budget_and_come_largest_first():
-    shapes = graph_shapes(max_num_seqs=32, token_budget=64, max_chunk=64, max_model_len=1024)
+def test_graph_shapes_come_decodes_first_each_kind_largest_first_chunks_within_the_budget():
+    shapes = graph_shapes(max_num_seqs=32, token_budget=64, max_chunk=128, max_model_len=1024)
     assert GraphShape(32, 32, 1) in shapes and GraphShape(8 + 2, 8 + 32 + 1, 32) in shapes
-    assert all(s.tokens - 1 <= 64 for s in shapes if s.max_query_len > 1)
-    assert [s.tokens for s in shapes] == sorted((s.tokens for s in shapes), reverse=True)
+    assert GraphShape(8 + 2, 8 + 64 + 1, 64) in shapes  # 8 decodes + a 56-token chunk fill the budget: a graph
+    decode = [s for s in shapes if s.max_query_len == 1]
+    assert shapes[: len(decode)] == decode and decode[-1] == GraphShape(1, 1, 1)
+    for kind in (decode, shapes[len(decode):]):
+        assert [s.tokens for s in kind] == sorted((s.tokens for s in kind), reverse=True)
+    assert max(s.max_query_len for s in shapes) == 64
     assert all(s.max_query_len == 1 for s in graph_shapes(32, 64, 64, 1024, mixed=False))
     assert max(s.max_query_len for s in graph_shapes(32, 4096, 4096, max_model_len=100)) <= 100
 
@@ -87,9 +91,19 @@ def test_padding_rows_write_only_the_scratch_block_and_are_never_sampled():
     assert positions.tolist() == [5, 2, 0, 1, 2, 3, 4, 5, 0, 0, 1, 2, 3, 4, 5, 6]
     assert slots[:8].tolist() == [4 * 4 + 1, 7 * 4 + 2, 4, 5, 6, 7, 8, 9]  # the real rows' own slots
     assert (slots[8:] // bs == scratch).all()
-    assert (tables[3:] == scratch).all() and tables[0, :2].tolist() == [3, 4]
+    assert (tables[3:, :2] == scratch).all() and tables[0, :2].tolist() == [3, 4]
+    assert (tables[:, 2:] == -7).all()  # columns no row reaches are left as they were
     assert ids[:8].tolist() == list(range(100, 108)) and (ids[8:] == 0).all()
     assert logits_index.tolist() == [0, 1, 0, 0, 0]  # the sampled rows' last tokens, then zeros
+
+
+@pytest.mark.parametrize("tokens, logits, rows", [(1, 1, 1), (5, 2, 3), (7, 0, 6), (41, 10, 10), (130, 3, 3)])
+def test_every_array_starts_on_sixteen_bytes_as_its_own_allocation_would(tokens, logits, rows):
+    layout = Layout(tokens, logits, rows, width=5)
+    int64, int32 = torch.zeros(layout.int64_size, dtype=torch.int64), torch.zeros(layout.int32_size, dtype=torch.int32)
+    for view in (*layout.int64_views(int64), *layout.int32_views(int32)):
+        assert (view.data_ptr() - int64.data_ptr() if view.dtype == torch.int64 else
+                view.data_ptr() - int32.data_ptr()) % 16 == 0
 
 
 def test_an_unpadded_layout_is_the_step_itself_and_a_small_layout_is_refused():
@@ -191,5 +205,22 @@ def test_capture_stops_at_its_time_budget_and_the_rest_run_eagerly(tiny_llama_di
     graphs = StepGraphs(runner.device, 4, runner.scratch_block, 80, shapes, record="eager", time_budget_s=0.0)
     with caplog.at_level("WARNING", logger="cadenza.node.runner.cuda_graphs"), torch.inference_mode():
         graphs.capture(lambda views, shape: runner._forward(views, shape.max_query_len, 320))
-    assert graphs.shapes == shapes[:1] and "passed its 0 s" in caplog.text
-    assert graphs.run(rows_of([1], [0], [[0]], [0], 1)) is None  # the 1-row shape was not captured
+    assert graphs.shapes == shapes[:1] == [GraphShape(16, 16, 1)] and "passed its 0 s" in caplog.text
+    with torch.inference_mode():
+        assert graphs.run(rows_of([1], [0], [[0]], [0], 1)) is not None  # padded to the 16-row graph
+        assert graphs.run(rows_of([1, 9], [0, 0], [[0], [1, 2, 3]], [0, 1], 1)) is None  # no mixed graph: eager
+
+
+def test_a_capture_that_fails_keeps_what_it_captured_and_logs_why(tiny_llama_dir, caplog):
+    engine = Engine.from_model(tiny_llama_dir, max_model_len=320, attention_backend="torch", block_size=4)
+
+    def broken(views, shape):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = StepGraphs(engine.runner.device, 4, engine.runner.scratch_block, 80, graph_shapes(4, 64, 32, 320),
+                        record="eager")
+    with caplog.at_level("WARNING", logger="cadenza.node.runner.cuda_graphs"), torch.inference_mode():
+        graphs.capture(broken)
+    assert graphs.shapes == [] and "not permitted when stream is capturing" in caplog.text
+    with torch.inference_mode():
+        assert graphs.run(rows_of([1], [0], [[0]], [0], 1)) is None  # every step runs eagerly
