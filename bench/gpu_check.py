@@ -15,7 +15,8 @@
 5. **A step table for the simulator**: the same engine (Triton backend) through waves of requests
    of mixed lengths, each step's composition and seconds written to ``gpu-steps.jsonl`` (the
    step log's format): ``cadenza sim calibrate --steps gpu-steps.jsonl --model smollm2-135m
-   --base h100-sxm --out my-gpu.json`` fits a profile of this GPU from it.
+   --base h200-roofline --out my-gpu.json`` (the base: this GPU's data-sheet profile) fits a profile of
+   this GPU from it.
 
 6. **The GPU probe**: ``python -m bench.gpu_probe --quick`` in its own process (about 4
    minutes; :mod:`bench.gpu_probe`: the engine against the device's floors, Llama-3.1-8B shapes),
@@ -190,15 +191,19 @@ def engine_step(model: Path, shape: Shape = Shape()) -> dict:
 
 
 def step_table(path: Path, model: Path, device: str = "cuda", max_steps: int = 3000, weights_seed: int | None = None,
-               sim_model: str = "smollm2-135m", base: str = "h100-sxm", **knobs: object) -> dict:
+               sim_model: str = "smollm2-135m", base: str | None = None, **knobs: object) -> dict:
     """Waves of random requests (prompts 16-4,096 tokens, at most the model's length less the
     output; outputs 1-256, 1 to 128 at once) through the engine core (token budget 2,048, chunk
     1,024, 256 sequences, as ``data/gpu/h200``'s tables were taken), every step logged to ``path``
     as ``cadenza serve --step-log`` logs it. ``weights_seed``: draw the weights
     (:class:`~cadenza.node.core.engine_core.EngineCore`) instead of loading ``model``'s;
     ``sim_model`` (a shipped model or a ``config.json`` folder of ``model``'s shapes) and ``base``
-    (a hardware profile): the printed calibration command's; ``knobs``: engine settings over these (``attention_backend``, ``dtype``, ...)."""
+    (a hardware profile; default: this device's, :func:`bench.probe_figures.calibration_base`): the
+    printed calibration command's; ``knobs``: engine settings over these (``attention_backend``,
+    ``dtype``, ...)."""
     import random
+
+    from bench.probe_figures import calibration_base
 
     from cadenza.node.core.config import EngineConfig
     from cadenza.node.core.engine_core import EngineCore
@@ -211,6 +216,8 @@ def step_table(path: Path, model: Path, device: str = "cuda", max_steps: int = 3
         "chunk_size": 1024, "max_num_seqs": 256, "prefix_caching": False,
         "kv_cache_bytes": (4 << 30) if device == "cuda" else (256 << 20), **knobs})
     core = EngineCore(config, weights_seed=weights_seed)
+    if base is None:
+        base = calibration_base(torch.cuda.get_device_name() if device == "cuda" else "cpu")
     path.unlink(missing_ok=True)
     log = StepLog(path)
     rng, steps, wave = random.Random(0), 0, 0

@@ -185,7 +185,10 @@ def run_sim(args: argparse.Namespace) -> int:
         if len(pools) != 1:
             raise ValueError(f"{args.pool}: holds {len(pools)} ServingPools; name one with --pool-name")
         pool = pools[0]
-        roofline = Roofline(load_model_dims(args.model), load_profile(args.hardware), args.tp)
+        hw = load_profile(args.hardware)
+        if hw.cuda_graphs and (pool["spec"].get("engine") or {}).get("cudaGraphs") is False:
+            hw = replace(hw, cuda_graphs=False)  # the pool's engines run every step eagerly
+        roofline = Roofline(load_model_dims(args.model), hw, args.tp)
         own = {"colocated": "chunked-classes"}.get(pool["spec"].get("mode", "colocated"), pool["spec"].get("mode"))
         names = list(dict.fromkeys(args.compare or POLICIES)) if args.compare is not None else [own]
         link = KVLinkModel(args.kv_link_gbps * 1e9 / 8, args.kv_link_latency_us * 1e-6)

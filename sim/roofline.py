@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from cadenza.node.core.config import CUDA_GRAPH_MAX_ROWS
 from cadenza.sim.hardware import HardwareProfile
 from cadenza.sim.model_dims import ModelDims
 
@@ -71,10 +72,10 @@ class StepComposition:
 
 def replays_graph(hw: HardwareProfile, step: StepComposition) -> bool:
     """Whether the runner replays ``step`` as a CUDA graph on ``hw``: the profile has
-    ``cuda_graphs``, and the step decodes only or adds one prefill chunk of at most
-    ``hw.graph_max_prefill_tokens`` tokens (the shapes the engine captures); any other step runs
-    eagerly."""
-    return (hw.cuda_graphs and step.prefill_rows <= 1
+    ``cuda_graphs``, the step has at most ``CUDA_GRAPH_MAX_ROWS`` decode rows and decodes only or
+    adds one prefill chunk of at most ``hw.graph_max_prefill_tokens`` tokens (the shapes the engine
+    captures, :mod:`cadenza.node.runner.cuda_graphs`); any other step runs eagerly."""
+    return (hw.cuda_graphs and step.prefill_rows <= 1 and step.decode_tokens <= CUDA_GRAPH_MAX_ROWS
             and step.prefill_tokens <= hw.graph_max_prefill_tokens)
 
 

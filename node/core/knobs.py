@@ -157,9 +157,9 @@ def reconfigured(config: SchedulerConfig, changes: Mapping[str, Any]) -> Schedul
         raise ConfigError("changes: must be an object of settings")
     for key in changes:
         knob = BY_NAME.get(key)
-        if knob is None or knob.section not in ("scheduler", "policy"):
+        if knob is None:
             raise ConfigError(f"{key}: unknown setting (live settings: {', '.join(LIVE)})")
-        if not knob.live:
+        if not knob.live or knob.section not in ("scheduler", "policy"):
             raise ConfigError(f"{key}: cannot change on a running engine")
     check_live_changes(changes)
     plain = {k: v for k, v in changes.items() if BY_NAME[k].section == "scheduler"}

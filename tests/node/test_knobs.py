@@ -83,7 +83,8 @@ def test_the_admin_view_shows_every_scheduling_knob_and_reconfigure_takes_exactl
 
 @pytest.mark.parametrize("changes, message", [
     ({"max_model_len": 9}, "max_model_len: cannot change on a running engine"),
-    ({"block_size": 32}, "block_size: unknown setting"),
+    ({"block_size": 32}, "block_size: cannot change on a running engine"),
+    ({"cuda_graphs": False}, "cuda_graphs: cannot change on a running engine"),
     ({"nonsense": 1}, "nonsense: unknown setting"),
     ({"token_budget": 0}, "token_budget: must be >= 1"),
 ])

@@ -69,6 +69,8 @@ def test_a_graphed_decode_step_costs_the_device_and_the_replay_not_the_eager_dis
     (mixed(8, 100, 100), False),  # two chunks
     (mixed(0, 2048), False),  # a long chunk
     (mixed(5, 1024, 1019), False),
+    (decode(256), True),
+    (decode(257), False),  # past the engine's largest decode graph
 ])
 def test_only_decode_steps_and_steps_with_one_bounded_chunk_are_graphed(step, graphed):
     graphs, eager = Roofline(DIMS, PROFILES["h200-graphs"]), Roofline(DIMS, PROFILES["h200"])
@@ -186,3 +188,11 @@ def test_cadenza_sim_runs_on_the_graphs_profile_and_its_decode_is_faster(tmp_pat
         assert report["hardware"] == hw and report["by_class"]["interactive"]["requests"] == 40
         itl[hw] = report["by_class"]["interactive"]["itl_ms"]["p50"]
     assert itl["h200-graphs"] < 0.6 * itl["h200"]  # ~6 ms against ~12 ms a token
+    # A pool that turns graphs off runs eagerly on the graphs profile too.
+    spec = json.loads(pool.read_text())
+    spec["spec"]["engine"]["cudaGraphs"] = False
+    pool.write_text(json.dumps(spec))
+    out = tmp_path / "off.json"
+    assert main(["sim", "--trace", str(trace), "--pool", str(pool), "--model", "llama-3.1-8b",
+                 "--hardware", "h200-graphs", "--no-progress", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["by_class"]["interactive"]["itl_ms"]["p50"] == pytest.approx(itl["h200"])
