@@ -45,6 +45,7 @@ MAX_GRAPH_CHUNK = CUDA_GRAPH_MAX_CHUNK  # the largest prefill chunk a mixed-step
 MIN_GRAPH_CHUNK = 16
 DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes of graph memory pool captured at most
 DEFAULT_TIME_BUDGET_S = 60.0  # seconds of capture at start-up at most
+_UNKNOWN = object()
 _CAPTURE_LOCK = threading.Lock()  # torch captures one graph at a time per process
 
 Forward = Callable[[tuple, GraphShape], torch.Tensor]  # (device input views, shape) -> hidden [rows, H]
@@ -158,6 +159,8 @@ class StepGraphs:
         self.inputs = InputBuffers(device, max(l.int64_size for l in largest), max(l.int32_size for l in largest),
                                    growable=False)
         self._graphs: dict[GraphShape, Callable[[], None]] = {}
+        # (decode rows, chunk rows, tokens of a lone chunk) -> the shape that holds such a step, or None
+        self._shape_of: dict[tuple[int, int, int], GraphShape | None] = {}
         self._out: torch.Tensor | None = None
         self.capture_seconds = 0.0
         self.pool_bytes = 0
@@ -244,7 +247,13 @@ class StepGraphs:
             the shared output, valid until the next replay), or None when no captured shape
             holds the step.
         """
-        shape = shape_for(rows, self._graphs)
+        chunks = rows.num_rows - rows.num_decodes
+        key = (rows.num_decodes, chunks, int(rows.counts[-1]) if chunks == 1 else 0)  # all shape_for reads
+        shape = self._shape_of.get(key, _UNKNOWN)
+        if shape is _UNKNOWN:  # a scan of every shape (~10-25 us): once per composition
+            if len(self._shape_of) >= 1 << 16:
+                self._shape_of.clear()
+            shape = self._shape_of[key] = shape_for(rows, self._graphs)
         if shape is None or max(map(len, rows.tables)) > self.width:
             return None
         self.inputs.prepare(rows, self.layout(shape), self.block_size, self.scratch_block)
