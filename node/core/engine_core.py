@@ -203,7 +203,7 @@ class EngineCore:
             [(req.request_id, req.num_preemptions) for req in out.preempted],
             self.scheduler.remote.drain_ended(),
             out.decode_context_tokens, out.prefill_attention_tokens, out.num_rows, out.num_sampled,
-            time.perf_counter() - began - elapsed,
+            time.perf_counter() - began - elapsed, self.runner.last_step_graphed,
         )
         return deltas, record
 

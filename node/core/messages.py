@@ -183,6 +183,7 @@ class StepRecord:
             step's composition (see :class:`~cadenza.node.core.step.SchedulerOutput`), for the
             step log a cost-model calibration reads (``cadenza serve --step-log``).
         host_seconds: the scheduler's own time in the step (schedule, update, outputs), beside ``seconds``.
+        cuda_graph: the step was the replay of a captured CUDA graph (else it ran op by op).
     """
 
     seconds: float
@@ -198,6 +199,7 @@ class StepRecord:
     num_rows: int = 0
     num_sampled: int = 0
     host_seconds: float = 0.0
+    cuda_graph: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -333,7 +333,7 @@ class Telemetry:
     def on_step(self, step: StepRecord, now: float) -> None:
         """Per-step metrics, and the span events of the requests in the step (``now``: when the
         step ended, ``time.monotonic()`` seconds)."""
-        self.step_duration.record(step.seconds)
+        self.step_duration.record(step.seconds, {"cadenza.step.cuda_graph": step.cuda_graph})
         if self.step_log is not None:
             self.step_log.write(step)
         if step.predicted_seconds is not None:

@@ -70,6 +70,7 @@ class ModelRunner:
         self._seeds_of: dict[str, int] = {}
         self.inputs = InputBuffers(self.device, 4096, 4096)
         self.graphs: StepGraphs | None = None
+        self.last_step_graphed = False  # whether the last step replayed a graph
         logger.info(
             "model loaded: %s, %d layers, %s on %s; KV cache %d blocks x %d tokens (%.1f MiB), attention=%s",
             model_config.architecture, model_config.num_hidden_layers, self.dtype, self.device,
@@ -105,6 +106,7 @@ class ModelRunner:
         """
         rows = step_rows(step)
         hidden = self.graphs.run(rows) if self.graphs is not None else None
+        self.last_step_graphed = hidden is not None
         if hidden is None:
             hidden = self._run_eager(rows)
         if not rows.sampled:

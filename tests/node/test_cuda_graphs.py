@@ -224,3 +224,20 @@ def test_a_capture_that_fails_keeps_what_it_captured_and_logs_why(tiny_llama_dir
     assert graphs.shapes == [] and "not permitted when stream is capturing" in caplog.text
     with torch.inference_mode():
         assert graphs.run(rows_of([1], [0], [[0]], [0], 1)) is None  # every step runs eagerly
+
+
+def test_step_records_say_which_steps_replayed_a_graph(tiny_llama_dir):
+    from cadenza.node.core.messages import AddRequest
+
+    engine = Engine.from_model(tiny_llama_dir, max_model_len=320, attention_backend="torch", block_size=4,
+                               token_budget=64, chunk_size=None)
+    core = engine.core
+    core.runner.capture_graphs(core.config.scheduler, record="eager")
+    for rid in ("a", "b"):  # two 20-token prompts: both chunks in the first step, which no graph holds
+        core.add_request(AddRequest(rid, list(range(3, 23)), SamplingParams(max_tokens=3, temperature=0,
+                                                                            ignore_eos=True)))
+    graphed = []
+    while core.has_unfinished_requests():
+        _deltas, record = core.step()
+        graphed.append(record.cuda_graph)
+    assert graphed == [False, True, True]  # then two steps of two decodes each replay the 2-row graph

@@ -204,6 +204,9 @@ async def test_histograms_count_requests_and_every_inter_token_gap(receiver, aio
     # The controller's engine signals: preemptions by class, the cost model's predicted step time.
     assert sample(f["cadenza_requests_preempted"], "_total", cadenza_request_class="interactive") == 0
     assert "cadenza_step_predicted_duration_seconds" in f
+    # Steps by how they ran: on a CPU none replays a CUDA graph.
+    assert sample(f["cadenza_step_duration_seconds"], "_count", cadenza_step_cuda_graph="false") > 0
+    assert not [s for s in f["cadenza_step_duration_seconds"].samples if s.labels.get("cadenza_step_cuda_graph") == "true"]
     # The OTLP export carries the same figures.
     await flush(client)
     await until(lambda: receiver.metrics)
