@@ -74,15 +74,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # NaN too
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k: must be >= 0 (0 disables it), got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop: stop strings must be non-empty")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(2**63) <= self.seed < 2**63):
             raise ValueError(f"seed: must be a 64-bit signed integer, got {self.seed}")
         object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
 

@@ -377,3 +377,10 @@ def test_a_stop_string_ends_the_request_in_the_core_so_no_further_token_is_sched
     assert engine.scheduler.schedule().is_empty  # the next step has no row for it
     stats = engine.stats()
     assert stats.num_finished == finished + 1 and stats.num_aborted == aborted  # finished as stopped
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                 dict(temperature=-0.1), dict(seed=1.5), dict(seed=True), dict(seed=2**63)])
+def test_sampling_params_refuse_what_no_draw_could_mean(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
