@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-CLASSES = ("interactive", "batch", "background")
+from cadenza.node.core.policy import CLASSES  # one home for the traffic classes
 # Prometheus names of the gateway's histograms (OpenTelemetry names with dots as underscores and
 # the unit as a suffix, as the SDK's Prometheus exporter writes them).
 TTFT_METRIC = "cadenza_gateway_time_to_first_token_seconds"

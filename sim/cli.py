@@ -29,6 +29,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from cadenza.node.core.policy import CLASSES
+
 
 # A graph replay's host time per step above this (seconds) is an eager runner's (the H200's eager
 # dispatch is ~12 ms; the projection of replay, ~0.14 ms): a table taken with graphs off.
@@ -53,7 +55,7 @@ def register_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths")
     p.add_argument("--num-requests", type=int, help="the first N requests of the trace")
     classes = p.add_mutually_exclusive_group()  # as `cadenza bench`'s: either overrides the trace's class column
-    classes.add_argument("--class", dest="traffic_class", choices=("interactive", "batch", "background"),
+    classes.add_argument("--class", dest="traffic_class", choices=CLASSES,
                          help="send every request as this class (default: the trace's class column, else interactive)")
     classes.add_argument("--batch-above", type=int, metavar="N",
                          help="send prompts of N or more tokens (after --length-scale) as batch, the others as "

@@ -44,6 +44,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from prometheus_client import CollectorRegistry, generate_latest
 
+from cadenza.node.core.policy import CLASSES
 from cadenza.node.otel import make_resource, otlp_enabled
 
 CLASS_ATTRIBUTE = "cadenza.traffic_class"
@@ -103,7 +104,7 @@ class GatewayMetrics:
                                            explicit_bucket_boundaries_advisory=buckets)
         self.itl = meter.create_histogram("cadenza.gateway.inter_token_latency", "s", ITL_HELP,
                                           explicit_bucket_boundaries_advisory=buckets)
-        self._attrs = {c: {CLASS_ATTRIBUTE: c} for c in ("interactive", "batch", "background")}
+        self._attrs = {c: {CLASS_ATTRIBUTE: c} for c in CLASSES}
         self._disagg = meter.create_counter("cadenza.gateway.disagg.requests", "{request}", DISAGG_HELP)
         self.disagg_outcomes: Counter = Counter()
         self.disagg_threshold: Callable[[], int | None] = lambda: None  # set by the app
