@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+import cadenza.node.metric_names as names
 from cadenza.operator.actuator import spec_knobs
 from cadenza.operator.controller import ControllerSpec, History, Shape, decide
 from cadenza.operator.signals import CLASSES, ScrapeSource, Signals, read_signals, signal_source
@@ -100,7 +101,7 @@ def slo_condition(signals: Signals, spec: ControllerSpec) -> tuple[str, str, str
     return "True", "SLOMet", f"every class within its SLO over {spec.slow_window_s:.0f} s"
 
 
-THRESHOLD_METRIC = "cadenza_gateway_disagg_min_prompt_tokens"
+THRESHOLD_METRIC = names.GATEWAY_DISAGG_MIN_PROMPT_TOKENS.prometheus
 
 
 def disaggregation_status(pinned: int | None, scraped: Mapping[str, str] | None) -> dict[str, Any]:

@@ -45,17 +45,16 @@ from dataclasses import dataclass, field, replace
 from prometheus_client.parser import text_string_to_metric_families
 
 from cadenza.node.core.policy import CLASSES  # one home for the traffic classes
-# Prometheus names of the gateway's histograms (OpenTelemetry names with dots as underscores and
-# the unit as a suffix, as the SDK's Prometheus exporter writes them).
-TTFT_METRIC = "cadenza_gateway_time_to_first_token_seconds"
-ITL_METRIC = "cadenza_gateway_inter_token_latency_seconds"
-CLASS_LABEL = "cadenza_traffic_class"
-# The engines' series (cadenza.node.frontend.telemetry), as the Prometheus exporter names them.
-ENGINE_REQUESTS = "cadenza_requests"  # gauge {cadenza_request_class, cadenza_request_state}
-ENGINE_KV_BLOCKS = "cadenza_kv_blocks"  # gauge {cadenza_kv_state}: used, reserved, cached, free
-ENGINE_PREEMPTED = "cadenza_requests_preempted"  # counter {cadenza_request_class}
-ENGINE_PREDICTED_STEP = "cadenza_step_predicted_duration_seconds"  # histogram
-ENGINE_CLASS_LABEL = "cadenza_request_class"
+import cadenza.node.metric_names as names  # the emitters' names, as Prometheus spells them
+
+TTFT_METRIC = names.GATEWAY_TTFT.prometheus
+ITL_METRIC = names.GATEWAY_ITL.prometheus
+CLASS_LABEL = names.label(names.TRAFFIC_CLASS)
+ENGINE_REQUESTS = names.REQUESTS.prometheus
+ENGINE_KV_BLOCKS = names.KV_BLOCKS.prometheus
+ENGINE_PREEMPTED = names.REQUESTS_PREEMPTED.prometheus
+ENGINE_PREDICTED_STEP = names.STEP_PREDICTED_DURATION.prometheus
+ENGINE_CLASS_LABEL = names.label(names.REQUEST_CLASS)
 
 
 @dataclass(frozen=True)

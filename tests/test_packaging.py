@@ -88,9 +88,10 @@ def test_kernels_import_nothing_of_cadenza_outside_kernels():
 def test_operator_imports_only_the_node_config_and_policy():
     # config, policy and the knob registry: the engine's own checks and knob names; otel: how
     # every cadenza process reads OTEL_*; hub: `cadenza up` downloads a Hub model once; credentials:
-    # where a replica reads the pool's token, which `cadenza up` hands it.
+    # where a replica reads the pool's token, which `cadenza up` hands it; metric_names: the names of
+    # the series the SLO signals and the status read.
     allowed = {"cadenza.node.core.config", "cadenza.node.core.policy", "cadenza.node.core.knobs", "cadenza.node.otel",
-               "cadenza.node.hub", "cadenza.node.credentials"}
+               "cadenza.node.hub", "cadenza.node.credentials", "cadenza.node.metric_names"}
     for py in (ROOT / "operator").rglob("*.py"):
         for name in imports_of(py):
             if name.startswith("cadenza.node"):

@@ -35,6 +35,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, generate_latest
 
+from cadenza.node import metric_names as names
 from cadenza.node.core.messages import StepRecord
 from cadenza.node.core.stats import EngineStats
 from cadenza.node.frontend.output_processor import RequestOutput
@@ -66,7 +67,7 @@ class _Tracked:
     first: float | None = None
     last: float | None = None
     extra: dict = field(default_factory=dict)
-    class_attrs: dict = field(default_factory=dict)  # {"cadenza.request.class": ...}, built once
+    class_attrs: dict = field(default_factory=dict)  # {names.REQUEST_CLASS: ...}, built once
 
     def ns(self, mono: float) -> int:
         return self.wall_start_ns + int((mono - self.mono_start) * 1e9)
@@ -154,7 +155,7 @@ class Telemetry:
                              explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
         self.step_duration = h("cadenza.step.duration", "s", "Model time of one engine step",
                                explicit_bucket_boundaries_advisory=TTFT_BUCKETS)
-        self.step_predicted = h("cadenza.step.predicted_duration", "s",
+        self.step_predicted = h(names.STEP_PREDICTED_DURATION.name, names.STEP_PREDICTED_DURATION.unit,
                                 "The cost model's model time of each step, predicted when it was scheduled",
                                 explicit_bucket_boundaries_advisory=STEP_BUCKETS)
         self.step_tokens = h("cadenza.step.tokens", "{token}", "Tokens computed in one step, by kind",
@@ -195,10 +196,10 @@ class Telemetry:
         for name, (unit, description, source) in counters.items():
             key = source or name.rsplit(".", 1)[-1]
             m.create_observable_counter(name, [self._reader(key)], unit, description)
-        m.create_observable_gauge("cadenza.kv.blocks", [self._kv_blocks], "{block}", "KV blocks by state")
-        m.create_observable_counter("cadenza.requests.preempted", [self._preempted_by_class], "{request}",
+        m.create_observable_gauge(names.KV_BLOCKS.name, [self._kv_blocks], names.KV_BLOCKS.unit, "KV blocks by state")
+        m.create_observable_counter(names.REQUESTS_PREEMPTED.name, [self._preempted_by_class], names.REQUESTS_PREEMPTED.unit,
                                     "Requests preempted by recompute, by the victim's class")
-        m.create_observable_gauge("cadenza.requests", [self._requests], "{request}", "Requests by class and state")
+        m.create_observable_gauge(names.REQUESTS.name, [self._requests], names.REQUESTS.unit, "Requests by class and state")
         m.create_observable_gauge("cadenza.cost_model.error", [self._cost_model_error], "1",
                                   "Mean relative error of the step-time cost model")
         m.create_observable_gauge("cadenza.kv_transfer.bandwidth", [self._optional("kv_transfer_bandwidth")],
@@ -230,13 +231,13 @@ class Telemetry:
         out = []
         for cls, info in (stats.classes if stats is not None else {}).items():
             for state in ("running", "waiting"):
-                out.append(Observation(getattr(info, state), {"cadenza.request.class": cls,
+                out.append(Observation(getattr(info, state), {names.REQUEST_CLASS: cls,
                                                               "cadenza.request.state": state}))
         return out
 
     def _preempted_by_class(self, _options: CallbackOptions) -> list[Observation]:
         stats = self._stats()
-        return [Observation(info.preemptions, {"cadenza.request.class": cls})
+        return [Observation(info.preemptions, {names.REQUEST_CLASS: cls})
                 for cls, info in (stats.classes if stats is not None else {}).items()]
 
     def _optional(self, key: str) -> Callable[[CallbackOptions], list[Observation]]:
@@ -260,7 +261,7 @@ class Telemetry:
     ) -> None:
         """Open the request's SERVER span, parented from ``traceparent`` when the client sent one."""
         attrs = {"gen_ai.operation.name": operation, "gen_ai.provider.name": PROVIDER,
-                 "gen_ai.request.model": self.model_name, "cadenza.request.class": traffic_class}
+                 "gen_ai.request.model": self.model_name, names.REQUEST_CLASS: traffic_class}
         span_attrs = {**attrs, "cadenza.tenant": tenant, "gen_ai.response.id": request_id}
         for key, value in (("gen_ai.request.max_tokens", max_tokens), ("gen_ai.request.temperature", temperature),
                            ("gen_ai.request.top_p", top_p)):
@@ -271,7 +272,7 @@ class Telemetry:
                                       kind=SpanKind.SERVER, attributes=span_attrs, start_time=wall)
         span.add_event("queued", timestamp=wall)
         self._tracked[request_id] = _Tracked(span, wall, arrival, attrs, traffic_class,
-                                             class_attrs={"cadenza.request.class": traffic_class})
+                                             class_attrs={names.REQUEST_CLASS: traffic_class})
 
     def on_output(self, out: RequestOutput) -> None:
         """Record TTFT, ITL, TPOT, duration and usage as a request's outputs arrive."""
@@ -344,7 +345,7 @@ class Telemetry:
             self.step_tokens.record(step.num_decode_tokens, {"cadenza.token.kind": "decode"})
         tracked = self._tracked
         for request_id, cls, phase, waited in step.admitted:
-            self.queue_delay.record(waited, {"cadenza.request.class": cls, "cadenza.queue.phase": phase})
+            self.queue_delay.record(waited, {names.REQUEST_CLASS: cls, "cadenza.queue.phase": phase})
             t = tracked.get(request_id)
             if t is not None and phase == "admission":
                 t.extra["cadenza.queue_time"] = waited

@@ -44,10 +44,11 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from prometheus_client import CollectorRegistry, generate_latest
 
+from cadenza.node import metric_names as names
 from cadenza.node.core.policy import CLASSES
 from cadenza.node.otel import make_resource, otlp_enabled
 
-CLASS_ATTRIBUTE = "cadenza.traffic_class"
+CLASS_ATTRIBUTE = names.TRAFFIC_CLASS
 DONE = b"data: [DONE]"
 TTFT_HELP = "Client-side time to the first streamed token, by traffic class"
 ITL_HELP = "Client-side gaps between streamed chunks, by traffic class"
@@ -55,10 +56,10 @@ DISAGG_HELP = "Requests sent through a prefill replica, by outcome"
 THRESHOLD_HELP = "The shortest prompt sent through an idle prefill replica"
 # Each family as the Prometheus exposition names it: (name, type, help).
 FAMILIES = (
-    ("cadenza_gateway_time_to_first_token_seconds", "histogram", TTFT_HELP),
-    ("cadenza_gateway_inter_token_latency_seconds", "histogram", ITL_HELP),
+    (names.GATEWAY_TTFT.prometheus, "histogram", TTFT_HELP),
+    (names.GATEWAY_ITL.prometheus, "histogram", ITL_HELP),
     ("cadenza_gateway_disagg_requests_total", "counter", DISAGG_HELP),
-    ("cadenza_gateway_disagg_min_prompt_tokens", "gauge", THRESHOLD_HELP),
+    (names.GATEWAY_DISAGG_MIN_PROMPT_TOKENS.prometheus, "gauge", THRESHOLD_HELP),
 )
 
 
@@ -100,16 +101,17 @@ class GatewayMetrics:
         self.provider = MeterProvider(resource=make_resource(), metric_readers=readers)
         meter = self.provider.get_meter("cadenza.gateway")
         buckets = latency_buckets(slo_targets_s)
-        self.ttft = meter.create_histogram("cadenza.gateway.time_to_first_token", "s", TTFT_HELP,
+        self.ttft = meter.create_histogram(names.GATEWAY_TTFT.name, names.GATEWAY_TTFT.unit, TTFT_HELP,
                                            explicit_bucket_boundaries_advisory=buckets)
-        self.itl = meter.create_histogram("cadenza.gateway.inter_token_latency", "s", ITL_HELP,
+        self.itl = meter.create_histogram(names.GATEWAY_ITL.name, names.GATEWAY_ITL.unit, ITL_HELP,
                                           explicit_bucket_boundaries_advisory=buckets)
         self._attrs = {c: {CLASS_ATTRIBUTE: c} for c in CLASSES}
         self._disagg = meter.create_counter("cadenza.gateway.disagg.requests", "{request}", DISAGG_HELP)
         self.disagg_outcomes: Counter = Counter()
         self.disagg_threshold: Callable[[], int | None] = lambda: None  # set by the app
         meter.create_observable_gauge(
-            "cadenza.gateway.disagg.min_prompt_tokens", [self._threshold], "{token}", THRESHOLD_HELP)
+            names.GATEWAY_DISAGG_MIN_PROMPT_TOKENS.name, [self._threshold], names.GATEWAY_DISAGG_MIN_PROMPT_TOKENS.unit,
+            THRESHOLD_HELP)
 
     def _threshold(self, _options: CallbackOptions) -> list[Observation]:
         least = self.disagg_threshold()
