@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 from bench.common import CONV_TRACE, ROOT, arguments, bench_model, hit_rate, machine, pct, prompt_ids, report
-from cadenza.node.replay.trace import TraceRequest, load_trace, scale_trace
+from cadenza.loadgen.trace import TraceRequest, load_trace, scale_trace
 from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import SamplingParams
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cadenza.node.replay.prompts import PromptSynthesizer, load_tokenizer
-from cadenza.node.replay.trace import TraceRequest, load_trace
+from cadenza.loadgen.prompts import PromptSynthesizer, load_tokenizer
+from cadenza.loadgen.trace import TraceRequest, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 CONV_TRACE = ROOT / "data" / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"

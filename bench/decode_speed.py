@@ -42,7 +42,7 @@ import aiohttp
 import torch
 
 from bench.common import arguments, bench_model, conv_trace, machine, prompt_ids, report, serving
-from cadenza.node.replay.trace import scale_trace
+from cadenza.loadgen.trace import scale_trace
 
 PEER_SINGLE, PEER_CONC8 = 38.0, 38.6  # llama.cpp llama-server, same weights, this machine
 SINGLE_TOKENS, SINGLE_ROUNDS, CONC_REQUESTS, CONCURRENCY, SPLIT_STEPS = 128, 3, 64, 8, 40
@@ -124,7 +124,7 @@ def llama_server(binary: str, gguf: str, log: Path):
 
 def step_split(model: Path, streams: int, steps: int = SPLIT_STEPS, backend: str = "auto") -> dict:
     """Median model and host milliseconds per decode step with ``streams`` decoding."""
-    from cadenza.node.core.engine_core import EngineCore
+    from cadenza.node.engine.engine_core import EngineCore
     from cadenza.node.core.messages import AddRequest
     from cadenza.node.core.request import SamplingParams
 

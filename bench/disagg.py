@@ -41,9 +41,9 @@ import aiohttp
 from aiohttp import web
 
 from bench.common import arguments, bench_model, conv_trace, machine, pct, prompt_ids, report, serving
-from cadenza.node.gateway.app import create_gateway_app
-from cadenza.node.gateway.state import METRICS
-from cadenza.node.gateway.upstreams import Upstreams
+from cadenza.gateway.app import create_gateway_app
+from cadenza.gateway.state import METRICS
+from cadenza.gateway.upstreams import Upstreams
 from cadenza.node.runner.models.config import ModelConfig
 from cadenza.node.server.auth import TOKEN_ENV
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.common import arguments, conv_trace, machine, prompt_ids, quick_model, report, serving, tiny_random_llama
-from cadenza.node.replay.trace import scale_trace
+from cadenza.loadgen.trace import scale_trace
 
 CLIENTS, WAVES, ROUNDS = 256, 4, 5  # a round: each client streams WAVES requests back to back
 QUICK_CLIENTS, QUICK_WAVES, QUICK_ROUNDS = 8, 1, 1

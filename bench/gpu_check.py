@@ -196,7 +196,7 @@ def step_table(path: Path, model: Path, device: str = "cuda", max_steps: int = 3
     output; outputs 1-256, 1 to 128 at once) through the engine core (token budget 2,048, chunk
     1,024, 256 sequences, as ``data/gpu/h200``'s tables were taken), every step logged to ``path``
     as ``cadenza serve --step-log`` logs it. ``weights_seed``: draw the weights
-    (:class:`~cadenza.node.core.engine_core.EngineCore`) instead of loading ``model``'s;
+    (:class:`~cadenza.node.engine.engine_core.EngineCore`) instead of loading ``model``'s;
     ``sim_model`` (a shipped model or a ``config.json`` folder of ``model``'s shapes) and ``base``
     (a hardware profile; default: this device's, :func:`bench.probe_figures.calibration_base`): the
     printed calibration command's; ``knobs``: engine settings over these (``attention_backend``,
@@ -206,7 +206,7 @@ def step_table(path: Path, model: Path, device: str = "cuda", max_steps: int = 3
     from bench.probe_figures import calibration_base
 
     from cadenza.node.core.config import EngineConfig
-    from cadenza.node.core.engine_core import EngineCore
+    from cadenza.node.engine.engine_core import EngineCore
     from cadenza.node.core.messages import AddRequest
     from cadenza.node.core.request import SamplingParams
     from cadenza.node.frontend.step_log import StepLog

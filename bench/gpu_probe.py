@@ -61,7 +61,7 @@ from bench.probe_figures import (RECORDED, RECORDED_DEVICE, busy_seconds, calibr
                                  floor_fraction, kernel_intervals, max_gap, recorded_tflops, result_line, step_bytes,
                                  step_flops)
 from cadenza.node.core.config import EngineConfig
-from cadenza.node.core.engine_core import EngineCore
+from cadenza.node.engine.engine_core import EngineCore
 from cadenza.sim.calibrate import load_step_table
 from cadenza.sim.model_dims import SHIPPED, ModelDims, load_model_dims
 from cadenza.sim.roofline import StepComposition

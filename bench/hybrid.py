@@ -41,7 +41,7 @@ import aiohttp
 import yaml
 
 from bench.common import CONV_TRACE, ROOT, arguments, machine, pct, prompt_ids, quick_model, report
-from cadenza.node.replay.trace import load_trace, scale_trace
+from cadenza.loadgen.trace import load_trace, scale_trace
 from cadenza.node.embedded import ensure_embedded_model
 
 CODE_TRACE = ROOT / "data" / "traces" / "azure2023" / "AzureLLMInferenceTrace_code.csv"

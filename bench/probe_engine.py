@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from bench.probe_figures import model_json
-from cadenza.node.core.engine_core import EngineCore
+from cadenza.node.engine.engine_core import EngineCore
 from cadenza.node.core.messages import AddRequest, StepRecord
 from cadenza.node.core.request import SamplingParams
 

@@ -21,7 +21,7 @@ import time
 from bench.common import arguments, conv_trace, machine, report
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.core.scheduler import Scheduler
-from cadenza.node.replay.trace import scale_trace
+from cadenza.loadgen.trace import scale_trace
 from cadenza.sim.baselines import PrefillFirstScheduler
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims

@@ -39,7 +39,7 @@ import time
 from collections.abc import Sequence
 
 from bench.common import CONV_TRACE, ROOT, arguments, machine, report
-from cadenza.node.replay.trace import TraceRequest, load_trace
+from cadenza.loadgen.trace import TraceRequest, load_trace
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.policies import Policy, PolicyRun, run_policy

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import CONV_TRACE, arguments, bench_model, machine, report, serving
-from cadenza.node.replay.trace import TraceRequest, load_trace, scale_trace
+from cadenza.loadgen.trace import TraceRequest, load_trace, scale_trace
 
 SEGMENT, QUICK_SEGMENT = 64, 8
 NUM_KV_BLOCKS = 2048

@@ -18,7 +18,7 @@ import statistics
 import time
 
 from bench.common import arguments, bench_model, conv_trace, hit_rate, machine, prompt_ids, report
-from cadenza.node.replay.trace import scale_trace
+from cadenza.loadgen.trace import scale_trace
 from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import SamplingParams
 from cadenza.node.frontend.telemetry import Telemetry

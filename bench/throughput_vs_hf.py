@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.common import arguments, bench_model, conv_trace, hit_rate, machine, prompt_ids, report
-from cadenza.node.replay.trace import scale_trace
+from cadenza.loadgen.trace import scale_trace
 from cadenza.node.frontend.llm import Engine
 from cadenza.node.core.request import SamplingParams
 

@@ -11,7 +11,12 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY node node
 COPY kernels kernels
+COPY gateway gateway
+COPY loadgen loadgen
+COPY pool pool
+COPY control control
 COPY operator operator
+COPY local local
 COPY sim sim
 COPY docker/control-plane.txt /tmp/
 RUN python -m venv /opt/cadenza \

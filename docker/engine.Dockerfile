@@ -14,7 +14,12 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY node node
 COPY kernels kernels
+COPY gateway gateway
+COPY loadgen loadgen
+COPY pool pool
+COPY control control
 COPY operator operator
+COPY local local
 COPY sim sim
 RUN pip wheel --no-deps --wheel-dir /wheels .
 

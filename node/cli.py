@@ -1,6 +1,6 @@
-"""The ``cadenza`` command: ``serve``, ``bench``, ``gateway``, ``fetch-model``, and the
-subcommands other packages register under the ``cadenza.commands`` entry-point group
-(``operator``, ``up``)."""
+"""The ``cadenza`` command: ``serve`` and ``fetch-model``, and the subcommands the packages above
+the node register under the ``cadenza.commands`` entry-point group (``bench``, ``gateway``,
+``up``, ``operator``, ``sim``)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from cadenza.node.core.policy import CLASSES, Policy
 from cadenza.node import hub
 from cadenza.node.credentials import require_kv_token
 from cadenza.node.embedded import EmbeddedModelError
-from cadenza.node.server.http import add_http_arguments
+from cadenza.node.http.hardening import add_http_arguments
 
 logger = logging.getLogger("cadenza")
 
@@ -198,7 +198,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cadenza.node.frontend.client import STALL_TIMEOUT_S
     from cadenza.node.runner.models.config import check_model_folder
     from cadenza.node.server.app import serve
-    from cadenza.node.server.http import http_timeouts_from_args
+    from cadenza.node.http.hardening import http_timeouts_from_args
     from cadenza.node.runner.threads import apply_threads, choose_threads
 
     if problem := listen_problem(args.host, args.port):  # before minutes of model loading
@@ -254,8 +254,6 @@ def _fetch_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cadenza.node.replay import cli as bench_cli
-
     parser = argparse.ArgumentParser(prog="cadenza", description="Chunked-prefill LLM serving.")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default: %(default)s")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -275,23 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_http_arguments(serve)
     serve.set_defaults(func=_serve)
 
-    bench = sub.add_parser("bench", help="replay a trace against an OpenAI-compatible endpoint")
-    bench_cli.add_arguments(bench)
-    bench.set_defaults(func=bench_cli.run)
-
     fetch = sub.add_parser("fetch-model", help="convert the embedded SmolLM2 once, or download hf://org/name[@rev], "
                                                "and print its folder")
     fetch.add_argument("model", nargs="?", metavar="hf://org/name[@revision]",
                        help="a Hub model to download into the Hub cache (default: the embedded model)")
     fetch.set_defaults(func=_fetch_model)
 
-    from cadenza.node.gateway import cli as gateway_cli
-
-    gateway = sub.add_parser("gateway", help="route a pool's traffic by class to its replicas")
-    gateway_cli.add_arguments(gateway)
-    gateway.set_defaults(func=gateway_cli.run)
-
-    for entry in entry_points(group="cadenza.commands"):  # `operator`, `up` (cadenza.operator)
+    # `bench` (cadenza.loadgen), `gateway` (cadenza.gateway), `up` (cadenza.local), `operator`,
+    # `sim`: the packages above the node add their commands; the node imports none of them
+    for entry in entry_points(group="cadenza.commands"):
         entry.load()(sub)
     for command in sub.choices.values():  # `cadenza serve --log-level DEBUG` works too
         command.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=argparse.SUPPRESS,

@@ -1,8 +1,8 @@
 """The metrics one side of cadenza emits and another reads: one owner for the names.
 
 The engines (:mod:`cadenza.node.frontend.telemetry`) and the gateway
-(:mod:`cadenza.node.gateway.metrics`) emit these through the OpenTelemetry SDK; the SLO controller
-(:mod:`cadenza.operator.signals`) and the operator's status (:mod:`cadenza.operator.observe`) read
+(:mod:`cadenza.gateway.metrics`) emit these through the OpenTelemetry SDK; the SLO controller
+(:mod:`cadenza.control.signals`) and the operator's status (:mod:`cadenza.operator.observe`) read
 them back from Prometheus. Each is named here once, by its OpenTelemetry name and unit, and
 :attr:`Metric.prometheus` is the name the SDK's Prometheus exporter gives it (OpenTelemetry's
 "Prometheus and OpenMetrics compatibility" rules: dots become underscores, a unit becomes a suffix,

@@ -1,7 +1,7 @@
 """What every HTTP process of a pool agrees on: header names and body limits, defined once.
 
-The engine server (:mod:`cadenza.node.server`), the gateway (:mod:`cadenza.node.gateway`) and the
-trace-replay client (:mod:`cadenza.node.replay`) all read these; a pool whose gateway accepted a
+The engine server (:mod:`cadenza.node.server`), the gateway (:mod:`cadenza.gateway`) and the
+trace-replay client (:mod:`cadenza.loadgen`) all read these; a pool whose gateway accepted a
 body its engines refuse, or that spelled a header two ways, would fail in ways no single process
 could explain.
 """

@@ -48,12 +48,12 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from cadenza.node.otel import make_resource, otlp_enabled
 
 from cadenza.operator import kube, render
-from cadenza.operator.actuator import Actuator, AdminClient, State, spec_knobs
+from cadenza.control.actuator import Actuator, AdminClient, State, spec_knobs
 from cadenza.operator.k8s_roles import PodBackend, scrape_pool
 from cadenza.operator import workload_status
 from cadenza.operator.observe import PoolObserver, disaggregation_status, latency_status, slo_condition
-from cadenza.operator.pool import Pool, PoolSpecError
-from cadenza.operator.validate import PoolValidationError, validate_pool
+from cadenza.pool.spec import Pool, PoolSpecError
+from cadenza.pool.validate import PoolValidationError, validate_pool
 
 GROUP, VERSION, PLURAL = render.GROUP, render.VERSION, "servingpools"
 RETRY_DELAY_S = 10  # the first retry after a transient API failure; doubles each time

@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPException
 
 from cadenza.operator import kube, render
-from cadenza.operator.actuator import Replica
-from cadenza.operator.pool import Pool
+from cadenza.control.actuator import Replica
+from cadenza.pool.spec import Pool
 
 logger = logging.getLogger(__name__)
 SCRAPE_TIMEOUT_S = 2.0

@@ -18,9 +18,9 @@ from dataclasses import replace
 from typing import Any
 
 import cadenza.node.metric_names as names
-from cadenza.operator.actuator import spec_knobs
-from cadenza.operator.controller import ControllerSpec, History, Shape, decide
-from cadenza.operator.signals import CLASSES, ScrapeSource, Signals, read_signals, signal_source
+from cadenza.control.actuator import spec_knobs
+from cadenza.control.decide import ControllerSpec, History, Shape, decide
+from cadenza.control.signals import CLASSES, ScrapeSource, Signals, read_signals, signal_source
 
 ACTUATION = "advisory only: the pool's mode is fixed (mode auto lets the controller act)"
 

@@ -27,7 +27,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from cadenza.operator.pool import PoolSpecError
+from cadenza.pool.spec import PoolSpecError
 
 POD_FIELDS = ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "priorityClassName",
               "runtimeClassName", "schedulerName", "imagePullSecrets", "serviceAccountName")

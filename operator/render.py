@@ -1,4 +1,4 @@
-"""Pure functions from a :class:`~cadenza.operator.pool.Pool` to the Kubernetes objects it needs.
+"""Pure functions from a :class:`~cadenza.pool.spec.Pool` to the Kubernetes objects it needs.
 
 Every function returns plain dicts (testable without a cluster). For a pool named ``p``:
 
@@ -29,12 +29,11 @@ All carry an owner reference to the pool.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from cadenza.operator import pod_settings
-from cadenza.operator.pool import GPU_RESOURCES, MODEL_MOUNT, Pool, PoolSpecError, Role
+from cadenza.pool.spec import GPU_RESOURCES, MODEL_MOUNT, Pool, PoolSpecError, Role, cpu_threads
 
 GROUP, VERSION, KIND = "serving.cadenza.dev", "v1alpha1", "ServingPool"
 POOL_LABEL, ROLE_LABEL = "serving.cadenza.dev/pool", "serving.cadenza.dev/role"
@@ -132,28 +131,6 @@ def resources(pool: Pool) -> dict:
         if name in out.get("requests", {}) and name not in out.get("limits", {}):
             out.setdefault("limits", {})[name] = out["requests"][name]
     return out
-
-
-_DECIMAL = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
-
-
-def cpu_threads(pool: Pool) -> int | None:
-    """Intra-op threads for an engine pod: its CPU limit (else request), rounded down, at least 1.
-
-    Without it torch starts one thread per core of the node, whatever the pod's CPU quota, and
-    throttles. None when the spec gives no CPU quantity (or one in a form CPUs are not given in).
-    """
-    res = pool.spec.get("resources", {})
-    value = res.get("limits", {}).get("cpu", res.get("requests", {}).get("cpu"))
-    if value is None:
-        return None
-    text = str(value)
-    number = text.rstrip("".join(_DECIMAL))
-    try:
-        cores = float(number) * _DECIMAL[text[len(number):]]
-    except (KeyError, ValueError):
-        return None
-    return max(1, math.floor(cores))
 
 
 def _probe(path: str, **timing: int) -> dict:

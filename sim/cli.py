@@ -10,7 +10,7 @@
 A request goes as the class and tenant its trace names (``class`` and ``tenant`` columns), else
 as ``interactive`` (the Azure traces carry neither); ``--class NAME`` sends every request as
 ``NAME`` and ``--batch-above N`` the prompts of ``N`` or more tokens as ``batch`` and the others
-as ``interactive`` (:class:`~cadenza.node.replay.headers.ClassRule`, as ``cadenza bench`` does),
+as ``interactive`` (:class:`~cadenza.loadgen.headers.ClassRule`, as ``cadenza bench`` does),
 either one overriding the trace's class column. The report gives, per class, TTFT / ITL /
 TPOT p50/p95/p99, SLO attainment and goodput against the pool's ``spec.slo``, throughput and
 drops; per run, KV usage, preemptions and the controller's actions (``auto``). ``--compare``
@@ -157,10 +157,10 @@ def _calibrate_dispatch(args: argparse.Namespace, steps, roofline) -> int:
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    from cadenza.node.replay.headers import ClassRule
-    from cadenza.node.replay.trace import load_trace, scale_trace
-    from cadenza.operator.pool import PoolSpecError
-    from cadenza.operator.validate import PoolValidationError, load_pools
+    from cadenza.loadgen.headers import ClassRule
+    from cadenza.loadgen.trace import load_trace, scale_trace
+    from cadenza.pool.spec import PoolSpecError
+    from cadenza.pool.validate import PoolValidationError, load_pools
     from cadenza.sim.disagg import KVLinkModel
     from cadenza.sim.hardware import ProfileError, load_profile
     from cadenza.sim.model_dims import ModelDimsError, load_model_dims

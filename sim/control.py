@@ -4,10 +4,10 @@ the way the operator builds them, acting through the fleet after the delays that
 Every ``interval_s`` of virtual time the controller reads, per class, a fast and a slow window
 ending ``scrape_delay_s`` ago (what a scrape-based signal lags by): the latency observations the
 gateway would have recorded in them, binned into the gateway's own histogram buckets
-(:func:`cadenza.node.gateway.metrics.latency_buckets` around the SLO targets) and read by the
-operator's :func:`~cadenza.operator.signals.window_of` — so the p99 it sees is the interpolated
+(:func:`cadenza.gateway.metrics.latency_buckets` around the SLO targets) and read by the
+operator's :func:`~cadenza.control.signals.window_of` — so the p99 it sees is the interpolated
 bucket figure, as in production — plus the engines' queue depth and KV usage now. Then
-:func:`~cadenza.operator.controller.decide` with the pool's shape, the colocated engines' live
+:func:`~cadenza.control.decide.decide` with the pool's shape, the colocated engines' live
 knobs and its stored history, and the decision is carried out:
 
 - **retune**: the colocated replicas take the knobs ``retune_delay_s`` later (a ``PUT
@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from cadenza.node.gateway.metrics import latency_buckets
-from cadenza.operator.controller import DEDICATE, MERGE, ControllerSpec, Decision, History, Shape, decide
-from cadenza.operator.signals import CLASSES, ClassWindow, Histogram, Signals, window_of
+from cadenza.gateway.metrics import latency_buckets
+from cadenza.control.decide import DEDICATE, MERGE, ControllerSpec, Decision, History, Shape, decide
+from cadenza.control.signals import CLASSES, ClassWindow, Histogram, Signals, window_of
 from cadenza.sim.fleet import Fleet, Observations
 
 

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cadenza.node.core import kv_link
+from cadenza.node.engine import kv_link
 from cadenza.node.core.cost_model import StepCostModel
 from cadenza.node.core.request import Request
 from cadenza.node.kv_transfer.threshold import FIXED_S, Rule

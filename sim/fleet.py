@@ -1,7 +1,7 @@
 """Many simulated replicas behind the gateway's own routing, on one virtual clock.
 
 Each request goes where the gateway would send it: its traffic class names a role
-(``ROLE_OF_CLASS``), and :meth:`cadenza.node.gateway.upstreams.Upstreams.pick` chooses the least
+(``ROLE_OF_CLASS``), and :meth:`cadenza.gateway.upstreams.Upstreams.pick` chooses the least
 outstanding replica of that role that is not full; a replica's 429 backs it off for its
 ``Retry-After`` and the request is retried once elsewhere (the gateway's ``MAX_ATTEMPTS``); a
 request no replica takes is dropped, as a 429 to the client. Replicas step independently: an event
@@ -24,8 +24,8 @@ from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.core.knobs import reconfigured
 from cadenza.node.core.request import RemoteKV
 from cadenza.node.core.scheduler import Scheduler
-from cadenza.node.gateway.upstreams import ROLE_OF_CLASS, Upstream, Upstreams
-from cadenza.node.replay.trace import TraceRequest
+from cadenza.gateway.upstreams import ROLE_OF_CLASS, Upstream, Upstreams
+from cadenza.loadgen.trace import TraceRequest
 from cadenza.sim.disagg import KVLinkModel, SimConnector, ready_at, rule
 from cadenza.sim.replica import RequestTimes, SimReplica, VirtualClock
 from cadenza.sim.roofline import Roofline

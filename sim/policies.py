@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cadenza.node.core.scheduler import Scheduler
-from cadenza.node.replay.trace import TraceRequest
+from cadenza.loadgen.trace import TraceRequest
 from cadenza.sim.baselines import PrefillFirstScheduler
 from cadenza.sim.control import SimController
 from cadenza.sim.disagg import KVLinkModel

@@ -1,5 +1,5 @@
 """The latency report of simulated requests: TTFT, ITL and TPOT percentiles from their timelines,
-and SLO attainment and goodput as ``cadenza bench`` counts them (:mod:`cadenza.node.replay.report`:
+and SLO attainment and goodput as ``cadenza bench`` counts them (:mod:`cadenza.loadgen.report`:
 a request meets its class's SLO when its TTFT is within ``ttftP99Ms`` and its own p99 ITL within
 ``itlP99Ms``, vLLM's ``--goodput`` rule; a dropped request meets none)."""
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cadenza.node.replay.trace import TraceRequest
+from cadenza.loadgen.trace import TraceRequest
 from cadenza.sim.report import LatencySummary
 
 Targets = Mapping[str, tuple[str, float]]  # summary field -> (percentile, limit in ms)

@@ -25,8 +25,8 @@ NOT_IN_THE_CONTROL_PLANE = ("torch", "tokenizers", "safetensors", "transformers"
 # imported when installed, not required: opentelemetry-sdk probes psutil, lark uses regex if present
 OPTIONAL_IMPORTS = {"psutil", "regex"}
 CONTROL_PLANE_MODULES = ("cadenza.node.cli", "cadenza.operator.cli", "cadenza.operator.handlers",
-                         "cadenza.operator.local", "cadenza.node.gateway.app", "cadenza.node.gateway.cli",
-                         "cadenza.node.gateway.kubernetes_source")
+                         "cadenza.local.up", "cadenza.gateway.app", "cadenza.gateway.cli",
+                         "cadenza.gateway.kubernetes_source")
 
 
 def make_variable(name: str) -> str:
@@ -125,7 +125,7 @@ def test_the_control_plane_commands_start_without_torch(command):
 def test_every_manifest_takes_its_images_from_images_env():
     names = images()
     assert set(names) == {"CADENZA_IMAGE", "CADENZA_CONTROL_PLANE_IMAGE"}
-    crd = yaml.safe_load((ROOT / "operator" / "servingpools.crd.yaml").read_text())
+    crd = yaml.safe_load((ROOT / "pool" / "servingpools.crd.yaml").read_text())
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     # the packaged CRD (cadenza up, the operator's own validation) carries the same defaults
     assert spec["image"]["default"] == names["CADENZA_IMAGE"]

@@ -3,7 +3,7 @@ running engine may change it, and its help.
 
 Everything that names a knob derives from :data:`KNOBS`: the ``cadenza serve`` flags
 (:mod:`cadenza.node.cli`), the ``spec.engine`` fields of a ServingPool and the flags the operator
-renders from them (:mod:`cadenza.operator.engine_args`, whose CRD schema a test checks against
+renders from them (:mod:`cadenza.pool.engine_args`, whose CRD schema a test checks against
 this table), ``GET /admin/config``'s view and the keys ``PUT /admin/config`` accepts
 (:func:`config_view`, :func:`reconfigured`), and the engine's own reconfiguration. The values
 themselves are still checked where they live — :mod:`cadenza.node.core.config` and

@@ -39,7 +39,7 @@ class AddRequest:
     ``arrival_time`` is ``time.monotonic()`` seconds in the front end (the same clock in every
     process of a machine); ``traceparent`` is the W3C trace context of the request's span.
     ``remote_kv``: pull the prompt's KV from this prefill replica; ``publish_kv``: hold the
-    prompt's KV for a decode replica to pull (:mod:`cadenza.node.core.kv_link`).
+    prompt's KV for a decode replica to pull (:mod:`cadenza.node.engine.kv_link`).
     ``acknowledge``: say when the core has queued it (:class:`RequestsQueued`; a refusal is a
     :class:`RequestFailure` as always), for a caller that must not answer before that.
     """

@@ -1,7 +1,7 @@
 """The front end's client of the engine core: requests in, per-request output streams out.
 
 The core runs in its own process by default (:class:`ProcessCore`: ``python -m
-cadenza.node.core.process`` over a Unix socket pair, msgpack frames) or in a thread of this
+cadenza.node.engine.process`` over a Unix socket pair, msgpack frames) or in a thread of this
 process (:class:`ThreadCore`, ``--engine-process off``: the same loop and the same message
 objects through a queue, for tests and the simulator). Either way the event loop never runs model
 code and HTTP code never touches engine objects: it calls :meth:`EngineClient.generate`,
@@ -16,7 +16,7 @@ the server then exits so that its supervisor restarts the replica).
 
 The core is known alive by what it sends, not by its process id: its loop sends one message per
 step, and stats at least every ``IDLE_WAIT_S`` (1 s) when there is nothing to step
-(:mod:`cadenza.node.core.loop`). Once it is ready, a core that sends nothing for
+(:mod:`cadenza.node.engine.loop`). Once it is ready, a core that sends nothing for
 ``stall_timeout_s`` — a process stopped (SIGSTOP, a frozen node) or a step that never returns (a
 hung kernel or collective) — is declared dead the same way, and a core process is killed. The
 timeout must be longer than the longest legitimate step; the default, :data:`STALL_TIMEOUT_S`,
@@ -63,7 +63,7 @@ from cadenza.node.frontend.output_processor import OutputProcessor, RequestOutpu
 from cadenza.node.frontend.transports import SHUTDOWN_TIMEOUT_S, ProcessCore, ThreadCore
 
 if TYPE_CHECKING:
-    from cadenza.node.core.engine_core import EngineCore
+    from cadenza.node.engine.engine_core import EngineCore
     from cadenza.node.frontend.telemetry import Telemetry
     from cadenza.node.frontend.tokenizer import Tokenizer
     from cadenza.node.runner.threads import ThreadChoice
@@ -154,7 +154,7 @@ class EngineClient:
         if self._process:
             self.transport = ProcessCore(self.config, eos, self._threads)
         else:
-            from cadenza.node.core.engine_core import EngineCore
+            from cadenza.node.engine.engine_core import EngineCore
 
             factory = self._core_factory or (lambda ids: EngineCore(self.config, ids))
             self.transport = ThreadCore(lambda: factory(eos))

@@ -1,7 +1,7 @@
 """Offline, synchronous use of the engine: the core and the output processor in one call stack.
 
 ``Engine`` is what scripts, benchmarks and white-box tests drive: ``add_request`` / ``step`` /
-``generate``, with text. It owns an :class:`~cadenza.node.core.engine_core.EngineCore` and an
+``generate``, with text. It owns an :class:`~cadenza.node.engine.engine_core.EngineCore` and an
 :class:`~cadenza.node.frontend.output_processor.OutputProcessor` and applies the same rule as the
 server's front end: a stop string found in the text aborts the request in the core with reason
 ``stop`` before the next step, so "finished" has one owner. No event loop, no thread.
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cadenza.node.core.config import EngineConfig
-from cadenza.node.core.engine_core import EngineCore
+from cadenza.node.engine.engine_core import EngineCore
 from cadenza.node.core.messages import AddRequest
 from cadenza.node.core.request import Request, SamplingParams
 from cadenza.node.core.stats import EngineStats

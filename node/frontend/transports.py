@@ -22,7 +22,7 @@ from cadenza.node.core.codec import FRAME_HEADER, check_frame_length, decode, fr
 from cadenza.node.core.messages import EngineDead, MessageError, Shutdown, StartCore
 
 if TYPE_CHECKING:
-    from cadenza.node.core.engine_core import EngineCore
+    from cadenza.node.engine.engine_core import EngineCore
     from cadenza.node.runner.threads import ThreadChoice
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class ThreadCore:
         self._thread.start()
 
     def _run(self, emit: Callable[[object], None]) -> None:
-        from cadenza.node.core.loop import CoreLoop, announce
+        from cadenza.node.engine.loop import CoreLoop, announce
 
         try:
             self.core = self._factory()
@@ -92,7 +92,7 @@ class ThreadCore:
 
 class ProcessCore:
     """The core in its own process, over a Unix socket pair (msgpack frames, see
-    :mod:`cadenza.node.core.process`).
+    :mod:`cadenza.node.engine.process`).
 
     Args:
         config: the engine configuration (sent as the first frame).
@@ -112,7 +112,7 @@ class ProcessCore:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "cadenza.node.core.process", "--fd", str(theirs.fileno()),
+            [sys.executable, "-m", "cadenza.node.engine.process", "--fd", str(theirs.fileno()),
              "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())],
             pass_fds=(theirs.fileno(),), env=env,
         )

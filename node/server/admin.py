@@ -25,8 +25,8 @@ from aiohttp import web
 
 from cadenza.node.frontend.client import EngineCommandError, EngineDeadError
 from cadenza.node.server.auth import authorize
-from cadenza.node.server.errors import APIError
-from cadenza.node.server.http import body_timeout
+from cadenza.node.http.errors import APIError
+from cadenza.node.http.hardening import body_timeout
 from cadenza.node.server.openai_api import ENGINE, INLINE_BODY_BYTES
 
 async def get_config(request: web.Request) -> web.Response:

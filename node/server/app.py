@@ -25,9 +25,9 @@ from cadenza.node.frontend.client import STALL_TIMEOUT_S, EngineClient
 from cadenza.node.frontend.step_log import StepLog
 from cadenza.node.server import admin, auth, openai_api
 from cadenza.node.server.access_log import access_log_middleware
-from cadenza.node.server.errors import error_middleware, error_response
-from cadenza.node.server.http import HttpTimeouts
-from cadenza.node.server.runner import run_app
+from cadenza.node.http.errors import error_middleware, error_response
+from cadenza.node.http.hardening import HttpTimeouts
+from cadenza.node.http.runner import run_app
 from cadenza.node.frontend.telemetry import Telemetry
 from cadenza.node.wire import MAX_BODY_BYTES
 

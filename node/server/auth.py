@@ -13,7 +13,7 @@ import hmac
 from aiohttp import web
 
 from cadenza.node.credentials import TOKEN_ENV, TOKEN_FILE_ENV, admin_token
-from cadenza.node.server.errors import APIError
+from cadenza.node.http.errors import APIError
 
 __all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "admin_token", "authorize"]
 

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from cadenza.node.core.request import RemoteKV
 from cadenza.node.server.auth import authorize
-from cadenza.node.server.errors import APIError
+from cadenza.node.http.errors import APIError
 from cadenza.node.wire import KV_PUBLISH_HEADER, KV_SOURCE_HEADER
 
 MAX_HEADER_CHARS = 512

@@ -25,8 +25,8 @@ from cadenza.node.frontend.client import EngineClient, EngineDeadError, Queued
 from cadenza.node.frontend.input_processor import InputError, InputProcessor
 from cadenza.node.frontend.telemetry import Telemetry
 from cadenza.node.server.access_log import ACCESS
-from cadenza.node.server.errors import APIError, error_body
-from cadenza.node.server.http import body_timeout, send
+from cadenza.node.http.errors import APIError, error_body
+from cadenza.node.http.hardening import body_timeout, send
 from cadenza.node.server.kv_headers import format_source, kv_options
 from cadenza.node.server.protocol import ChatCompletionRequest, CompletionRequest, check_sizes, parse
 from cadenza.node.wire import (CLASS_HEADER, DISAGG_RULE_HEADER, KV_SOURCE_HEADER, REQUEST_ID_HEADER, TENANT_HEADER,

@@ -32,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from cadenza.node.server.errors import APIError
+from cadenza.node.http.errors import APIError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256

@@ -7,7 +7,7 @@ import queue
 import threading
 
 from cadenza.node.core.admission import AdmissionError
-from cadenza.node.core.loop import CoreLoop
+from cadenza.node.engine.loop import CoreLoop
 from cadenza.node.core.messages import AddRequest, RequestsQueued, Shutdown, StepOutputs
 from cadenza.node.core.request import SamplingParams
 

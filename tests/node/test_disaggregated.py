@@ -19,8 +19,8 @@ import time
 import pytest
 
 from cadenza.node.core.config import ConfigError
-from cadenza.node.core.engine_core import EngineCore
-from cadenza.node.core.kv_link import HOLDER
+from cadenza.node.engine.engine_core import EngineCore
+from cadenza.node.engine.kv_link import HOLDER
 from cadenza.node.core.messages import AddRequest
 from cadenza.node.core.request import RemoteKV, SamplingParams
 from cadenza.node.credentials import TOKEN_ENV, TOKEN_FILE_ENV
@@ -288,7 +288,7 @@ def test_kv_of_other_weights_is_refused_before_any_block_moves_and_never_cached(
         prompt = [random.Random(11).randrange(3, 300) for _ in range(120)]
         want = run(colocated, AddRequest("c-foreign", prompt, greedy(6)))
         assert run(foreign, AddRequest("f-ref", prompt, greedy(6))) != want  # the weights do differ
-        with caplog.at_level(logging.WARNING, logger="cadenza.node.core.kv_link"):
+        with caplog.at_level(logging.WARNING, logger="cadenza.node.engine.kv_link"):
             assert disaggregated(foreign, decode, prompt) == want  # refused, then computed here
         assert any("(incompatible)" in r.getMessage() and "weights" in r.getMessage() for r in caplog.records)
         s = decode.scheduler.stats

@@ -10,8 +10,8 @@ from cadenza.node.cli import add_engine_arguments, engine_config_from_args
 from cadenza.node.core.config import ConfigError, SchedulerConfig
 from cadenza.node.core.knobs import BY_CRD, KNOBS, LIVE, config_view, policy_from_view, reconfigured
 from cadenza.node.core.policy import Policy
-from cadenza.operator.engine_args import ENGINE_KNOBS, LIVE_KEYS, serve_args
-from cadenza.operator.validate import load_crd_schema
+from cadenza.pool.engine_args import ENGINE_KNOBS, LIVE_KEYS, serve_args
+from cadenza.pool.validate import load_crd_schema
 
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean", dict: "object", str: "string"}
 
@@ -99,7 +99,7 @@ def test_reconfigure_refuses_what_is_not_live_or_not_valid_naming_it(changes, me
 ])
 def test_a_chunk_over_the_budget_is_refused_alike_by_a_pool_the_flags_and_a_live_change(engine, changes):
     """One rule, one message, from every door that takes settings (issue 28, point 8)."""
-    from cadenza.operator.engine_args import engine_config
+    from cadenza.pool.engine_args import engine_config
 
     with pytest.raises(ConfigError) as from_pool:
         engine_config("/model", engine)

@@ -582,7 +582,7 @@ def test_an_engine_computes_its_rule_once_its_cost_model_is_calibrated_and_from_
     from types import SimpleNamespace
 
     from cadenza.node.core.cost_model import StepCostModel, StepFeatures
-    from cadenza.node.core.kv_link import ASSUMED_LINK_BYTES_PER_S, KVLink
+    from cadenza.node.engine.kv_link import ASSUMED_LINK_BYTES_PER_S, KVLink
 
     cost = StepCostModel()
     consumer = SimpleNamespace(bandwidth=None)

@@ -10,8 +10,9 @@ from cadenza.node import metric_names as names
 from cadenza.node.core.messages import StepRecord
 from cadenza.node.core.stats import ClassStats, EngineStats
 from cadenza.node.frontend.telemetry import Telemetry
-from cadenza.node.gateway.metrics import GatewayMetrics
-from cadenza.operator import observe, signals
+from cadenza.gateway.metrics import GatewayMetrics
+from cadenza.control import signals
+from cadenza.operator import observe
 
 
 def families(text: bytes) -> dict:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cadenza.node.core.config import EngineConfig
-from cadenza.node.core.engine_core import EngineCore
+from cadenza.node.engine.engine_core import EngineCore
 from cadenza.node.core.messages import AddRequest
 from cadenza.node.core.request import SamplingParams
 from cadenza.node.runner.backend import AttentionMetadata, TorchBackend

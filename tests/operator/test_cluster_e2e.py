@@ -250,8 +250,8 @@ def test_a_disaggregated_pools_kv_port_policy_is_accepted_held_and_removed_with_
     from kopf.testing import KopfRunner
 
     from cadenza.operator import render
-    from cadenza.operator.pool import Pool
-    from cadenza.operator.validate import validate_pool
+    from cadenza.pool.spec import Pool
+    from cadenza.pool.validate import validate_pool
 
     pool = yaml.safe_load((ROOT / "manifests/examples/quickstart-cpu.yaml").read_text())
     name = pool["metadata"]["name"] = "kv"

@@ -11,8 +11,8 @@ import urllib3
 from kubernetes.client.rest import ApiException
 
 from cadenza.operator import kube, render
-from cadenza.operator.pool import Pool
-from cadenza.operator.validate import load_pools
+from cadenza.pool.spec import Pool
+from cadenza.pool.validate import load_pools
 
 EXAMPLES = Path(__file__).parents[2] / "manifests" / "examples"
 

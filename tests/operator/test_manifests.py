@@ -14,7 +14,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
-CRD_COPIES = (ROOT / "operator" / "servingpools.crd.yaml", MANIFESTS / "crd" / "servingpools.yaml")
+CRD_COPIES = (ROOT / "pool" / "servingpools.crd.yaml", MANIFESTS / "crd" / "servingpools.yaml")
 YAML_FILES = sorted(MANIFESTS.rglob("*.yaml"))
 RULE_VERBS = ["create", "get", "list", "watch", "patch", "delete"]
 
@@ -177,8 +177,8 @@ def test_every_kind_the_operator_renders_or_watches_is_granted():
     """RBAC kept honest by the code: each kind a pool can render (in any mode, with autoscaling)
     and each child kind kopf watches can be created, read, watched, patched and deleted."""
     from cadenza.operator import handlers, render
-    from cadenza.operator.pool import MODES, Pool
-    from cadenza.operator.validate import load_pools
+    from cadenza.pool.spec import MODES, Pool
+    from cadenza.pool.validate import load_pools
 
     example = load_pools(MANIFESTS / "examples" / "quickstart-cpu.yaml")[0]["spec"]
     spec = {**example, "replicas": 3, "autoscaling": {"minReplicas": 2, "maxReplicas": 4}}

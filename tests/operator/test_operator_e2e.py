@@ -186,8 +186,8 @@ def test_a_pool_becomes_its_objects_and_follows_every_change(api):
 @pytest.mark.slow  # waits for a resync
 def test_a_hand_edit_is_reverted_within_a_resync_and_an_unchanged_pool_writes_nothing(api):
     from cadenza.operator import kube, render
-    from cadenza.operator.pool import Pool
-    from cadenza.operator.validate import validate_pool
+    from cadenza.pool.spec import Pool
+    from cadenza.pool.validate import validate_pool
 
     with KopfRunner(OPERATOR, timeout=60) as runner:
         operator_watching(api)
@@ -394,7 +394,7 @@ class ScriptedGateway:
     """A gateway's /metrics on a loopback port, fed by the real histograms with chosen latencies."""
 
     def __init__(self) -> None:
-        from cadenza.node.gateway.metrics import GatewayMetrics
+        from cadenza.gateway.metrics import GatewayMetrics
 
         self.metrics = GatewayMetrics([0.05, 0.5])
         self.server = serve_metrics(self.metrics)

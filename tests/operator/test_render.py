@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from cadenza.operator.pool import Pool, PoolSpecError
+from cadenza.pool.spec import Pool, PoolSpecError
 from cadenza.operator.render import (CONFIG_HASH, KV_PORT, render_all, selector_string,
                                      stale_deployments, stale_services)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cadenza.node.core.config import SchedulerConfig
-from cadenza.node.replay.trace import TraceRequest
+from cadenza.loadgen.trace import TraceRequest
 from cadenza.sim.baselines import PrefillFirstScheduler
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cadenza.node.cli import main
-from cadenza.node.core.engine_core import EngineCore
+from cadenza.node.engine.engine_core import EngineCore
 from cadenza.node.core.messages import AddRequest
 from cadenza.node.core.request import SamplingParams
 from cadenza.node.frontend.step_log import STEP_LOG_FIELDS, StepLog

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from cadenza.node.cli import main
-from cadenza.operator.validate import load_pools
+from cadenza.pool.validate import load_pools
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.pool import fleet_layout

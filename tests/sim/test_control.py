@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cadenza.node.core.config import SchedulerConfig
-from cadenza.node.replay.trace import TraceRequest
-from cadenza.operator.controller import ControllerSpec, decide
+from cadenza.loadgen.trace import TraceRequest
+from cadenza.control.decide import ControllerSpec, decide
 from cadenza.sim.control import SimController
 from cadenza.sim.fleet import Fleet
 from cadenza.sim.hardware import PROFILES

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from cadenza.node.core.config import SchedulerConfig
-from cadenza.node.replay.trace import TraceRequest
+from cadenza.loadgen.trace import TraceRequest
 from cadenza.sim.fleet import Fleet, simulate_fleet, simulate_replica
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims

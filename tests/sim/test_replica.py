@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 
 from cadenza.node.core.config import SchedulerConfig
-from cadenza.node.core.engine_core import EngineCore
+from cadenza.node.engine.engine_core import EngineCore
 from cadenza.node.core.messages import AddRequest
 from cadenza.node.core.request import SamplingParams
-from cadenza.node.replay.trace import TraceRequest
+from cadenza.loadgen.trace import TraceRequest
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.replica import SimReplica, VirtualClock, synthetic_token

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cadenza.node.core.config import SchedulerConfig
-from cadenza.node.replay.trace import TraceRequest
+from cadenza.loadgen.trace import TraceRequest
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
 from cadenza.sim.roofline import Roofline

@@ -9,7 +9,7 @@ import threading
 from cadenza.node.core.messages import StepRecord
 from cadenza.node.core.stats import ClassStats, EngineStats
 from cadenza.node.frontend.telemetry import Telemetry
-from cadenza.node.gateway.metrics import GatewayMetrics
+from cadenza.gateway.metrics import GatewayMetrics
 
 
 def serve_metrics(metrics: GatewayMetrics | Telemetry) -> http.server.ThreadingHTTPServer:

@@ -1,7 +1,7 @@
 """HTTP connection hardening, spoken to over raw sockets: JSON for malformed requests, and timeouts.
 
 Each test serves a tiny app (or the real gateway app) on a free loopback port through
-:func:`cadenza.node.server.http.app_runner`, the runner ``run_app`` uses. Timeouts are tiny (0.5 s)
+:func:`cadenza.node.http.hardening.app_runner`, the runner ``run_app`` uses. Timeouts are tiny (0.5 s)
 and every wait is bounded generously (5 s), so a slow machine does not fail a test; a server that
 never times out does. These tests also guard the aiohttp internals the module relies on.
 """
@@ -22,13 +22,14 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
-from cadenza.node.gateway.app import create_gateway_app
-from cadenza.node.gateway.upstreams import Upstreams
-from cadenza.node.server import admin, auth, http
-from cadenza.node.server.errors import error_middleware
+from cadenza.gateway.app import create_gateway_app
+from cadenza.gateway.upstreams import Upstreams
+from cadenza.node.http import hardening as http
+from cadenza.node.server import admin, auth
+from cadenza.node.http.errors import error_middleware
 from cadenza.node.server.app import create_app
 from cadenza.node.server.openai_api import ENGINE
-from cadenza.node.server.runner import run_app
+from cadenza.node.http.runner import run_app
 from cadenza.node.wire import MAX_BODY_BYTES
 from waiting import until
 

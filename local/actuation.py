@@ -1,0 +1,78 @@
+"""Hybrid mode under ``cadenza up``: the :class:`~.actuator.Actuator` over local processes.
+
+Replicas are the supervisor's processes (all started colocated, with a per-run admin token);
+routing is the gateway's config file, rewritten atomically and signalled with SIGHUP so the
+gateway re-reads it at once. The state lives in memory and in the ``--state-file``.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Callable
+from http.client import HTTPException
+
+from cadenza.control.actuator import COLOCATED, AdminClient, Actuator, Replica, State, spec_knobs
+from cadenza.pool.spec import Pool
+
+
+class LocalBackend:
+    """The replicas of a local pool and the gateway's routing file.
+
+    Args:
+        replicas: name -> URL of each replica process (ports survive restarts).
+        gateway_url: where the gateway's ``/metrics`` is (the replicas' are at their URLs).
+        write_routes: called with ``{"interactive": [urls], "batch": [urls]}``.
+    """
+
+    def __init__(self, replicas: dict[str, str], gateway_url: str,
+                 write_routes: Callable[[dict[str, list[str]]], None]) -> None:
+        self._urls, self.gateway_url, self._write = dict(replicas), gateway_url, write_routes
+        # cadenza up starts with every replica in both routes (the gateway config it writes).
+        self._routes = {name: (True, True) for name in replicas}
+        self.roles = {name: COLOCATED for name in replicas}
+
+    def replicas(self) -> list[Replica]:
+        return [Replica(name, url, ready=True, routed_interactive=self._routes[name][0],
+                        routed_batch=self._routes[name][1]) for name, url in self._urls.items()]
+
+    def scrape(self) -> dict[str, str] | None:
+        """The gateway's ``/metrics`` and every replica's that answers, by name; None without the gateway's."""
+        gateway = _get(f"{self.gateway_url}/metrics")
+        if gateway is None:
+            return None
+        texts = {"gateway": gateway}
+        for name, url in self._urls.items():
+            if (text := _get(f"{url}/metrics")) is not None:
+                texts[name] = text
+        return texts
+
+    def route(self, replica: Replica, role: str, interactive: bool, batch: bool) -> None:
+        self._routes[replica.name] = (interactive, batch)
+        self.roles[replica.name] = role
+        self._write_all()
+
+    def unroute(self, name: str) -> None:
+        """Stop routing to a replica whose process exited: restarted, it runs the spec's settings,
+        not its role's, until the controller's next tick puts them back and routes it again."""
+        if self._routes.get(name) != (False, False):
+            self._routes[name] = (False, False)
+            self._write_all()
+
+    def _write_all(self) -> None:
+        self._write({"interactive": [self._urls[n] for n, (i, _b) in self._routes.items() if i],
+                     "batch": [self._urls[n] for n, (_i, b) in self._routes.items() if b]})
+
+
+def _get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+    except (OSError, HTTPException, ValueError):  # ValueError: a bad URL
+        return None
+
+
+def local_actuator(pool: Pool, replicas: dict[str, str], gateway_url: str,
+                   write_routes: Callable[[dict[str, list[str]]], None], token: str) -> Actuator:
+    """The controller loop of a local ``mode: auto`` pool."""
+    state = State(knobs=spec_knobs(pool.spec), roles={name: COLOCATED for name in replicas})
+    return Actuator(pool, LocalBackend(replicas, gateway_url, write_routes), AdminClient(token), state)

@@ -1,0 +1,238 @@
+"""A ServingPool's spec, read once: its roles, their replicas and their engine settings.
+
+Both renderers — Kubernetes objects (:mod:`.render`) and local processes (:mod:`.local`) — work
+from this view, so a pool means the same thing in a cluster and on a laptop.
+
+Roles: ``colocated`` mode runs one role, ``colocated``, whose replicas serve every class.
+``dedicated`` runs ``interactive`` replicas (the base engine settings with ``dedicated.engine`` on
+top) and ``batch`` replicas (the base settings) for batch and background traffic. ``auto`` runs one
+workload, ``auto``, whose pods start with the base settings and no routing; the SLO controller
+gives each pod its role (colocated or interactive) in place — labels and live settings — and
+only then routes to it (:mod:`.actuator`). ``disaggregated`` runs ``prefill`` replicas
+(``disaggregated.prefillEngine`` on top of the base), which compute long prompts and stream their
+KV, and ``decode`` replicas (``disaggregated.decodeEngine`` on top) serving every class; both
+have a KV transfer endpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cadenza.node.core.config import ConfigError
+from cadenza.pool.engine_args import ENGINE_KNOBS, POLICY_KEYS, engine_config, policy_document, serve_args
+
+MODEL_MOUNT = "/models"
+DEFAULT_CLASS = {"colocated": "interactive", "interactive": "interactive", "batch": "batch", "auto": "interactive",
+                 "prefill": "interactive", "decode": "interactive"}
+MODES = ("colocated", "dedicated", "disaggregated", "auto")
+KV_TRANSFER_ROLES = ("prefill", "decode")  # the roles whose replicas move prompt KV between them
+_OVERRIDES = {"interactive": ("dedicated", "engine"), "prefill": ("disaggregated", "prefillEngine"),
+              "decode": ("disaggregated", "decodeEngine")}  # role -> where its engine overrides are
+# What a prefill or decode role may set on top of the base: a decode replica takes the prefill
+# replica's KV blocks as they are, so the KV layout and the model length stay the pool's.
+KV_ROLE_KEYS = frozenset({"tokenBudget", "chunkSize", "maxNumSeqs", "prefixCaching", "stepTimeTargetMs",
+                          "kvCacheFraction", "classes", "tenants"})
+# Extended resources that give a replica GPUs (torch reaches both through its "cuda" device);
+# Kubernetes counts them in whole devices, and takes them from limits (requests must equal them).
+GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
+
+
+class PoolSpecError(ValueError):
+    """A spec the schema accepts but that cannot run (reported as a condition, never retried)."""
+
+
+@dataclass(frozen=True)
+class Role:
+    """One kind of replica in a pool.
+
+    Attributes:
+        name: ``colocated`` | ``interactive`` | ``batch`` | ``auto`` | ``prefill`` | ``decode``.
+        replicas: how many.
+        engine: the merged camelCase engine settings.
+    """
+
+    name: str
+    replicas: int
+    engine: Mapping[str, Any]
+
+    def serve_args(self, model_args: list[str]) -> list[str]:
+        """``cadenza serve`` arguments, except host, port and ``--policy`` (placed by the renderer)."""
+        return [*model_args, *serve_args(self.engine), "--default-class", DEFAULT_CLASS[self.name]]
+
+    def policy(self) -> dict[str, Any]:
+        return policy_document(self.engine)
+
+    @property
+    def kv_transfer(self) -> bool:
+        """Its replicas run a KV transfer endpoint (and need the pool's token to use it)."""
+        return self.name in KV_TRANSFER_ROLES
+
+    def config_hash(self, model_args: list[str]) -> str:
+        """Changes exactly when what this role's replicas run changes (rolls only them)."""
+        doc = {"args": self.serve_args(model_args), "policy": self.policy()}
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The parts of a (defaulted, schema-valid) ServingPool the renderers need."""
+
+    name: str
+    namespace: str
+    spec: Mapping[str, Any]
+
+    @property
+    def mode(self) -> str:
+        """``colocated`` | ``dedicated`` | ``disaggregated`` | ``auto``."""
+        return self.spec.get("mode") if self.spec.get("mode") in MODES else "colocated"
+
+    @property
+    def model_name(self) -> str:
+        return self.spec["model"]["name"]
+
+    def model_args(self) -> list[str]:
+        """``--model`` and ``--served-model-name`` as a replica in a cluster sees the model."""
+        source = self.spec["model"].get("source", {"embedded": True})
+        args = ["--served-model-name", self.model_name]
+        if "path" in source:
+            return ["--model", source["path"], *args]
+        if "pvc" in source:
+            sub = source["pvc"].get("subPath", "").strip("/")
+            return ["--model", f"{MODEL_MOUNT}/{sub}".rstrip("/"), *args]
+        if "hf" in source:
+            return ["--model", self.hub_model, *args]
+        return args  # the embedded default
+
+    @property
+    def hub_model(self) -> str | None:
+        """``hf://org/name@revision`` of a Hub source, else None."""
+        hf = self.spec["model"].get("source", {}).get("hf")
+        return None if hf is None else f"hf://{hf['repo']}@{hf.get('revision', 'main')}"
+
+    def roles(self) -> list[Role]:
+        """The roles to run, validated against the engine's own rules.
+
+        Raises:
+            PoolSpecError: an engine setting the engine refuses, a dedicated or disaggregated
+                split that leaves a role empty, or a prefill or decode override outside
+                :data:`KV_ROLE_KEYS` (the CRD refuses those too; ``cadenza up`` has no API server).
+        """
+        self.gpus  # noqa: B018 - a GPU count that is not a whole number raises here
+        replicas = int(self.spec.get("replicas", 1))
+        if self.mode == "colocated":
+            roles = [self.role_settings("colocated", replicas)]
+        elif self.mode == "auto":
+            roles = [self.role_settings("auto", replicas)]
+        else:
+            first, rest, section, key = (("interactive", "batch", "dedicated", "interactiveReplicas")
+                                         if self.mode == "dedicated" else
+                                         ("prefill", "decode", "disaggregated", "prefillReplicas"))
+            n = int(self.spec.get(section, {}).get(key, 1))
+            if n >= replicas:
+                raise PoolSpecError(f"spec.{section}.{key} ({n}) must be less than spec.replicas ({replicas})")
+            for role in KV_TRANSFER_ROLES if self.mode == "disaggregated" else ():
+                overrides = self.spec.get(section, {}).get(_OVERRIDES[role][1], {})
+                where = f"spec.{section}.{_OVERRIDES[role][1]}"
+                if unknown := sorted(set(overrides) - {*ENGINE_KNOBS, *POLICY_KEYS}):
+                    raise PoolSpecError(f"{where}.{unknown[0]}: unknown engine setting (allowed here: "
+                                        f"{', '.join(sorted(KV_ROLE_KEYS))})")
+                if extra := sorted(set(overrides) - KV_ROLE_KEYS):
+                    raise PoolSpecError(f"{where} may not set {', '.join(extra)}: a decode replica takes the "
+                                        "prefill replica's KV blocks as they are (allowed here: "
+                                        f"{', '.join(sorted(KV_ROLE_KEYS))})")
+            roles = [self.role_settings(first, n), self.role_settings(rest, replicas - n)]
+        for role in roles:
+            self._check(role)
+        return roles
+
+    def role_settings(self, name: str, replicas: int = 0) -> Role:
+        """The settings a role runs with under this spec — the base engine settings with the role's
+        overrides on top — whether or not the mode runs it (for the policy file of a role being
+        retired, with 0 replicas)."""
+        base = dict(self.spec.get("engine", {}))
+        if name in _OVERRIDES:
+            section, key = _OVERRIDES[name]
+            base = _merged(base, self.spec.get(section, {}).get(key, {}))
+        return Role(name, replicas, base)
+
+    @property
+    def min_prompt_tokens(self) -> int | None:
+        """The pinned disaggregation threshold (``disaggregated.minPromptTokens``), or None: the
+        gateway takes the one the decode replicas compute."""
+        value = self.spec.get("disaggregated", {}).get("minPromptTokens")
+        return None if value is None else int(value)
+
+    def _check(self, role: Role) -> None:
+        try:  # the engine's own rules, a chunk within the budget included, on the merged settings
+            engine_config("/model", role.engine, self.model_name)
+        except ConfigError as exc:
+            raise PoolSpecError(f"role {role.name} (its engine overrides applied): {exc}") from None
+
+    def gateway_args(self) -> list[str]:
+        """``--slo-targets-ms`` with every SLO target of the pool (the gateway's histograms are dense
+        around them), or nothing without SLOs; in disaggregated mode ``--disagg-min-prompt-tokens``,
+        pinned or ``auto``."""
+        targets = sorted({float(v) for slo in (self.spec.get("slo") or {}).values() for v in (slo or {}).values()})
+        args = ["--slo-targets-ms", ",".join(f"{t:g}" for t in targets)] if targets else []
+        if self.mode == "disaggregated":
+            pinned = self.min_prompt_tokens
+            args += ["--disagg-min-prompt-tokens", "auto" if pinned is None else str(pinned)]
+        return args
+
+    @property
+    def gpus(self) -> int:
+        """GPUs per replica (:data:`GPU_RESOURCES`, from limits, else requests; 0 without).
+
+        Raises:
+            PoolSpecError: a GPU count that is not a whole number, or GPUs of two vendors.
+        """
+        resources = self.spec.get("resources", {})
+        found = {}
+        for name in GPU_RESOURCES:
+            value = resources.get("limits", {}).get(name, resources.get("requests", {}).get(name))
+            if value is None:
+                continue
+            text = str(value).strip()
+            if not text.isdigit():
+                raise PoolSpecError(f"spec.resources: {name} must be a whole number of GPUs, got {value!r}")
+            if int(text):
+                found[name] = int(text)
+        if len(found) > 1:
+            raise PoolSpecError(f"spec.resources: GPUs of one vendor per replica, got {', '.join(found)}")
+        return next(iter(found.values()), 0)
+
+
+def _merged(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``overrides`` on top of ``base``, maps merged key by key (a role's ``classes.interactive``
+    changes that class only, keeping the base's other classes and that class's other fields)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = _merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+    return out
+
+
+_DECIMAL = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+
+
+def cpu_threads(pool: Pool) -> int | None:
+    """Intra-op threads for an engine pod: its CPU limit (else request), rounded down, at least 1.
+
+    Without it torch starts one thread per core of the node, whatever the pod's CPU quota, and
+    throttles. None when the spec gives no CPU quantity (or one in a form CPUs are not given in).
+    """
+    res = pool.spec.get("resources", {})
+    value = res.get("limits", {}).get("cpu", res.get("requests", {}).get("cpu"))
+    if value is None:
+        return None
+    text = str(value)
+    number = text.rstrip("".join(_DECIMAL))
+    try:
+        cores = float(number) * _DECIMAL[text[len(number):]]
+    except (KeyError, ValueError):
+        return None
+    return max(1, math.floor(cores))
