@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import zipfile
@@ -76,8 +77,19 @@ def imports_of(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+            # `from cadenza.node import metric_names` imports the module cadenza.node.metric_names
+            modules = [f"{node.module}.{a.name}" for a in node.names if _is_module(f"{node.module}.{a.name}")]
+            names |= set(modules) or {node.module}
     return names
+
+
+def _is_module(name: str) -> bool:
+    """``cadenza.<folder>.<...>`` names a module or package of this repository."""
+    parts = name.split(".")
+    if parts[0] != "cadenza" or len(parts) < 3:
+        return False
+    path = ROOT.joinpath(*parts[1:])
+    return path.with_suffix(".py").is_file() or path.is_dir()
 
 
 def test_kernels_import_nothing_of_cadenza_outside_kernels():
@@ -86,23 +98,75 @@ def test_kernels_import_nothing_of_cadenza_outside_kernels():
         assert not outside, f"{py.name} imports {outside}"
 
 
-def test_operator_imports_only_the_node_config_and_policy():
-    # config, policy and the knob registry: the engine's own checks and knob names; otel: how
-    # every cadenza process reads OTEL_*; hub: `cadenza up` downloads a Hub model once; credentials:
-    # where a replica reads the pool's token, which `cadenza up` hands it; metric_names: the names of
-    # the series the SLO signals and the status read.
-    allowed = {"cadenza.node.core.config", "cadenza.node.core.policy", "cadenza.node.core.knobs", "cadenza.node.otel",
-               "cadenza.node.hub", "cadenza.node.credentials", "cadenza.node.metric_names"}
-    for py in (ROOT / "operator").rglob("*.py"):
-        for name in imports_of(py):
-            if name.startswith("cadenza.node"):
-                assert name in allowed, f"{py.name} imports {name}"
+# The layers, bottom to top: each top-level package and the cadenza packages it may import
+# besides itself. docs/architecture.md ("What each package may import") draws the same map.
+MAY_IMPORT = {
+    "kernels": set(),
+    "node": {"kernels"},
+    "gateway": {"node"},
+    "loadgen": {"node"},
+    "pool": {"node"},
+    "control": {"node", "pool"},
+    "operator": {"node", "pool", "control"},
+    "local": {"node", "pool", "control"},
+    "sim": {"node", "pool", "control", "gateway", "loadgen"},
+}
+# What of the node the control plane may use: its contracts (knobs and their checks, traffic
+# classes, header and metric names, the pool's credentials, how a process reads OTEL_*, a Hub
+# download, the embedded model, the KV-transfer rule) - never the engine, runner, front end or
+# server. The gateway also serves HTTP with the node's plumbing; the simulator runs the scheduler.
+NODE_CONTRACTS = {"cadenza.node.core.config", "cadenza.node.core.policy", "cadenza.node.core.knobs", "cadenza.node.wire",
+                  "cadenza.node.credentials", "cadenza.node.metric_names", "cadenza.node.otel", "cadenza.node.hub",
+                  "cadenza.node.embedded", "cadenza.node.kv_transfer.threshold"}
+NODE_ALSO = {"gateway": ("cadenza.node.http.",), "sim": ("cadenza.node.core.",)}
+CONTROL_PLANE = ("gateway", "loadgen", "pool", "control", "operator", "local", "sim")
 
 
-def test_nothing_outside_the_simulator_imports_it():
-    for folder in ("node", "kernels", "gateway", "loadgen", "pool", "control", "operator", "local"):
-        for py in (ROOT / folder).rglob("*.py"):
-            assert not [n for n in imports_of(py) if n.startswith("cadenza.sim")], f"{py} imports the simulator"
+def package_imports(folder: str) -> dict[Path, set[str]]:
+    """Each module of a top-level package and the cadenza modules it imports (lazy ones too)."""
+    return {py: {n for n in imports_of(py) if n.startswith("cadenza")} for py in (ROOT / folder).rglob("*.py")}
+
+
+@pytest.mark.parametrize("folder", list(MAY_IMPORT))
+def test_each_package_readme_says_what_it_may_import(folder):
+    # the folder's README is the package's docstring (a mapped folder holds no __init__.py)
+    line = next(line for line in (ROOT / folder / "README.md").read_text().splitlines() if line.startswith("May import:"))
+    said = {word.strip(" ,") for word in re.sub(r"\(.*?\)", "", line.removeprefix("May import:")).split(",")} - {""}
+    assert said == MAY_IMPORT[folder]
+
+
+@pytest.mark.parametrize("folder", list(MAY_IMPORT))
+def test_each_package_imports_only_the_layers_below_it(folder):
+    allowed = {f"cadenza.{p}" for p in (*MAY_IMPORT[folder], folder)}
+    for py, names in package_imports(folder).items():
+        bad = [n for n in names if ".".join(n.split(".")[:2]) not in allowed and n != "cadenza"]
+        assert not bad, f"{py.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("folder", CONTROL_PLANE)
+def test_the_control_plane_uses_only_the_nodes_contracts(folder):
+    for py, names in package_imports(folder).items():
+        bad = [n for n in names if n.startswith("cadenza.node")
+               and n not in NODE_CONTRACTS and not n.startswith(NODE_ALSO.get(folder, ()))]
+        assert not bad, f"{py.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("folder", ["pool", "control", "gateway", "loadgen", "sim"])
+def test_only_the_operator_and_the_gateways_kubernetes_source_talk_to_kubernetes(folder):
+    # the pool model and the controller are pure: the operator, `cadenza up` and the simulator
+    # share them; the gateway reads EndpointSlices in one module
+    for py in (ROOT / folder).rglob("*.py"):
+        if (folder, py.name) == ("gateway", "kubernetes_source.py"):
+            continue
+        bad = [n for n in imports_of(py) if n.split(".")[0] in ("kubernetes", "kopf")]
+        assert not bad, f"{py.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("folder", CONTROL_PLANE)
+def test_no_module_of_the_control_plane_is_over_about_four_hundred_lines(folder):
+    long = {str(py.relative_to(ROOT)): n for py in (ROOT / folder).rglob("*.py")
+            if (n := len(py.read_text().splitlines())) > 400}
+    assert not long
 
 
 def test_the_simulator_never_imports_torch_the_runner_or_the_servers():
@@ -114,14 +178,22 @@ def test_the_simulator_never_imports_torch_the_runner_or_the_servers():
 
 def cadenza_imports(folder: str) -> dict[Path, set[str]]:
     """Each module under ``node/<folder>`` and the cadenza modules it imports (lazy ones too)."""
-    return {py: {n for n in imports_of(py) if n.startswith("cadenza")} for py in (ROOT / "node" / folder).rglob("*.py")}
+    return {py: names for py, names in package_imports("node").items() if (ROOT / "node" / folder) in py.parents}
 
 
-def test_the_engine_core_never_imports_the_front_end_or_the_server():
+def test_the_core_never_imports_the_engine_runner_front_end_or_server():
+    # vLLM's v1/core and v1/engine: the scheduler, KV manager and contract types sit below the
+    # engine that drives them with the runner
     for py, names in cadenza_imports("core").items():
-        outside = [n for n in names if n.startswith(("cadenza.node.frontend", "cadenza.node.server",
-                                                     "cadenza.gateway", "cadenza.loadgen"))]
+        outside = [n for n in names if n.startswith(("cadenza.node.engine", "cadenza.node.runner",
+                                                     "cadenza.node.frontend", "cadenza.node.server",
+                                                     "cadenza.node.http"))]
         assert not outside, f"core/{py.name} imports {outside}"
+
+
+def test_the_runner_never_imports_the_engine_that_drives_it():
+    for py, names in cadenza_imports("runner").items():
+        assert not [n for n in names if n.startswith("cadenza.node.engine")], f"runner/{py.name}"
 
 
 def test_the_runner_imports_only_step_data_of_the_scheduler():
@@ -151,11 +223,11 @@ def test_kv_transfer_imports_nothing_of_cadenza_but_itself_and_never_torch():
         assert not [n for n in imports_of(py) if n == "torch" or n.startswith("torch.")], f"kv_transfer/{py.name}"
 
 
-def test_the_node_has_no_import_cycle():
+def test_there_is_no_import_cycle():
     graph: dict[str, set[str]] = {}
-    for folder in ("core", "engine", "runner", "frontend", "server", "http", "kv_transfer"):
-        for py, names in cadenza_imports(folder).items():
-            graph["cadenza.node." + ".".join(py.relative_to(ROOT / "node").with_suffix("").parts)] = names
+    for folder in MAPPED:
+        for py, names in package_imports(folder).items():
+            graph[".".join(("cadenza", folder, *py.relative_to(ROOT / folder).with_suffix("").parts))] = names
     done: set[str] = set()
 
     def visit(module: str, path: tuple[str, ...]) -> None:
