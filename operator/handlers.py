@@ -47,7 +47,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from cadenza.node.otel import make_resource, otlp_enabled
 
-from cadenza.operator import kube, render
+from cadenza.operator import kube, render, report, ssa
+from cadenza.operator.report import event as _event
+from cadenza.operator.report import events_enabled as _events_enabled
 from cadenza.control.actuator import Actuator, AdminClient, State, spec_knobs
 from cadenza.operator.k8s_roles import PodBackend, scrape_pool
 from cadenza.operator import workload_status
@@ -247,7 +249,7 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
     resync).
 
     Raises:
-        kube.Transient, kube.Refused: as :func:`kube.apply`.
+        kube.Transient, kube.Refused: as :func:`ssa.apply`.
     """
     if render.needs_admin_token(pool):
         _admin_token(meta, pool)  # before the pods that mount it
@@ -258,12 +260,12 @@ def _converge(body: kopf.Body, meta: kopf.Meta, pool: Pool, roles, patch: kopf.P
     objects = render.render_all(pool, owner=owner, narrow=not waiting, retiring=kept)
     # The old roles serve until the new are ready: held to what was applied, never rolled mid-shift.
     objects += [obj for obj in render.render_retiring(pool, kept, owner)
-                if kube.rendered_as(_live(obj["kind"], pool.namespace, obj["metadata"]["name"]), obj)]
+                if ssa.rendered_as(_live(obj["kind"], pool.namespace, obj["metadata"]["name"]), obj)]
     conflicts = []
     for obj in objects:
         try:
             outcome = _apply(obj)
-        except kube.Conflict as exc:  # someone else's object under a child's name: left alone, reported
+        except ssa.Conflict as exc:  # someone else's object under a child's name: left alone, reported
             conflicts.append(str(exc))
             continue
         if outcome != "unchanged":
@@ -340,36 +342,22 @@ def _live(kind: str, namespace: str, name: str) -> dict | None:
 
 def _apply(obj: dict) -> str:
     if not _children:
-        return kube.apply(obj)
+        return ssa.apply(obj)
     meta = obj["metadata"]
-    return kube.apply(obj, live=_live(obj["kind"], meta["namespace"], meta["name"]))
+    return ssa.apply(obj, live=_live(obj["kind"], meta["namespace"], meta["name"]))
 
 
 def _delete(kind: str, pool: Pool, name: str, owner_uid: str | None) -> bool:
     if not _children:
-        return kube.delete(kind, name, pool.namespace, owner_uid)
+        return ssa.delete(kind, name, pool.namespace, owner_uid)
     live = _live(kind, pool.namespace, name)
-    return live is not None and kube.delete(kind, name, pool.namespace, owner_uid, live=live)
+    return live is not None and ssa.delete(kind, name, pool.namespace, owner_uid, live=live)
 
 
 def _deployment(pool: Pool, name: str) -> dict | None:
     if not _children:
         return kube.deployment_status(name, pool.namespace)
     return kube.deployment_state(_live("Deployment", pool.namespace, name))
-
-
-def _event(body: kopf.Body, kind: str, reason: str, message: str) -> None:
-    """A Kubernetes Event on the pool: kopf's poster inside kopf's handlers, the API directly from
-    the resync loop (kopf's poster belongs to its per-object tasks)."""
-    try:
-        (kopf.warn if kind == "Warning" else kopf.info)(body, reason=reason, message=message)
-    except LookupError:
-        if _events_enabled():
-            kube.post_event(body, kind, reason, message)
-
-
-def _events_enabled() -> bool:
-    return os.environ.get("CADENZA_OPERATOR_EVENTS", "true").lower() != "false"
 
 
 # -- the resync loop ------------------------------------------------------------------------------
@@ -467,8 +455,8 @@ def resync(body: kopf.Body) -> None:
                 slo = _observe(body, meta, pool) if pool.spec.get("slo") else None
             _converge(body, meta, pool, pool.roles(), patch, logger, slo)
             status = patch.get("status")
-            if status and not kube.patch_is_noop(body.get("status") or {}, status):
-                kube.patch_status(GROUP, VERSION, PLURAL, pool.namespace, pool.name, status)
+            if status and not report.patch_is_noop(body.get("status") or {}, status):
+                report.patch_status(GROUP, VERSION, PLURAL, pool.namespace, pool.name, status)
     except (PoolValidationError, PoolSpecError, kube.Refused):
         return  # reported by reconcile (which retries a refusal); nothing to follow
     except kube.Transient as exc:
@@ -523,7 +511,7 @@ def _status(body: kopf.Body, pool: Pool, roles, shift: tuple[list[str], list[str
             slo: dict | None = None, conflicts: list[str] = ()) -> dict:
     """Status from the Deployments; ``shift``: (new roles not ready yet, old Deployments kept);
     ``slo``: what :mod:`.observe` read this time (else the last ``SLOMet`` condition is kept);
-    ``conflicts``: objects left alone (:class:`kube.Conflict`), which make the pool degraded."""
+    ``conflicts``: objects left alone (:class:`ssa.Conflict`), which make the pool degraded."""
     per_role, desired, ready, updated = {}, 0, 0, 0
     serving, unobserved, problems = True, False, []
     for role in roles:

@@ -7,7 +7,7 @@ import logging
 import kopf
 import pytest
 
-from cadenza.operator import handlers, kube
+from cadenza.operator import handlers, kube, report, ssa
 
 BODY = {
     "apiVersion": "serving.cadenza.dev/v1alpha1", "kind": "ServingPool",
@@ -26,24 +26,24 @@ def cluster(monkeypatch):
     def apply(obj, live=None):
         key = (obj["kind"], obj["metadata"]["name"])
         state["applied"].append(key)
-        meta = obj["metadata"]  # stored as kube.apply stores it: stamped with the rendering's digest
+        meta = obj["metadata"]  # stored as ssa.apply stores it: stamped with the rendering's digest
         state["objects"][key] = {**obj, "metadata": {**meta, "annotations": {
-            **meta.get("annotations", {}), kube.RENDERED: kube.digest(obj)}}}
+            **meta.get("annotations", {}), ssa.RENDERED: ssa.digest(obj)}}}
         if key in state["existing"]:
             return "unchanged"
         state["existing"].add(key)
         return "created"
 
-    monkeypatch.setattr(kube, "apply", apply)
+    monkeypatch.setattr(ssa, "apply", apply)
     monkeypatch.setattr(kube, "read", lambda kind, name, ns: state["objects"].get((kind, name))
                         if (kind, name) in state["existing"] else None)
-    monkeypatch.setattr(kube, "delete", lambda kind, name, ns, owner_uid=None, live=None: (kind, name) in state["existing"]
+    monkeypatch.setattr(ssa, "delete", lambda kind, name, ns, owner_uid=None, live=None: (kind, name) in state["existing"]
                         and not state["existing"].discard((kind, name)))
     monkeypatch.setattr(kube, "deployment_status", lambda name, ns: {
         "replicas": 2, "readyReplicas": state["ready"], "updatedReplicas": 2, "conditions": state["conditions"]}
         if ("Deployment", name) in state["existing"] else None)
     monkeypatch.setattr(kube, "list_pods", lambda ns, labels: state["pods"])
-    monkeypatch.setattr(kube, "patch_status", lambda group, version, plural, ns, name, status: state["status"].append(status))
+    monkeypatch.setattr(report, "patch_status", lambda group, version, plural, ns, name, status: state["status"].append(status))
     monkeypatch.setattr(handlers.kopf, "info", lambda body, reason, message: state["events"].append(("Normal", reason, message)))
     monkeypatch.setattr(handlers.kopf, "warn", lambda body, reason, message: state["events"].append(("Warning", reason, message)))
     return state
@@ -154,7 +154,7 @@ def test_transient_api_failures_are_retried_later(cluster, monkeypatch):
     def busy(obj):
         raise kube.Transient("503 from the API server")
 
-    monkeypatch.setattr(kube, "apply", busy)
+    monkeypatch.setattr(ssa, "apply", busy)
     b = kopf.Body(BODY)
     delays = []
     for retry in range(7):  # kopf passes how many retries came before
@@ -169,7 +169,7 @@ def test_an_object_the_api_refuses_is_a_degraded_condition_and_a_slow_retry(clus
     def forbidden(obj):
         raise kube.Refused("Deployment chat-colocated: the API refused it (403 Forbidden): quota exceeded")
 
-    monkeypatch.setattr(kube, "apply", forbidden)
+    monkeypatch.setattr(ssa, "apply", forbidden)
     patch, b = kopf.Patch(), kopf.Body(BODY)
     with pytest.raises(kopf.TemporaryError) as err:
         handlers.reconcile(body=b, meta=b.metadata, patch=patch, logger=logging.getLogger("test"))
@@ -243,10 +243,10 @@ def test_the_one_budget_for_every_engine_pod_an_older_operator_made_goes_on_reco
     # Under kopf the children come from its watches: a resync neither deletes what is not there
     # nor reads a child it has, and a pool whose status is as reported is not patched at all.
     calls = []
-    monkeypatch.setattr(kube, "delete", lambda *a, **k: calls.append(("delete", a)))
+    monkeypatch.setattr(ssa, "delete", lambda *a, **k: calls.append(("delete", a)))
     monkeypatch.setattr(kube, "read", lambda *a: calls.append(("read", a)))
     applied = []
-    monkeypatch.setattr(kube, "apply", lambda obj, live=None: applied.append(live) or "unchanged")
+    monkeypatch.setattr(ssa, "apply", lambda obj, live=None: applied.append(live) or "unchanged")
     ready = {"status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 1},
              "metadata": {"generation": 1}}
     index = {kind: {} for kind in handlers.CHILD_KINDS}
@@ -266,14 +266,14 @@ def test_removing_autoscaling_deletes_the_scaler_on_reconcile(cluster):
 
 
 def test_an_object_of_someone_elses_under_a_childs_name_is_left_alone_and_reported_once(cluster, monkeypatch):
-    applied = kube.apply
+    applied = ssa.apply
 
     def apply(obj):
         if (obj["kind"], obj["metadata"]["name"]) == ("Deployment", "chat-colocated"):
-            raise kube.Conflict("Deployment chat-colocated exists with no controller, not by this pool: left alone")
+            raise ssa.Conflict("Deployment chat-colocated exists with no controller, not by this pool: left alone")
         return applied(obj)
 
-    monkeypatch.setattr(kube, "apply", apply)
+    monkeypatch.setattr(ssa, "apply", apply)
     patch = run(BODY)
     degraded = next(c for c in patch["status"]["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "Conflict" and "chat-colocated" in degraded["message"]

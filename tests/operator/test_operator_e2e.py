@@ -185,7 +185,7 @@ def test_a_pool_becomes_its_objects_and_follows_every_change(api):
 
 @pytest.mark.slow  # waits for a resync
 def test_a_hand_edit_is_reverted_within_a_resync_and_an_unchanged_pool_writes_nothing(api):
-    from cadenza.operator import kube, render
+    from cadenza.operator import render, ssa
     from cadenza.pool.spec import Pool
     from cadenza.pool.validate import validate_pool
 
@@ -197,7 +197,7 @@ def test_a_hand_edit_is_reverted_within_a_resync_and_an_unchanged_pool_writes_no
         pool = Pool("chat", "default", validate_pool({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec")})["spec"])
         owner = {"name": "chat", "uid": body["metadata"]["uid"]}
         # converged: every child as the API holds it contains its rendering, so applying sends nothing
-        assert {kube.apply(obj) for obj in render.render_all(pool, owner)} == {"unchanged"}
+        assert {ssa.apply(obj) for obj in render.render_all(pool, owner)} == {"unchanged"}
         kubernetes.client.AppsV1Api().patch_namespaced_deployment(  # kubectl scale --replicas=9
             "chat-colocated", "default", {"spec": {"replicas": 9}})
         kubernetes.client.CoreV1Api().patch_namespaced_service(  # a selector pointed elsewhere by hand
