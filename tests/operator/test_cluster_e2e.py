@@ -178,7 +178,7 @@ def test_a_pool_that_changed_mode_converges_and_still_repairs_drift(namespace):
     import kubernetes
     from kopf.testing import KopfRunner
 
-    from cadenza.operator import handlers
+    from cadenza.operator.resync import RESYNC_S
 
     pool = yaml.safe_load((ROOT / "manifests/examples/quickstart-cpu.yaml").read_text())
     name = pool["metadata"]["name"] = "shift"
@@ -228,15 +228,15 @@ def test_a_pool_that_changed_mode_converges_and_still_repairs_drift(namespace):
             wait_for(lambda: deployments() == {f"{name}-colocated", f"{name}-gateway"}, 600, "the shift done")
 
         # Converged: no write to the Services and no Event per resync.
-        time.sleep(3 * handlers.RESYNC_S)
+        time.sleep(3 * RESYNC_S)
         versions, posted = {cls: s.metadata.resource_version for cls, s in services().items()}, _events(core, namespace, name)
-        time.sleep(5 * handlers.RESYNC_S)
+        time.sleep(5 * RESYNC_S)
         assert {cls: s.metadata.resource_version for cls, s in services().items()} == versions
         assert _events(core, namespace, name) == posted
 
         hand_edit(f"{name}-colocated")
         wait_for(lambda: image_of(f"{name}-colocated") == applied, 60, "the engine's image set back")
-        time.sleep(3 * handlers.RESYNC_S)
+        time.sleep(3 * RESYNC_S)
         assert _events(core, namespace, name) - posted == {("Updated", f"Deployment {name}-colocated"): 1}
         custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     assert runner.exit_code == 0, runner.output

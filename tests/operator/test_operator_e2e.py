@@ -98,10 +98,10 @@ def events(api, pool: str = "chat") -> list[tuple[str, str]]:
 
 def writes_during(api, resyncs: int) -> list[tuple[str, str]]:
     """The writes the emulator served while ``resyncs`` resync periods passed."""
-    from cadenza.operator import handlers
+    from cadenza.operator.resync import RESYNC_S
 
     before = len(api.requests())
-    time.sleep(resyncs * handlers.RESYNC_S)
+    time.sleep(resyncs * RESYNC_S)
     return [r for r in api.requests()[before:] if r[0] in WRITES]
 
 
@@ -530,8 +530,6 @@ def pod_labels(name: str) -> dict:
 
 
 def test_an_auto_pool_moves_a_replica_in_place_and_back_across_an_operator_restart(api):
-    from cadenza.operator import handlers
-
     gateway = ScriptedGateway()
     engines = {n: ScriptedEngine({"token_budget": 256, "chunk_size": 64, "step_time_target_ms": None})
                for n in ("chat-auto-a", "chat-auto-b")}
@@ -573,8 +571,8 @@ def test_an_auto_pool_moves_a_replica_in_place_and_back_across_an_operator_resta
             assert condition(pool, "SLOMet")["status"] == "False"
         assert runner.exception is None
 
-        # The operator restarts (its memory is gone); the recorded shape holds, then recovery merges back.
-        handlers._actuators.clear()
+        # The operator restarts (its memory is gone: a new run makes a new memo); the recorded
+        # shape holds, then recovery merges back.
         itl["s"] = 0.01
         with KopfRunner(OPERATOR, timeout=120) as runner:
             operator_watching(api)
