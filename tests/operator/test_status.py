@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 from fake_cluster import BODY
 
 from cadenza.operator import kube, observed
+from cadenza.operator.observed import Observed
+from cadenza.operator.status import build_status
+from cadenza.pool.spec import Pool
 
 
 def test_status_reports_mode_replicas_and_conditions(cluster):
@@ -75,3 +80,35 @@ def test_a_rollout_past_its_deadline_is_degraded_and_a_role_that_still_serves_is
     assert conds["Degraded"]["reason"] == "ProgressDeadlineExceeded" and "timed out" in conds["Degraded"]["message"]
     assert conds["Progressing"]["status"] == "True"
 
+
+def at(hour: int) -> datetime.datetime:
+    return datetime.datetime(2026, 1, 2, hour, tzinfo=datetime.timezone.utc)
+
+
+def test_status_is_a_function_of_what_was_read_and_a_condition_keeps_its_time_until_it_flips():
+    pool = Pool("chat", "prod", BODY["spec"])
+    loading = {"replicas": 2, "readyReplicas": 0, "updatedReplicas": 2, "conditions": []}
+    pods = [{"name": "chat-colocated-abc", "problem": {"reason": "ImagePullBackOff", "message": "no such image"}}]
+    seen = Observed({"chat-colocated": loading}, {"colocated": pods})
+    first = build_status(pool, pool.roles(), seen, {}, at(1), generation=7)
+    assert first == build_status(pool, pool.roles(), seen, {}, at(1), generation=7)  # no I/O, no clock of its own
+    ready = {c["type"]: c for c in first["conditions"]}
+    assert ready["Degraded"]["reason"] == "ImagePullBackOff" and "no such image" in ready["Degraded"]["message"]
+    assert ready["Ready"]["lastTransitionTime"] == "2026-01-02T01:00:00Z" and ready["Ready"]["observedGeneration"] == 7
+
+    later = build_status(pool, pool.roles(), seen, first, at(2), generation=7)
+    assert {c["type"]: c["lastTransitionTime"] for c in later["conditions"]} == {
+        c["type"]: c["lastTransitionTime"] for c in first["conditions"]}  # nothing flipped
+    serving = Observed({"chat-colocated": {**loading, "readyReplicas": 2}})
+    flipped = {c["type"]: c for c in build_status(pool, pool.roles(), serving, first, at(3), generation=7)["conditions"]}
+    assert flipped["Ready"]["status"] == "True" and flipped["Ready"]["lastTransitionTime"] == "2026-01-02T03:00:00Z"
+    assert flipped["Degraded"]["status"] == "False" and flipped["Degraded"]["lastTransitionTime"] == "2026-01-02T03:00:00Z"
+
+
+def test_a_role_that_is_not_short_is_not_asked_about_its_pods():
+    pool = Pool("chat", "prod", BODY["spec"])
+    ready = {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "conditions": []}
+    stuck = [{"name": "chat-colocated-old", "problem": {"reason": "CrashLoopBackOff", "message": "x"}}]
+    status = build_status(pool, pool.roles(), Observed({"chat-colocated": ready}, {"colocated": stuck}), {}, at(1))
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Ready"]["reason"] == "AllReplicasReady" and conditions["Degraded"]["status"] == "False"
