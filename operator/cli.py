@@ -24,9 +24,10 @@ def register_operator(sub: argparse._SubParsersAction) -> None:
 def run_operator(args: argparse.Namespace) -> int:
     import kopf
 
-    from cadenza.operator import handlers
+    from cadenza.operator import handlers  # noqa: F401 - registers kopf's handlers
+    from cadenza.operator.startup import credentials_problem
 
-    problem = handlers.credentials_problem()
+    problem = credentials_problem()
     if problem:
         print(f"cadenza operator: {problem}", file=sys.stderr)
         return 2

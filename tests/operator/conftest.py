@@ -1,7 +1,7 @@
 """Operator tests: a short resync period, so the emulator tests see mode shifts finish quickly,
 and ``api``: kmock's Kubernetes emulator, serving ServingPools, with a kubeconfig for it.
 
-The period is set before :mod:`cadenza.operator.handlers` is imported (it reads it then).
+The period is set before :mod:`cadenza.operator.resync` is imported (it reads it then).
 """
 
 import os
@@ -27,3 +27,11 @@ def api(tmp_path, monkeypatch):
         monkeypatch.delenv("CADENZA_OPERATOR_EVENTS", raising=False)  # Events on: the emulator names them
         kubernetes.config.load_kube_config(config_file=config)
         yield emulator
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    """A fake cluster for the handlers (:class:`fake_cluster.FakeCluster`), with the operator's state."""
+    from fake_cluster import FakeCluster
+
+    return FakeCluster(monkeypatch)

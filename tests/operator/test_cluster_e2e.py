@@ -113,7 +113,7 @@ def test_server_side_apply_migrates_old_objects_and_removes_what_a_rendering_dro
     import kubernetes
     from kopf.testing import KopfRunner
 
-    from cadenza.operator import kube
+    from cadenza.operator import ssa
 
     pool = yaml.safe_load((ROOT / "manifests/examples/quickstart-cpu.yaml").read_text())
     name = pool["metadata"]["name"] = "ssa"
@@ -131,7 +131,7 @@ def test_server_side_apply_migrates_old_objects_and_removes_what_a_rendering_dro
         "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "ServingPool", "name": name, "uid": uid,
                              "controller": True, "blockOwnerDeletion": True}]},
         "spec": {"selector": {"serving.cadenza.dev/pool": name}, "ports": [{"name": "http", "port": 80}]}}
-    old["metadata"]["annotations"] = {kube.LAST_APPLIED: json.dumps(old, sort_keys=True)}
+    old["metadata"]["annotations"] = {ssa.LAST_APPLIED: json.dumps(old, sort_keys=True)}
     core.create_namespaced_service(namespace, old)
 
     def engine_limits():
@@ -142,9 +142,9 @@ def test_server_side_apply_migrates_old_objects_and_removes_what_a_rendering_dro
                     timeout=300) as runner:
         svc = wait_for(lambda: (s := core.read_namespaced_service(f"{name}-batch", namespace)).spec.cluster_ip == "None"
                        and s, 60, "the class Service migrated (and headless)")
-        assert "legacy" not in svc.metadata.labels and kube.LAST_APPLIED not in (svc.metadata.annotations or {})
+        assert "legacy" not in svc.metadata.labels and ssa.LAST_APPLIED not in (svc.metadata.annotations or {})
         managers = {(f.manager, f.operation) for f in svc.metadata.managed_fields}
-        assert (kube.FIELD_MANAGER, "Apply") in managers
+        assert (ssa.FIELD_MANAGER, "Apply") in managers
         assert wait_for(lambda: engine_limits(), 60, "the engine Deployment") == {"cpu": "2", "memory": "4Gi"}
         custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
                                               {"spec": {"resources": {"limits": {"cpu": None, "memory": "4Gi"}}}})
@@ -178,7 +178,7 @@ def test_a_pool_that_changed_mode_converges_and_still_repairs_drift(namespace):
     import kubernetes
     from kopf.testing import KopfRunner
 
-    from cadenza.operator import handlers
+    from cadenza.operator.resync import RESYNC_S
 
     pool = yaml.safe_load((ROOT / "manifests/examples/quickstart-cpu.yaml").read_text())
     name = pool["metadata"]["name"] = "shift"
@@ -228,15 +228,15 @@ def test_a_pool_that_changed_mode_converges_and_still_repairs_drift(namespace):
             wait_for(lambda: deployments() == {f"{name}-colocated", f"{name}-gateway"}, 600, "the shift done")
 
         # Converged: no write to the Services and no Event per resync.
-        time.sleep(3 * handlers.RESYNC_S)
+        time.sleep(3 * RESYNC_S)
         versions, posted = {cls: s.metadata.resource_version for cls, s in services().items()}, _events(core, namespace, name)
-        time.sleep(5 * handlers.RESYNC_S)
+        time.sleep(5 * RESYNC_S)
         assert {cls: s.metadata.resource_version for cls, s in services().items()} == versions
         assert _events(core, namespace, name) == posted
 
         hand_edit(f"{name}-colocated")
         wait_for(lambda: image_of(f"{name}-colocated") == applied, 60, "the engine's image set back")
-        time.sleep(3 * handlers.RESYNC_S)
+        time.sleep(3 * RESYNC_S)
         assert _events(core, namespace, name) - posted == {("Updated", f"Deployment {name}-colocated"): 1}
         custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     assert runner.exit_code == 0, runner.output

@@ -176,7 +176,8 @@ def test_operator_holds_what_it_needs(group, resource, verbs):
 def test_every_kind_the_operator_renders_or_watches_is_granted():
     """RBAC kept honest by the code: each kind a pool can render (in any mode, with autoscaling)
     and each child kind kopf watches can be created, read, watched, patched and deleted."""
-    from cadenza.operator import handlers, render
+    from cadenza.operator import render
+    from cadenza.operator.children import CHILD_KINDS
     from cadenza.pool.spec import MODES, Pool
     from cadenza.pool.validate import load_pools
 
@@ -184,8 +185,8 @@ def test_every_kind_the_operator_renders_or_watches_is_granted():
     spec = {**example, "replicas": 3, "autoscaling": {"minReplicas": 2, "maxReplicas": 4}}
     rendered = {(obj["apiVersion"].rpartition("/")[0], obj["kind"]) for mode in MODES
                 for obj in render.render_all(Pool("p", "ns", {**spec, "mode": mode}), {"name": "p", "uid": "u"})}
-    watched = {(resource[0] if len(resource) == 3 else "", kind) for kind, resource in handlers.CHILD_KINDS.items()}
-    plural = {kind: resource[-1] for kind, resource in handlers.CHILD_KINDS.items()}
+    watched = {(resource[0] if len(resource) == 3 else "", kind) for kind, resource in CHILD_KINDS.items()}
+    plural = {kind: resource[-1] for kind, resource in CHILD_KINDS.items()}
     assert {kind for _group, kind in rendered} <= set(plural)  # every rendered kind is watched
     for group, kind in rendered | watched:
         assert set(RULE_VERBS) <= granted(group, plural[kind]), (group, kind)

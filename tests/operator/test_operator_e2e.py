@@ -98,10 +98,10 @@ def events(api, pool: str = "chat") -> list[tuple[str, str]]:
 
 def writes_during(api, resyncs: int) -> list[tuple[str, str]]:
     """The writes the emulator served while ``resyncs`` resync periods passed."""
-    from cadenza.operator import handlers
+    from cadenza.operator.resync import RESYNC_S
 
     before = len(api.requests())
-    time.sleep(resyncs * handlers.RESYNC_S)
+    time.sleep(resyncs * RESYNC_S)
     return [r for r in api.requests()[before:] if r[0] in WRITES]
 
 
@@ -185,7 +185,7 @@ def test_a_pool_becomes_its_objects_and_follows_every_change(api):
 
 @pytest.mark.slow  # waits for a resync
 def test_a_hand_edit_is_reverted_within_a_resync_and_an_unchanged_pool_writes_nothing(api):
-    from cadenza.operator import kube, render
+    from cadenza.operator import render, ssa
     from cadenza.pool.spec import Pool
     from cadenza.pool.validate import validate_pool
 
@@ -197,7 +197,7 @@ def test_a_hand_edit_is_reverted_within_a_resync_and_an_unchanged_pool_writes_no
         pool = Pool("chat", "default", validate_pool({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec")})["spec"])
         owner = {"name": "chat", "uid": body["metadata"]["uid"]}
         # converged: every child as the API holds it contains its rendering, so applying sends nothing
-        assert {kube.apply(obj) for obj in render.render_all(pool, owner)} == {"unchanged"}
+        assert {ssa.apply(obj) for obj in render.render_all(pool, owner)} == {"unchanged"}
         kubernetes.client.AppsV1Api().patch_namespaced_deployment(  # kubectl scale --replicas=9
             "chat-colocated", "default", {"spec": {"replicas": 9}})
         kubernetes.client.CoreV1Api().patch_namespaced_service(  # a selector pointed elsewhere by hand
@@ -530,8 +530,6 @@ def pod_labels(name: str) -> dict:
 
 
 def test_an_auto_pool_moves_a_replica_in_place_and_back_across_an_operator_restart(api):
-    from cadenza.operator import handlers
-
     gateway = ScriptedGateway()
     engines = {n: ScriptedEngine({"token_budget": 256, "chunk_size": 64, "step_time_target_ms": None})
                for n in ("chat-auto-a", "chat-auto-b")}
@@ -573,8 +571,8 @@ def test_an_auto_pool_moves_a_replica_in_place_and_back_across_an_operator_resta
             assert condition(pool, "SLOMet")["status"] == "False"
         assert runner.exception is None
 
-        # The operator restarts (its memory is gone); the recorded shape holds, then recovery merges back.
-        handlers._actuators.clear()
+        # The operator restarts (its memory is gone: a new run makes a new memo); the recorded
+        # shape holds, then recovery merges back.
         itl["s"] = 0.01
         with KopfRunner(OPERATOR, timeout=120) as runner:
             operator_watching(api)

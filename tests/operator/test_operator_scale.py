@@ -11,7 +11,7 @@ import pytest
 from kopf.testing import KopfRunner
 from waiting import wait_until
 
-from cadenza.operator import handlers
+from cadenza.operator.resync import RESYNC_S
 
 GROUP, VERSION, PLURAL = "serving.cadenza.dev", "v1alpha1", "servingpools"
 POOLS = f"{GROUP}/{VERSION}/{PLURAL}"
@@ -50,17 +50,17 @@ def test_a_hundred_converged_pools_cost_no_api_call_per_resync(api):
             return len(items) == N and all(p.get("status", {}).get("ready") == "1/1" for p in items)
 
         wait_until(converged, 120, "every pool ready in its status", interval=0.5)
-        time.sleep(3 * handlers.RESYNC_S)  # the handlers' last passes settle
+        time.sleep(3 * RESYNC_S)  # the handlers' last passes settle
         to_converge = len(api.requests())
         resyncs = 5
-        first = calls_during(api, resyncs * handlers.RESYNC_S)
-        second = calls_during(api, resyncs * handlers.RESYNC_S)
+        first = calls_during(api, resyncs * RESYNC_S)
+        second = calls_during(api, resyncs * RESYNC_S)
         # The loop is alive: a hand edit is set back within a resync or two, at the cost of one write.
         before = len(api.requests())
         apps.patch_namespaced_deployment("pool-042-colocated", "default", {"spec": {"replicas": 5}})
         wait_until(lambda: api.objects("apps/v1/deployments")[("default", "pool-042-colocated")]["spec"]["replicas"]
-                   == 1, 10 * handlers.RESYNC_S, "the hand edit set back")
-        time.sleep(2 * handlers.RESYNC_S)
+                   == 1, 10 * RESYNC_S, "the hand edit set back")
+        time.sleep(2 * RESYNC_S)
         repair = collections.Counter(f"{m} {p}" for m, p in api.requests()[before + 1:])
     assert runner.exit_code == 0, runner.output
     print(f"\n{N} pools converged in {to_converge} API calls ({to_converge / N:.1f} a pool, watches included); "
