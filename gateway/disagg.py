@@ -54,7 +54,7 @@ from cadenza.gateway.headers import request_headers, retry_after_s
 from cadenza.gateway.router import Route, Router
 from cadenza.gateway.state import METRICS, PREFILL_CALLS, ROUTER, SESSION, UPSTREAMS
 from cadenza.gateway.upstreams import Upstream
-from cadenza.node.server.auth import admin_token
+from cadenza.node.credentials import admin_token
 from cadenza.node.wire import KV_PUBLISH_HEADER, KV_SOURCE_HEADER
 
 logger = logging.getLogger(__name__)
