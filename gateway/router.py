@@ -140,7 +140,8 @@ class Router:
         if prompt_tokens > 0 and self._worth_moving(route, now):
             route.prefill = self._next_prefill(route, now)
         decode = self.pick(candidates, now)
-        if decode is None:  # then none could take it, and no prefill replica was chosen
+        if decode is None:  # then none could take it, so no prefill replica was chosen either
+            self.prefill_done(route)
             raise NoReplica(True, self.retry_after_s(candidates, now))
         self._send(route, decode)
         return route
@@ -164,7 +165,11 @@ class Router:
     def refused(self, route: Route, now: float, retry_after_s: float) -> Upstream | None:
         """``route.prefill`` refused the prompt (a 429 with this ``Retry-After``): back off from
         it, release it, and choose the next prefill replica (counted); None: prefill it where it
-        decodes (``route.kept`` says why)."""
+        decodes (``route.kept`` says why).
+
+        Raises:
+            ValueError: ``route`` has no prefill replica.
+        """
         refused = route.prefill
         if refused is None:
             raise ValueError("the route has no prefill replica")
@@ -187,7 +192,8 @@ class Router:
             route.prefill.unqueue_prompt(route.prompt_tokens)
             route.prefill = None
 
-    def back_off(self, upstream: Upstream, seconds: float, now: float) -> None:
+    @staticmethod
+    def back_off(upstream: Upstream, seconds: float, now: float) -> None:
         """Send ``upstream`` nothing for ``seconds`` (it answered 429 with this ``Retry-After``)."""
         upstream.blocked_until = max(upstream.blocked_until, now + seconds)
 
