@@ -36,7 +36,6 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
-from cadenza.gateway import disagg
 from cadenza.gateway import engine_stats
 from cadenza.gateway import health as health_checks
 from cadenza.gateway import proxy
@@ -48,11 +47,13 @@ from cadenza.gateway.state import (
     ENGINE_STATS,
     METRICS,
     PREFILL_CALLS,
+    ROUTER,
     SESSION,
     SETTINGS,
     UPSTREAMS,
     GatewaySettings,
 )
+from cadenza.gateway.router import Router
 from cadenza.gateway.upstreams import SERVING_ROLES, Upstreams
 from cadenza.node.http.errors import error_middleware, error_response
 from cadenza.node.wire import MAX_BODY_BYTES
@@ -99,11 +100,12 @@ def create_gateway_app(
         ValueError: an invalid class or limit.
     """
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
-    app[SETTINGS] = GatewaySettings(default_class, max_outstanding, connect_timeout_s, health_interval_s,
-                                    disagg_min_prompt_tokens)
+    settings = app[SETTINGS] = GatewaySettings(default_class, max_outstanding, connect_timeout_s, health_interval_s,
+                                               disagg_min_prompt_tokens)
     app[UPSTREAMS] = upstreams
+    app[ROUTER] = Router(upstreams, settings.max_outstanding, settings.disagg_min_prompt_tokens)
     app[METRICS] = GatewayMetrics(slo_targets_s)
-    app[METRICS].disagg_threshold = lambda: disagg.threshold(app)
+    app[METRICS].disagg_threshold = app[ROUTER].threshold
     app[PREFILL_CALLS] = set()
     app[ENGINE_STATS] = engine_stats.EngineStats()
     app.on_cleanup.append(_stop_metrics)

@@ -1,22 +1,22 @@
-"""Forwarding one request to a replica: pick by class, retry once before the first byte, relay.
+"""Forwarding one request to a replica: route it, retry once before the first byte, relay.
 
 1. **Route**: the ``x-cadenza-class`` header (case-insensitive; the gateway default when absent)
-   names the role — ``interactive`` to the interactive replicas, ``batch`` and ``background`` to
-   the batch replicas. An invalid class is a 400 from the gateway itself. A long completion prompt
-   in a pool with ``prefill`` replicas is prefilled on one of them first (:mod:`.disagg`).
-2. **Pick**: the role's replica with the fewest requests in flight through this gateway
-   (:meth:`Upstreams.pick`), avoiding replicas that are down. If every one is full the gateway answers 429 with ``Retry-After`` and
-   calls nobody; if the role has no replica known yet, 503.
-3. **Send**: the method, path, query, body and end-to-end headers unchanged (``traceparent`` and
+   names the request's class; an invalid class is a 400 from the gateway itself. The router
+   (:mod:`.router`) chooses the replica: of the class's role, the one with the fewest requests in
+   flight through this gateway, avoiding replicas that are down. If every one is full the gateway
+   answers 429 with ``Retry-After`` and calls nobody; if the role has no replica known yet, 503.
+   A long completion prompt in a pool with ``prefill`` replicas is prefilled on the prefill
+   replica the router chooses first (:mod:`.disagg`).
+2. **Send**: the method, path, query, body and end-to-end headers unchanged (``traceparent`` and
    ``tracestate`` included, so the replica's span is a child of the caller's).
-4. **Retry** at most once, to another replica of the role that is not full, and only while nothing
-   has reached the client: after a connection error (which also marks that replica down until it
-   answers a request or a health check),
-   or an upstream 502, 503, 504 or 429 (a 429 also backs that replica off for its ``Retry-After``). Re-sending a POST is safe then because
-   the client has seen nothing of the first try; the abandoned upstream request is closed, so the
+3. **Retry** at most once, to the other replica of the role the router chooses, and only while
+   nothing has reached the client: after a connection error (which also marks that replica down
+   until it answers a request or a health check), or an upstream 502, 503, 504 or 429 (a 429 also
+   backs that replica off for its ``Retry-After``). Re-sending a POST is safe then because the
+   client has seen nothing of the first try; the abandoned upstream request is closed, so the
    replica aborts it. If the retry fails too, the client gets the last upstream answer, or a 502
    when no replica answered at all.
-5. **Relay**: status and end-to-end headers, then the body chunk by chunk as it arrives (SSE
+4. **Relay**: status and end-to-end headers, then the body chunk by chunk as it arrives (SSE
    included), never buffered. When the client goes away the upstream connection is closed (the
    replica cancels the request and frees its KV blocks). When the replica dies mid-stream there is
    no retry: an SSE client gets an OpenAI-format ``error`` event, and the connection is closed
@@ -38,8 +38,9 @@ from yarl import URL
 
 from cadenza.gateway import disagg
 from cadenza.gateway.headers import disagg_rule, request_headers, response_headers, retry_after_s
-from cadenza.gateway.state import METRICS, SESSION, SETTINGS, UPSTREAMS
-from cadenza.gateway.upstreams import ROLE_OF_CLASS, Upstream
+from cadenza.gateway.router import ROLE_OF_CLASS, NoReplica, Route
+from cadenza.gateway.state import METRICS, ROUTER, SESSION, SETTINGS, UPSTREAMS
+from cadenza.gateway.upstreams import Upstream
 from cadenza.node.core.policy import PolicyError, check_class
 from cadenza.node.http.errors import APIError, error_body
 from cadenza.node.http.hardening import body_timeout, send
@@ -47,8 +48,6 @@ from cadenza.node.wire import CLASS_HEADER
 
 logger = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 2  # the first try and at most one retry
-RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # the class and arrival of a proxied request, for the latency histograms
 TIMED: web.RequestKey[tuple] = web.RequestKey("cadenza_timed", tuple)
 
@@ -82,68 +81,86 @@ async def proxy_by_class(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     cls = request_class(request)
     request[TIMED] = (cls, started)  # the class and arrival, for the latency histograms
-    role = ROLE_OF_CLASS[cls]
-    candidates = request.app[UPSTREAMS].of_role(role)
-    extra = await disagg.route(request, candidates)  # a long prompt is prefilled on a prefill replica first
+    body = await _read(request)
+    parsed, tokens = disagg.prompt_of(request, body)
+    route = _choose(request, cls, tokens)
     try:
-        return await forward(request, candidates, f"{role} replica", extra)
+        extra = await disagg.prefill_first(request, route, parsed)  # a long prompt is prefilled elsewhere first
+        return await forward(request, route, body, extra)
     finally:
+        request.app[ROUTER].finish(route)
         disagg.cancel_prefill(request)
 
 
 async def proxy_to_any(request: web.Request) -> web.StreamResponse:
     """``GET /v1/models``: every replica serves the same model, so any one of them answers."""
-    return await forward(request, request.app[UPSTREAMS].all(), "replica")
+    body = await _read(request)
+    route = _choose(request, None, 0)
+    try:
+        return await forward(request, route, body)
+    finally:
+        request.app[ROUTER].finish(route)
 
 
-async def forward(request: web.Request, candidates: list[Upstream], what: str,
-                  extra_headers: CIMultiDict[str] | None = None) -> web.StreamResponse:
-    """Send ``request`` (with ``extra_headers``) to the least busy of ``candidates``, retrying once
-    before the first byte.
+async def _read(request: web.Request) -> bytes:
+    async with body_timeout(request):  # a 408 for a client that trickles its body
+        return await request.read()  # before routing: from a choice to its count, nothing may await
+
+
+def _replicas(traffic_class: str | None) -> str:
+    return "replica" if traffic_class is None else f"{ROLE_OF_CLASS[traffic_class]} replica"
+
+
+def _choose(request: web.Request, traffic_class: str | None, prompt_tokens: int) -> Route:
+    """The router's route for the request (counted: the caller finishes it).
 
     Raises:
-        APIError: 503 when there is no candidate, 429 when all are full, 502 when none answered.
+        APIError: 503 when there is no replica to choose from, 429 when all are full.
     """
-    upstreams, limit = request.app[UPSTREAMS], request.app[SETTINGS].max_outstanding
-    async with body_timeout(request):  # a 408 for a client that trickles its body
-        body = await request.read()  # before picking: from a pick to its count, nothing may await
-    if not candidates:
-        raise APIError(503, f"no {what} is known yet", code="no_upstream", headers={"Retry-After": "1"})
-    upstream = upstreams.pick(candidates, limit)
-    if upstream is None:
-        wait = upstreams.retry_after_s(candidates, limit)
-        raise APIError(429, f"every {what} is busy; retry in {wait} s", code="upstreams_full",
-                       headers={"Retry-After": str(wait)})
+    try:
+        return request.app[ROUTER].choose(traffic_class, prompt_tokens, request.app[UPSTREAMS].clock())
+    except NoReplica as exc:
+        what = _replicas(traffic_class)
+        if not exc.busy:
+            raise APIError(503, f"no {what} is known yet", code="no_upstream", headers={"Retry-After": "1"}) from None
+        raise APIError(429, f"every {what} is busy; retry in {exc.retry_after_s} s", code="upstreams_full",
+                       headers={"Retry-After": str(exc.retry_after_s)}) from None
+
+
+async def forward(request: web.Request, route: Route, body: bytes,
+                  extra_headers: CIMultiDict[str] | None = None) -> web.StreamResponse:
+    """Send ``request`` (its ``body``, with ``extra_headers``) to ``route.decode``, retrying once
+    before the first byte where the router says.
+
+    Raises:
+        APIError: 502 when no replica answered.
+    """
+    app = request.app
     headers = request_headers(request.headers, request.remote)
     if extra_headers:
         headers.update(extra_headers)
-    tried: list[Upstream] = []
     failed: _Failed | None = None
-    for attempt in range(MAX_ATTEMPTS):
-        if attempt:
-            upstream = upstreams.pick(candidates, limit, exclude=tried)
-            if upstream is None:
-                break
-            logger.info("retrying %s %s on %s", request.method, request.path, upstream.url)
-        tried.append(upstream)
-        upstream.outstanding += 1
-        try:
-            answer = await _attempt(request, upstream, headers, body, last=attempt + 1 == MAX_ATTEMPTS)
-        finally:
-            upstream.outstanding -= 1
+    while True:
+        answer = await _attempt(request, route, headers, body)
         if isinstance(answer, web.StreamResponse):
             return answer
         failed = answer or failed
+        upstream = app[ROUTER].retry(route, app[UPSTREAMS].clock())
+        if upstream is None:
+            break
+        logger.info("retrying %s %s on %s", request.method, request.path, upstream.url)
     if failed is not None:
         return web.Response(status=failed.status, reason=failed.reason, headers=failed.headers, body=failed.body)
-    raise APIError(502, f"no {what} could be reached", code="upstream_unreachable")
+    raise APIError(502, f"no {_replicas(route.traffic_class)} could be reached", code="upstream_unreachable")
 
 
-async def _attempt(request: web.Request, upstream: Upstream, headers: CIMultiDict[str], body: bytes,
-                   last: bool) -> web.StreamResponse | _Failed | None:
-    """One try: the relayed response, or the upstream's retryable error answer, or None when the
-    upstream could not be reached (or broke before its answer was read)."""
-    app = request.app
+async def _attempt(request: web.Request, route: Route, headers: CIMultiDict[str],
+                   body: bytes) -> web.StreamResponse | _Failed | None:
+    """One try on ``route.decode``: the relayed response, or the upstream's retryable error
+    answer (while the router would retry it), or None when the upstream could not be reached
+    (or broke before its answer was read)."""
+    app, upstream = request.app, route.decode
+    upstreams, router = app[UPSTREAMS], app[ROUTER]
     url = URL(upstream.url + request.raw_path, encoded=True)
     try:
         resp = await _send_unless_down(app[SESSION].request(request.method, url, headers=headers,
@@ -153,15 +170,15 @@ async def _attempt(request: web.Request, upstream: Upstream, headers: CIMultiDic
         return None
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a malformed upstream URL
         logger.warning("%s did not answer %s %s: %r", upstream.url, request.method, request.path, exc)
-        app[UPSTREAMS].unreachable(upstream)
+        upstreams.unreachable(upstream)
         return None
-    app[UPSTREAMS].answered(upstream)
+    upstreams.answered(upstream)
     try:
         if resp.status == 429:
-            app[UPSTREAMS].back_off(upstream, retry_after_s(resp.headers.get("Retry-After")))
+            router.back_off(upstream, retry_after_s(resp.headers.get("Retry-After")), upstreams.clock())
         elif resp.status == 503 and "Retry-After" in resp.headers:  # loading or draining: no prefilling for it
-            upstream.unready_until = app[UPSTREAMS].clock() + retry_after_s(resp.headers["Retry-After"])
-        if resp.status in RETRY_STATUSES and not last:
+            router.unready(upstream, retry_after_s(resp.headers["Retry-After"]), upstreams.clock())
+        if router.should_retry(route, resp.status):
             logger.warning("%s answered %s %s with %d", upstream.url, request.method, request.path, resp.status)
             try:
                 return _Failed(resp.status, resp.reason, response_headers(resp.headers), await resp.read())

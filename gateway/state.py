@@ -1,5 +1,6 @@
-"""What a gateway app holds: its settings, its upstream table, its HTTP client, its latency
-histograms, its collector of the replicas' engine counters (typed app keys)."""
+"""What a gateway app holds: its settings, its upstream table and the router that routes over it,
+its HTTP client, its latency histograms, its collector of the replicas' engine counters (typed app
+keys)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from aiohttp import web
 
 from cadenza.gateway.engine_stats import EngineStats
 from cadenza.gateway.metrics import GatewayMetrics
+from cadenza.gateway.router import Router
 from cadenza.gateway.upstreams import Upstreams
 from cadenza.node.core.policy import check_class
 
@@ -60,6 +62,7 @@ class GatewaySettings:
 
 SETTINGS = web.AppKey("gateway_settings", GatewaySettings)
 UPSTREAMS = web.AppKey("gateway_upstreams", Upstreams)
+ROUTER = web.AppKey("gateway_router", Router)
 SESSION = web.AppKey("gateway_session", aiohttp.ClientSession)
 METRICS = web.AppKey("gateway_metrics", GatewayMetrics)
 ENGINE_STATS = web.AppKey("gateway_engine_stats", EngineStats)

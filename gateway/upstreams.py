@@ -1,4 +1,4 @@
-"""The gateway's table of upstreams: replicas by role, their load, and least-outstanding picking.
+"""The gateway's table of upstreams: replicas by role, and what the gateway knows of each.
 
 A pool's replicas serve in one of two **roles**, ``interactive`` and ``batch``. In colocated mode
 both roles list the same replicas; in dedicated mode they are disjoint. A disaggregated pool adds
@@ -10,14 +10,10 @@ or when it answered 429 and the ``Retry-After`` it gave has not passed yet.
 
 An upstream is **down** from the moment it could not be reached — a request's connection failed,
 or the gateway's health check (:mod:`.health`: ``GET /health`` every couple of seconds, with a
-timeout, so a hung replica is caught too) failed — until it answers again. Picking avoids down
-upstreams while any other candidate is free; when every free candidate is down it picks among them
-anyway, those with the fewest consecutive failures first (Envoy's "panic" routing: a replica that
-may be back beats a certain error). A request still waiting for the answer of a replica that goes
-down gives up on it (and may be retried elsewhere): a hung replica does not hold it forever. Picking follows the
-least-outstanding-requests rule (ties broken round robin), as Envoy's and NGINX's
-``least_request``/``least_conn`` balancers do. Only this gateway's own requests are counted; the
-replicas' queues are theirs to report (``/ready``).
+timeout, so a hung replica is caught too) failed — until it answers again. A request still waiting
+for the answer of a replica that goes down gives up on it (and may be retried elsewhere): a hung
+replica does not hold it forever. Which upstream a request goes to is the router's to decide
+(:mod:`.router`), which keeps its counts and back-off here.
 
 The table is changed in place (:meth:`Upstreams.replace`) by an upstream source — the config file
 watcher or the Kubernetes EndpointSlice poller — while requests run. It is used from one event
@@ -27,8 +23,6 @@ loop only and takes no locks.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,8 +31,6 @@ from cadenza.node.kv_transfer.threshold import Rule
 
 SERVING_ROLES = ("interactive", "batch")  # the roles traffic classes are routed to
 ROLES = (*SERVING_ROLES, "prefill")  # prefill: replicas that only prefill prompts for others (optional)
-# Traffic class (x-cadenza-class) -> the role whose replicas serve it.
-ROLE_OF_CLASS = {"interactive": "interactive", "batch": "batch", "background": "batch"}
 
 
 @dataclass(slots=True, eq=False)
@@ -112,7 +104,6 @@ class Upstreams:
         self.clock = clock
         self._by_url: dict[str, Upstream] = {}
         self._roles: dict[str, list[Upstream]] = {role: [] for role in ROLES}
-        self._turn = itertools.count()
         self.replace(roles or {})
 
     def replace(self, roles: Mapping[str, Iterable[str]]) -> bool:
@@ -145,48 +136,6 @@ class Upstreams:
     def all(self) -> list[Upstream]:
         """Every known upstream once, whatever its roles."""
         return list(self._by_url.values())
-
-    def pick(self, candidates: list[Upstream], max_outstanding: int,
-             exclude: Iterable[Upstream] = ()) -> Upstream | None:
-        """The candidate with the fewest requests in flight that is not full nor excluded, preferring
-        those not down.
-
-        Ties go round robin. Returns None when every candidate is full or excluded.
-        """
-        now = self.clock()
-        skip = set(map(id, exclude))
-        free = [u for u in candidates if id(u) not in skip and not u.is_full(max_outstanding, now)]
-        if not free:
-            return None
-        up = [u for u in free if not u.is_down]
-        if not up:  # panic: every free candidate is down; try those that failed least
-            fewest = min(u.failures for u in free)
-            up = [u for u in free if u.failures == fewest]
-        free = up
-        least = min(u.outstanding for u in free)
-        tied = [u for u in free if u.outstanding == least]
-        return tied[next(self._turn) % len(tied)]
-
-    def least_queued(self, candidates: list[Upstream], max_outstanding: int,
-                     exclude: Iterable[Upstream] = ()) -> Upstream | None:
-        """The prefill replica for the next prompt: of ``candidates`` up, not full nor excluded,
-        one with the fewest queued prompt tokens (ties: :meth:`pick`). None when there is none."""
-        now, skip = self.clock(), set(map(id, exclude))
-        free = [u for u in candidates if id(u) not in skip and not u.is_down and not u.is_full(max_outstanding, now)]
-        if not free:
-            return None
-        least = min(u.queued_tokens for u in free)
-        return self.pick([u for u in free if u.queued_tokens == least], max_outstanding)
-
-    def retry_after_s(self, candidates: list[Upstream], max_outstanding: int) -> int:
-        """Whole seconds (at least 1) until the first of ``candidates`` frees up, for ``Retry-After``."""
-        now = self.clock()
-        waits = [u.wait_s(max_outstanding, now) for u in candidates]
-        return max(1, math.ceil(min(waits, default=1.0)))
-
-    def back_off(self, upstream: Upstream, seconds: float) -> None:
-        """Send ``upstream`` nothing for ``seconds`` (it answered 429 with this ``Retry-After``)."""
-        upstream.blocked_until = max(upstream.blocked_until, self.clock() + seconds)
 
     @staticmethod
     def unreachable(upstream: Upstream) -> None:

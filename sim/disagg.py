@@ -1,12 +1,13 @@
 """Disaggregated prefill in the simulator: the KV link, the selective rule, and when a moved
 prompt's KV has arrived.
 
-A prompt is moved when the decode replica it was routed to would rather not prefill it: the
-engine's own rule (:mod:`cadenza.node.kv_transfer.threshold`) on that replica's step-time model
-(calibrated on the roofline's step times, as an engine's on its measured ones) and the link's
-bandwidth, with the link's per-message latency added to the fixed cost, solved as the gateway
-does with the queue of the prefill replica it would use (the prompts sent there and not yet
-computed); or a pinned ``spec.disaggregated.minPromptTokens``. Before calibration nothing moves,
+A prompt is moved when the gateway's router (:class:`cadenza.gateway.router.Router`) moves it:
+with a pinned ``spec.disaggregated.minPromptTokens``, or solving the rules the decode replicas
+report with the queue of the prefill replica it would use (the prompts sent there and not yet
+computed). Each simulated decode replica reports the engine's own rule
+(:mod:`cadenza.node.kv_transfer.threshold`, :func:`rule`) on its step-time model (calibrated on
+the roofline's step times, as an engine's on its measured ones) and the link's bandwidth, with
+the link's per-message latency added to the fixed cost. Before one has calibrated nothing moves,
 as in the engine.
 
 A moved prompt runs as in cadenza: the prefill replica computes it by chunked prefill as a
@@ -17,9 +18,10 @@ remote-KV path). The blocks stream as each chunk's step writes them, so the last
     ready = max(prefill end + last chunk's bytes / B, arrival + prompt bytes / B) + latency
 
 for a link of ``B`` bytes/s. From there the decode replica computes the prompt's last token and
-decodes. A prefill replica that refuses the prompt (full, or a 429) loads nothing, and the decode
-replica computes the prompt itself, as the engine's failed pull does. The prefill replica frees
-the blocks at its request's end; the lease is not modelled.
+decodes. A prefill replica that refuses the prompt (a 429) is backed off from and the next one
+tried; with none left the decode replica is sent the request without a source and computes the
+prompt itself, as the gateway's fallback does. The prefill replica frees the blocks at its
+request's end; the lease is not modelled.
 """
 
 from __future__ import annotations
@@ -64,6 +66,17 @@ def ready_at(link: KVLinkModel, arrival_s: float, prefill_end_s: float, prompt_t
     last_chunk = min(prompt_tokens, chunk_tokens) * bytes_per_token
     streamed = arrival_s + prompt_tokens * bytes_per_token / link.bytes_per_s
     return max(prefill_end_s + last_chunk / link.bytes_per_s, streamed) + link.latency_s
+
+
+@dataclass(slots=True)
+class Move:
+    """A prompt prefilled elsewhere, as the fleet follows it: where it decodes, and its load."""
+
+    decode: str
+    prompt_tokens: int
+    arrival_s: float
+    ready_s: float | None = None  # when its KV has all arrived (None: still prefilling)
+    blocks: int | None = None  # blocks the decode replica is loading (None: not admitted yet)
 
 
 class SimConnector:

@@ -1,16 +1,19 @@
 """Many simulated replicas behind the gateway's own routing, on one virtual clock.
 
-Each request goes where the gateway would send it: its traffic class names a role
-(``ROLE_OF_CLASS``), and :meth:`cadenza.gateway.upstreams.Upstreams.pick` chooses the least
-outstanding replica of that role that is not full; a replica's 429 backs it off for its
-``Retry-After`` and the request is retried once elsewhere (the gateway's ``MAX_ATTEMPTS``); a
-request no replica takes is dropped, as a 429 to the client. Replicas step independently: an event
-heap holds step ends, KV loads that completed, timed callbacks (the controller, its actuations)
-and arrivals, in that order at equal times, so a replica's next step starts when its last one ends.
+Each request goes where the gateway would send it: the gateway's router
+(:class:`cadenza.gateway.router.Router`), over a table whose upstreams stand for the simulated
+replicas, chooses it a replica of its class's role, and a prefill replica first when its prompt
+is worth moving. A replica's refusal (:class:`AdmissionError`) is its HTTP answer: a 429 backs it
+off for its ``Retry-After``, and the router retries the request once elsewhere; a request no
+replica takes is dropped, as the client's 429 (or the replica's 400). Replicas step
+independently: an event heap holds step ends, KV loads that completed, timed callbacks (the
+controller, its actuations) and arrivals, in that order at equal times, so a replica's next step
+starts when its last one ends.
 
 With a ``prefill`` role and a KV link, a long prompt is prefilled on a prefill replica and its
 KV moved to the decode replica, as the gateway and engines of a disaggregated pool do
-(:mod:`cadenza.sim.disagg`).
+(:mod:`cadenza.sim.disagg`); each decode replica reports its selective rule as its answers'
+headers would, the one its step-time model gives at the moment.
 """
 
 from __future__ import annotations
@@ -24,28 +27,16 @@ from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.core.knobs import reconfigured
 from cadenza.node.core.request import RemoteKV
 from cadenza.node.core.scheduler import Scheduler
-from cadenza.gateway.upstreams import ROLE_OF_CLASS, Upstream, Upstreams
+from cadenza.gateway.router import NoReplica, Route, Router
+from cadenza.gateway.upstreams import SERVING_ROLES, Upstreams
 from cadenza.loadgen.trace import TraceRequest
-from cadenza.sim.disagg import KVLinkModel, SimConnector, ready_at, rule
+from cadenza.sim.disagg import KVLinkModel, Move, SimConnector, ready_at, rule
 from cadenza.sim.replica import RequestTimes, SimReplica, VirtualClock
 from cadenza.sim.roofline import Roofline
 from cadenza.sim.report import LatencySummary, meets_slo, summarize
 
-MAX_ATTEMPTS = 2  # as the gateway: the first try and at most one retry
 _STEP_END, _LOADED, _CALLBACK, _ARRIVAL = 0, 1, 2, 3  # at equal times: free slots, loads, act, admit
 PREFILL_SUFFIX = "/prefill"  # a moved prompt's request on its prefill replica
-
-
-@dataclass(slots=True)
-class _Move:
-    """A prompt prefilled elsewhere: where it decodes, and its load's progress."""
-
-    decode: str
-    prompt_tokens: int
-    arrival_s: float
-    ready_s: float | None = None  # when its KV has all arrived (None: still prefilling)
-    blocks: int | None = None  # blocks the decode replica is loading (None: not admitted yet)
-    failed: bool = False  # no prefill replica took it: the decode replica computes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +46,8 @@ class FleetResult:
     Attributes:
         by_class: class -> :class:`LatencySummary` of its requests (``rejected``: dropped ones),
             against the class's SLO.
-        dropped: requests no replica took (the gateway's or every tried replica's 429).
+        dropped: requests no replica took (the gateway's 429, every tried replica's 429, or a
+            replica's 400 or 413, which is not retried).
         steps: steps run per replica.
         span_s: virtual seconds from the first arrival to the last finish.
         kv_usage: ``mean`` (KV blocks in use over the replicas' capacity, averaged over the span)
@@ -99,7 +91,8 @@ class Fleet:
         slo: class -> ``{"ttftP99Ms", "itlP99Ms"}`` (a ServingPool's ``spec.slo``), for SLO
             attainment and goodput in the result.
         link: the KV link between ``prefill`` replicas and the rest (default: 10 Gb/s TCP).
-        min_prompt_tokens: a pinned threshold (None: each decode replica's computed one).
+        min_prompt_tokens: a pinned threshold (None: the one the decode replicas' rules give, the
+            gateway's ``auto``).
 
     Raises:
         ValueError: a replica named in ``roles`` without a config.
@@ -119,18 +112,18 @@ class Fleet:
         self.replicas = {n: SimReplica(configs[n], roofline, self.clock, block_size, scheduler_cls=scheduler_cls,
                                        num_blocks=num_blocks, connector=SimConnector(self._load_started))
                          for n in names}
-        self.link, self.min_prompt_tokens = link or KVLinkModel(), min_prompt_tokens
+        self.link = link or KVLinkModel()
         self.bytes_per_token = roofline.kv_bytes_per_token()
-        self._moves: dict[str, _Move] = {}
+        self._moves: dict[str, Move] = {}
         self.kv_transfer: dict[str, float | None] = {"moved": 0, "bytes": 0, "fallbacks": 0, "kept_queued": 0,
                                                      "min_prompt_tokens": min_prompt_tokens}
         self.upstreams = Upstreams({role: list(group) for role, group in roles.items()}, clock=self.clock)
-        self.max_outstanding = max_outstanding
+        self.router = Router(self.upstreams, max_outstanding, "auto" if min_prompt_tokens is None else min_prompt_tokens)
         self.classes: dict[str, str] = {}  # request id -> traffic class it was sent as
         self.labels: dict[str, str] = {}  # request id -> the class it is reported under (the trace's)
         self.dropped: dict[str, int] = {}
         self.drop_times: dict[str, list[float]] = {}  # class -> when its requests were dropped
-        self._served_by: dict[str, Upstream] = {}
+        self._routes: dict[str, Route] = {}  # request id (a prefill half's too) -> its route, until it ends
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._work = 0  # arrivals not yet handled + steps in flight: the run ends at zero
@@ -182,26 +175,38 @@ class Fleet:
         rid, t = f"r{i}", self.clock.now
         self.classes[rid] = cls
         label = self.labels[rid] = req.traffic_class or cls
-        candidates, tried = self.upstreams.of_role(ROLE_OF_CLASS[cls]), []
-        for _ in range(MAX_ATTEMPTS):
-            upstream = self.upstreams.pick(candidates, self.max_outstanding, exclude=tried)
-            if upstream is None:
-                break
-            tried.append(upstream)
-            remote = self._worth_moving(upstream.url, rid, req.input_len)
+        if self.router.min_prompt_tokens == "auto" and self.upstreams.of_role("prefill"):
+            self._report_rules()
+        try:
+            route = self.router.choose(cls, req.input_len, t)
+        except NoReplica:
+            return self._drop(label, t)
+        remote = self._prefill_first(route, rid, i, req, cls)
+        while True:
+            decode = route.decode
             try:
-                self.replicas[upstream.url].add_request(rid, i, req.input_len, req.output_len, t, traffic_class=cls,
-                                                        tenant=req.tenant or "default", remote_kv=remote)
+                self.replicas[decode.url].add_request(rid, i, req.input_len, req.output_len, t, traffic_class=cls,
+                                                      tenant=req.tenant or "default", remote_kv=remote)
+                break
             except AdmissionError as exc:
                 if exc.retry_after:
-                    self.upstreams.back_off(upstream, exc.retry_after)
-                continue
-            upstream.outstanding += 1
-            self._served_by[rid] = upstream
-            if remote is not None:
-                self._prefill_elsewhere(rid, i, req, cls, upstream.url)
-            self._kick(upstream.url)
-            return True
+                    self.router.back_off(decode, exc.retry_after, t)
+                if not self.router.should_retry(route, exc.status) or self.router.retry(route, t) is None:
+                    self.router.finish(route)
+                    if remote is not None:
+                        self._cancel_prefill(route, remote.request_id)
+                    return self._drop(label, t)
+        self._routes[rid] = route
+        if remote is not None:
+            self._moves[rid] = Move(decode.url, req.input_len, t)
+            self._routes[remote.request_id] = route
+            self.kv_transfer["moved"] += 1
+            self.kv_transfer["bytes"] += req.input_len * self.bytes_per_token
+            self._kick(route.prefill.url)
+        self._kick(decode.url)
+        return True
+
+    def _drop(self, label: str, t: float) -> bool:
         self.dropped[label] = self.dropped.get(label, 0) + 1
         self.drop_times.setdefault(label, []).append(t)
         return False
@@ -233,14 +238,12 @@ class Fleet:
                 for req in replica.end_step():
                     if req.request_id.endswith(PREFILL_SUFFIX):  # the prefill half of a moved prompt
                         if req.is_finished:
-                            prefill = self._served_by.pop(req.request_id)
-                            prefill.outstanding -= 1
-                            prefill.unqueue_prompt(req.num_prompt_tokens)
+                            self.router.prefill_done(self._routes.pop(req.request_id))
                             self._prefilled(req.request_id.removesuffix(PREFILL_SUFFIX), replica.scheduler.config)
                         continue
                     self._observe(req, replica.times[req.request_id])
                     if req.is_finished:
-                        self._served_by.pop(req.request_id).outstanding -= 1
+                        self.router.finish(self._routes.pop(req.request_id))
                         done += 1
                 if done and on_done is not None:
                     on_done(done)
@@ -248,7 +251,7 @@ class Fleet:
             elif kind == _LOADED:
                 self._work -= 1
                 move = self._moves.pop(what)
-                self.replicas[move.decode].scheduler.remote_kv_loaded(what, 0 if move.failed else move.blocks)
+                self.replicas[move.decode].scheduler.remote_kv_loaded(what, move.blocks)
                 self._kick(move.decode)
             elif kind == _CALLBACK:
                 what(self)
@@ -265,52 +268,46 @@ class Fleet:
 
     # -- disaggregated prefill ------------------------------------------------------------------
 
-    def _worth_moving(self, decode: str, rid: str, prompt_tokens: int) -> RemoteKV | None:
-        """The remote source a prompt routed to ``decode`` gets, when the selective rule moves it:
-        the gateway's decision, with ``decode``'s own rule and the queue of the prefill replica
-        the prompt would go to."""
-        prefill = self.upstreams.of_role("prefill")
-        if not prefill:
-            return None
-        least = self.min_prompt_tokens
-        if least is None:
-            found = rule(self.replicas[decode].scheduler.cost_model, self.link, self.bytes_per_token)
-            if found is None or (idle := found.min_prompt_tokens()) is None:
-                return None
-            self.kv_transfer["min_prompt_tokens"] = idle
-            target = self.upstreams.least_queued(prefill, self.max_outstanding)
-            if target is not None and prompt_tokens >= idle:
-                least = found.min_prompt_tokens(found.queue_s(target.queued_tokens, target.queued_pairs))
-                self.kv_transfer["kept_queued"] += prompt_tokens < least
-            else:
-                least = idle  # no prefill replica free: the move falls back (counted there)
-        if prompt_tokens < least:
-            return None
-        return RemoteKV("sim", 0, rid + PREFILL_SUFFIX, "sim", prompt_tokens)
+    def _report_rules(self) -> None:
+        """Each serving replica's selective rule as its answers would report it now (one whose
+        step-time model is not calibrated yet reports none, and the last one stands)."""
+        serving = {id(u): u for role in SERVING_ROLES for u in self.upstreams.of_role(role)}
+        for upstream in serving.values():
+            found = rule(self.replicas[upstream.url].scheduler.cost_model, self.link, self.bytes_per_token)
+            if found is not None:
+                upstream.disagg_rule = found
 
-    def _prefill_elsewhere(self, rid: str, i: int, req: TraceRequest, cls: str, decode: str) -> None:
-        """Send a moved prompt's prefill to the prefill replica with the fewest queued tokens that takes it."""
-        move = self._moves[rid] = _Move(decode, req.input_len, self.clock.now)
-        tried: list[Upstream] = []
-        while (upstream := self.upstreams.least_queued(self.upstreams.of_role("prefill"), self.max_outstanding,
-                                                       exclude=tried)) is not None:
-            tried.append(upstream)
+    def _prefill_first(self, route: Route, rid: str, i: int, req: TraceRequest, cls: str) -> RemoteKV | None:
+        """Queue the prefill half of a prompt the router moves on its prefill replica (the next
+        one it chooses while they refuse, as 429s); the decode replica's remote source, or None:
+        prefilled where it decodes."""
+        if route.min_prompt_tokens is not None:
+            self.kv_transfer["min_prompt_tokens"] = route.min_prompt_tokens
+        while (prefill := route.prefill) is not None:
             try:
-                self.replicas[upstream.url].add_request(rid + PREFILL_SUFFIX, i, req.input_len, 1, self.clock.now,
-                                                        traffic_class=cls, tenant=req.tenant or "default")
-            except AdmissionError:
+                self.replicas[prefill.url].add_request(rid + PREFILL_SUFFIX, i, req.input_len, 1, self.clock.now,
+                                                       traffic_class=cls, tenant=req.tenant or "default")
+            except AdmissionError as exc:
+                if exc.status != 429:  # the request's own fault: the decode replica answers it alike
+                    self.router.prefill_done(route)
+                    return None
+                self.router.refused(route, self.clock.now, exc.retry_after or 0)
                 continue
-            upstream.outstanding += 1
-            upstream.queue_prompt(req.input_len)
-            self._served_by[rid + PREFILL_SUFFIX] = upstream
-            self.kv_transfer["moved"] += 1
-            self.kv_transfer["bytes"] += req.input_len * self.bytes_per_token
-            self._kick(upstream.url)
-            return
-        move.failed, move.ready_s = True, self.clock.now  # computed where it decodes
-        self.kv_transfer["fallbacks"] += 1
+            return RemoteKV("sim", 0, rid + PREFILL_SUFFIX, "sim", req.input_len)
+        if route.kept is not None:  # "kept_queued", or "fallback_busy": no prefill replica took it
+            self.kv_transfer["kept_queued" if route.kept == "kept_queued" else "fallbacks"] += 1
+        return None
+
+    def _cancel_prefill(self, route: Route, prefill_id: str) -> None:
+        """The request was dropped after its prefill half was queued: abort that, as the gateway
+        closes the prefill call when the decode call ends."""
+        replica = self.replicas[route.prefill.url]
+        replica.scheduler.abort_request(prefill_id)
+        del replica.times[prefill_id]
+        self.router.prefill_done(route)
 
     def _prefilled(self, rid: str, config: SchedulerConfig) -> None:
+        """A moved prompt's prefill half finished: when its last KV reaches the decode replica."""
         move = self._moves[rid]
         move.ready_s = ready_at(self.link, move.arrival_s, self.clock.now, move.prompt_tokens,
                                 config.chunk_size or move.prompt_tokens, self.bytes_per_token)

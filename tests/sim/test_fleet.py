@@ -155,3 +155,47 @@ def test_over_a_slow_link_no_prompt_is_worth_moving_unless_the_threshold_is_pinn
     assert ready_at(link, 0.0, 0.5, 1000, 256, 10**6) == pytest.approx(1.0 + 1e-3)
     with pytest.raises(ValueError):
         KVLinkModel(0.0)
+
+
+def _one_at_a_time(max_queue_depth: int = 1) -> SchedulerConfig:
+    """A replica that runs one request and lets one more wait: the next is refused with a 429."""
+    from cadenza.node.core.policy import Policy
+
+    policy = Policy().updated({"classes": {"interactive": {"max_queue_depth": max_queue_depth}}})
+    return replace(CONFIG, max_num_seqs=1, policy=policy)
+
+
+def test_a_prefill_replica_that_refuses_is_backed_off_from_and_the_decode_replica_prefills_at_once():
+    requests = [TraceRequest(0.001 * i, 6000, 20) for i in range(5)]
+    fleet = Fleet({"interactive": ["d"], "prefill": ["p"]}, {"d": CONFIG, "p": _one_at_a_time()}, MODEL,
+                  min_prompt_tokens=1000)
+    result = fleet.run(requests)
+    kv, decode = result.kv_transfer, fleet.replicas["d"].scheduler.stats
+    assert result.dropped == 0 and result.by_class["interactive"].requests == 5
+    assert (kv["moved"], kv["fallbacks"]) == (2, 3) and list(fleet.replicas["p"].times) == ["r0/prefill", "r1/prefill"]
+    (prefill,) = fleet.upstreams.of_role("prefill")
+    assert prefill.blocked_until > 0.002  # its 429's Retry-After, as the gateway backs off
+    # as the gateway's fallback: the others are sent without a source, so no load waits or fails
+    assert decode.remote_kv_loads == 2 and decode.remote_kv_failed_loads == 0
+
+
+def test_a_request_its_decode_replica_refuses_leaves_nothing_on_the_prefill_replica():
+    requests = [TraceRequest(0.0, 6000, 20) for _ in range(5)]
+    fleet = Fleet({"interactive": ["d"], "prefill": ["p"]}, {"d": _one_at_a_time(), "p": CONFIG}, MODEL,
+                  min_prompt_tokens=1000)
+    result = fleet.run(requests)
+    assert result.dropped == 3 and result.kv_transfer["moved"] == 2
+    # the third was queued for prefill, then refused by the decode replica: its prefill half is aborted
+    assert fleet.replicas["p"].scheduler.stats.num_aborted == 1 and len(fleet.replicas["p"].times) == 2
+    (prefill,) = fleet.upstreams.of_role("prefill")
+    assert (prefill.queued_tokens, prefill.queued_pairs, prefill.outstanding) == (0, 0.0, 0)
+
+
+def test_a_request_a_replica_refuses_as_too_long_is_dropped_not_retried_elsewhere():
+    fleet = Fleet({"interactive": ["a", "b"]}, {n: CONFIG for n in "ab"}, MODEL)
+    tried = []
+    for name, replica in fleet.replicas.items():
+        add = replica.add_request
+        replica.add_request = lambda *a, _add=add, _name=name, **k: tried.append(_name) or _add(*a, **k)
+    result = fleet.run([TraceRequest(0.0, 8000, 500)])  # 8,500 tokens > max_model_len: a 400, as the gateway relays it
+    assert result.dropped == 1 and len(tried) == 1
