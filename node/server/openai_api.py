@@ -202,8 +202,8 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
         call.sampling = replace(call.sampling, max_tokens=1)  # streamed so the headers go out once queued
         call.stream = True
         # where the decode replica pulls this prompt's KV from
-        headers[KV_SOURCE_HEADER] = format_source(RemoteKV(endpoint["host"], endpoint["port"], call.request_id,
-                                                           endpoint["boot_id"], len(call.prompt_ids)))
+        headers[KV_SOURCE_HEADER] = format_source(RemoteKV(endpoint.host, endpoint.port, call.request_id,
+                                                           endpoint.boot_id, len(call.prompt_ids)))
     stream = client.generate(call.request_id, call.prompt_ids, call.sampling, call.traffic_class, call.tenant,
                              arrival_time=call.arrival, cache_salt=call.cache_salt,
                              traceparent=request.headers.get(TRACEPARENT_HEADER), remote_kv=remote_kv,
