@@ -63,8 +63,8 @@ def _class_and_tenant(request: web.Request) -> tuple[str, str]:
         request.get(ACCESS, {}).update({"class": cls, "tenant": tenant})
         return cls, tenant
     except PolicyError as exc:
-        header = CLASS_HEADER if str(exc).startswith("class") else TENANT_HEADER
-        raise APIError(400, f"{header}: {str(exc).partition(': ')[2]}", param=header) from None
+        header = CLASS_HEADER if exc.field == "class" else TENANT_HEADER
+        raise APIError(400, f"{header}: {exc.reason}", param=header) from None
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
