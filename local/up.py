@@ -213,12 +213,7 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int, admin_token: str |
                 cmd += ["--kv-transfer-port", "0"]
             replicas.append(Process(f"{role.name}-{i}", cmd, port_i, run_dir / f"{role.name}-{i}.log",
                                     role=role.name, env=env))
-    urls = {role: [r.url for r in replicas if r.role == role] for role in ("interactive", "batch")}
-    if pool.mode in ("colocated", "auto"):  # auto: every replica starts colocated
-        urls = {"interactive": [r.url for r in replicas], "batch": [r.url for r in replicas]}
-    elif pool.mode == "disaggregated":  # every class decodes on the decode replicas
-        decode = [r.url for r in replicas if r.role == "decode"]
-        urls = {"interactive": decode, "batch": decode, "prefill": [r.url for r in replicas if r.role == "prefill"]}
+    urls = {route: [r.url for r in replicas if r.role == role] for route, role in pool.routes().items()}
     config = run_dir / "gateway.json"
     write_routes(config, urls)
     gateway = Process("gateway", [sys.executable, "-m", "cadenza.node.cli", "gateway", "--config", str(config),

@@ -41,6 +41,7 @@ POOL_LABEL, ROLE_LABEL = "serving.cadenza.dev/pool", "serving.cadenza.dev/role"
 # controller sets on each pod once its role's settings are applied (never in the selector).
 WORKLOAD_LABEL = "serving.cadenza.dev/workload"
 SERVES_INTERACTIVE, SERVES_BATCH = "serving.cadenza.dev/serves-interactive", "serving.cadenza.dev/serves-batch"
+ROUTE_LABELS = {"interactive": SERVES_INTERACTIVE, "batch": SERVES_BATCH}  # the class routes and their labels
 ADMIN_TOKEN_DIR = "/var/run/cadenza-admin"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 CONFIG_HASH = "serving.cadenza.dev/config-hash"
@@ -267,26 +268,30 @@ def _service(pool: Pool, name: str, component: str, selector: dict, owner=None, 
 
 
 def render_services(pool: Pool, owner=None, narrow: bool = True) -> list[dict]:
-    """The per-class (headless) and gateway Services, and ``p-prefill`` in disaggregated mode
-    (selectors follow the mode; with ``narrow=False`` the class Services select every engine
-    pod, whatever the mode)."""
-    interactive = batch = engine_selector(pool)
-    if narrow and pool.mode == "dedicated":
-        interactive, batch = engine_selector(pool, "interactive"), engine_selector(pool, "batch")
-    elif narrow and pool.mode == "disaggregated":  # every class decodes on the decode pods
-        interactive = batch = engine_selector(pool, "decode")
-    elif narrow and pool.mode == "auto":  # routed by the labels the controller sets on each pod
-        interactive = {**engine_selector(pool), SERVES_INTERACTIVE: "true"}
-        batch = {**engine_selector(pool), SERVES_BATCH: "true"}
-    services = [
-        _service(pool, f"{pool.name}-interactive", "engine", interactive, owner, headless=True),
-        _service(pool, f"{pool.name}-batch", "engine", batch, owner, headless=True),
-        _service(pool, f"{pool.name}-gateway", "gateway", {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}, owner),
-    ]
-    if pool.mode == "disaggregated":
-        services.insert(2, _service(pool, f"{pool.name}-prefill", "engine", engine_selector(pool, "prefill"), owner,
-                                    headless=True))
+    """The headless Service of each gateway route (:meth:`Pool.routes`: ``p-interactive``,
+    ``p-batch``, and ``p-prefill`` in disaggregated mode) and the gateway's Service.
+
+    A route's Service selects its role's pods; where one role serves every route (colocated,
+    auto) every engine pod, so a shift changes selectors, never the gateway; in mode auto, the
+    pods the SLO controller has labelled for the route. With ``narrow=False`` the class Services
+    select every engine pod, whatever the mode."""
+    routes = pool.routes()
+    one_role = len(set(routes.values())) == 1
+    services = [_service(pool, f"{pool.name}-{route}", "engine", _route_selector(pool, route, role, one_role, narrow),
+                         owner, headless=True) for route, role in routes.items()]
+    services.append(_service(pool, f"{pool.name}-gateway", "gateway", {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"},
+                             owner))
     return services
+
+
+def _route_selector(pool: Pool, route: str, role: str, one_role: bool, narrow: bool) -> dict[str, str]:
+    if route not in ROUTE_LABELS:  # prefill: the prefill pods, whatever the shift
+        return engine_selector(pool, role)
+    if narrow and role == "auto":  # routed by the labels the controller sets on each pod
+        return {**engine_selector(pool), ROUTE_LABELS[route]: "true"}
+    if not narrow or one_role:
+        return engine_selector(pool)
+    return engine_selector(pool, role)
 
 
 def render_pdbs(pool: Pool, roles: list[str], owner=None) -> list[dict]:

@@ -58,6 +58,9 @@ def fleet_layout(pool: Mapping[str, Any], roofline: Roofline, model_max_len: int
     roles: dict[str, list[str]] = {"interactive": [], "batch": []}
     configs: dict[str, SchedulerConfig] = {}
     block_size, num_blocks = 16, None
+    routes_of: dict[str, list[str]] = {}  # role -> the gateway routes its replicas serve
+    for route, role_name in p.routes().items():
+        routes_of.setdefault(role_name, []).append(route)
     for role in p.roles():
         engine = engine_config("/model", role.engine, p.model_name)
         sched, block_size = engine.scheduler, engine.cache.block_size
@@ -71,8 +74,8 @@ def fleet_layout(pool: Mapping[str, Any], roofline: Roofline, model_max_len: int
         for i in range(role.replicas):
             name = f"{kind}-{i}"
             configs[name] = sched
-            for gateway_role in (("interactive", "batch") if kind in ("colocated", "decode") else (kind,)):
-                roles.setdefault(gateway_role, []).append(name)
+            for route in routes_of[role.name]:
+                roles.setdefault(route, []).append(name)
     controller = ControllerSpec.from_pool_spec(spec) if p.mode == "auto" else None
     slo = {cls: {k: float(v) for k, v in targets.items() if v} for cls, targets in (spec.get("slo") or {}).items()
            if targets}
