@@ -73,7 +73,7 @@ def request_class(request: web.Request) -> str:
     try:
         return check_class(value)
     except PolicyError as exc:
-        raise APIError(400, f"{CLASS_HEADER}: {str(exc).partition(': ')[2]}", param=CLASS_HEADER) from None
+        raise APIError(400, f"{CLASS_HEADER}: {exc.reason}", param=CLASS_HEADER) from None
 
 
 async def proxy_by_class(request: web.Request) -> web.StreamResponse:

@@ -27,7 +27,6 @@ class to the decode replicas and long prompts through a prefill replica first.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import math
@@ -35,14 +34,10 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -52,6 +47,7 @@ from cadenza.control.actuator import Actuator
 from cadenza.local.actuation import local_actuator
 from cadenza.pool.spec import Pool, PoolSpecError
 from cadenza.pool.spec import cpu_threads
+from cadenza.local.process import Process, free_port
 
 logger = logging.getLogger("cadenza.up")
 GRACE_S = 30.0
@@ -107,70 +103,6 @@ def choose_admin_token(mode: str, environ: dict[str, str] | None = None) -> Admi
     return AdminToken(None, "none")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask Linux to send SIGTERM to this child when the supervisor dies, even by SIGKILL."""
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-@dataclass
-class Process:
-    """One supervised process (a replica or the gateway), restarted on the same port."""
-
-    name: str
-    cmd: list[str]
-    port: int
-    log: Path
-    host: str = "127.0.0.1"
-    role: str | None = None
-    env: dict[str, str] = field(default_factory=dict)  # over this process's environment; "" unsets
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
-    restart_at: float = 0.0
-    started: float = field(default_factory=time.monotonic)
-
-    def start(self) -> None:
-        # Its own session: a Ctrl-C in the terminal reaches the supervisor only, which stops the
-        # children in order (gateway first) instead of all at once. An empty value in `env` unsets.
-        env = {k: v for k, v in {**os.environ, **self.env}.items() if self.env.get(k) != ""}
-        with open(self.log, "a") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env=env, preexec_fn=_die_with_parent)
-        self.started = time.monotonic()
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
-        return f"http://{host}:{self.port}"
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/ready", timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
 def plan(pool_obj: dict, run_dir: Path, host: str, port: int, admin_token: str | None = None
          ) -> tuple[list[Process], Process]:
     """The replicas and the gateway a pool needs, with their configuration files written.
@@ -213,12 +145,7 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int, admin_token: str |
                 cmd += ["--kv-transfer-port", "0"]
             replicas.append(Process(f"{role.name}-{i}", cmd, port_i, run_dir / f"{role.name}-{i}.log",
                                     role=role.name, env=env))
-    urls = {role: [r.url for r in replicas if r.role == role] for role in ("interactive", "batch")}
-    if pool.mode in ("colocated", "auto"):  # auto: every replica starts colocated
-        urls = {"interactive": [r.url for r in replicas], "batch": [r.url for r in replicas]}
-    elif pool.mode == "disaggregated":  # every class decodes on the decode replicas
-        decode = [r.url for r in replicas if r.role == "decode"]
-        urls = {"interactive": decode, "batch": decode, "prefill": [r.url for r in replicas if r.role == "prefill"]}
+    urls = {route: [r.url for r in replicas if r.role == role] for route, role in pool.routes().items()}
     config = run_dir / "gateway.json"
     write_routes(config, urls)
     gateway = Process("gateway", [sys.executable, "-m", "cadenza.node.cli", "gateway", "--config", str(config),

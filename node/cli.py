@@ -171,7 +171,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         try:
             policy = policy.updated(yaml.safe_load(args.policy.read_text()) or {})
         except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"policy: cannot read {args.policy}: {exc}") from None
+            raise ConfigError("policy", f"cannot read {args.policy}: {exc}") from None
     sections: dict[str, dict] = {"engine": {}, "scheduler": {}, "cache": {}, "policy": {}}
     for knob in KNOBS:
         if knob.cli is not None and (knob.section != "policy" or getattr(args, knob.name) is not None):
@@ -220,7 +220,7 @@ def _serve(args: argparse.Namespace) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError(f"device: {config.device} requested but this torch build sees no CUDA device")
+            raise ConfigError("device", f"{config.device} requested but this torch build sees no CUDA device")
     engine_process = args.engine_process == "on"
     if not engine_process:
         apply_threads(threads)

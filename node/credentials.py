@@ -19,8 +19,8 @@ TOKEN_ENV = "CADENZA_ADMIN_TOKEN"
 TOKEN_FILE_ENV = "CADENZA_ADMIN_TOKEN_FILE"
 # Why a replica with a KV transfer endpoint and no token does not start: an endpoint that refuses
 # every peer would only look like a working pool.
-KV_TRANSFER_NEEDS_TOKEN = (f"kv_transfer_port: the KV transfer endpoint needs the pool's token (set {TOKEN_ENV} or "
-                           f"{TOKEN_FILE_ENV}): peers must prove they hold it before any KV moves either way")
+KV_TRANSFER_NEEDS_TOKEN = (f"the KV transfer endpoint needs the pool's token (set {TOKEN_ENV} or {TOKEN_FILE_ENV}): "
+                           "peers must prove they hold it before any KV moves either way")
 
 
 def admin_token() -> str | None:
@@ -40,7 +40,7 @@ def require_kv_token(kv_transfer_port: int | None) -> None:
     """Refuse a KV transfer endpoint (``kv_transfer_port`` set) without the pool's token.
 
     Raises:
-        ConfigError: :data:`KV_TRANSFER_NEEDS_TOKEN`.
+        ConfigError: ``kv_transfer_port``, :data:`KV_TRANSFER_NEEDS_TOKEN`.
     """
     if kv_transfer_port is not None and admin_token() is None:
-        raise ConfigError(KV_TRANSFER_NEEDS_TOKEN)
+        raise ConfigError("kv_transfer_port", KV_TRANSFER_NEEDS_TOKEN)

@@ -23,7 +23,8 @@ Every function returns plain dicts (testable without a cluster). For a pool name
   until its pods are gone), the NetworkPolicy ``p-kv``: the KV port of those pods admits only the
   pool's own engine pods, their HTTP port stays open.
 
-All carry an owner reference to the pool.
+All carry an owner reference to the pool. What runs in the pods (containers, volumes, probes,
+ports) is :mod:`cadenza.operator.pods`'s.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from cadenza.operator import pod_settings
-from cadenza.pool.spec import GPU_RESOURCES, MODEL_MOUNT, Pool, PoolSpecError, Role, cpu_threads
+from cadenza.operator.pods import HTTP_PORT, KV_PORT, admin_secret_name, engine_pod, gateway_pod
+from cadenza.pool.spec import Pool, PoolSpecError, Role
 
 GROUP, VERSION, KIND = "serving.cadenza.dev", "v1alpha1", "ServingPool"
 POOL_LABEL, ROLE_LABEL = "serving.cadenza.dev/pool", "serving.cadenza.dev/role"
@@ -41,21 +43,12 @@ POOL_LABEL, ROLE_LABEL = "serving.cadenza.dev/pool", "serving.cadenza.dev/role"
 # controller sets on each pod once its role's settings are applied (never in the selector).
 WORKLOAD_LABEL = "serving.cadenza.dev/workload"
 SERVES_INTERACTIVE, SERVES_BATCH = "serving.cadenza.dev/serves-interactive", "serving.cadenza.dev/serves-batch"
-ADMIN_TOKEN_DIR = "/var/run/cadenza-admin"
+ROUTE_LABELS = {"interactive": SERVES_INTERACTIVE, "batch": SERVES_BATCH}  # the class routes and their labels
 COMPONENT_LABEL = "app.kubernetes.io/component"
 CONFIG_HASH = "serving.cadenza.dev/config-hash"
-HTTP_PORT = 8000
-KV_PORT = 9000  # the KV transfer endpoint of prefill and decode pods
 ALL_ROLES = ("colocated", "interactive", "batch", "auto", "prefill", "decode")
 MODE_OF_ROLE = {"colocated": "colocated", "interactive": "dedicated", "batch": "dedicated", "auto": "auto",
                 "prefill": "disaggregated", "decode": "disaggregated"}
-_SECURE_CONTAINER = {
-    "runAsNonRoot": True, "runAsUser": 65532, "readOnlyRootFilesystem": True,
-    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
-
-
 def labels(pool: Pool, component: str, role: str | None = None) -> dict[str, str]:
     out = {
         "app.kubernetes.io/name": "cadenza", "app.kubernetes.io/instance": pool.name,
@@ -73,23 +66,10 @@ def engine_selector(pool: Pool, role: str | None = None) -> dict[str, str]:
     return sel
 
 
-def admin_secret_name(pool: Pool) -> str:
-    """The Secret holding the pool's admin token (modes auto and disaggregated; created by the
-    operator)."""
-    return f"{pool.name}-admin"
-
-
 def needs_admin_token(pool: Pool) -> bool:
     """Whether the pool's pods use its token: the SLO controller's admin calls (auto), the KV
     transfer headers between gateway and replicas (disaggregated)."""
     return pool.mode in ("auto", "disaggregated")
-
-
-def _token_volume(pool: Pool) -> tuple[dict, dict, dict]:
-    """The admin Secret as ``(volume, mount, env)`` of a container that reads the token."""
-    return ({"name": "admin-token", "secret": {"secretName": admin_secret_name(pool), "defaultMode": 0o440}},
-            {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
-            {"name": "CADENZA_ADMIN_TOKEN_FILE", "value": f"{ADMIN_TOKEN_DIR}/token"})
 
 
 def admin_secret_meta(pool: Pool, owner: Mapping[str, str] | None) -> dict:
@@ -121,87 +101,12 @@ def render_configmap(pool: Pool, roles: list[Role], owner=None) -> dict:
     }
 
 
-def resources(pool: Pool) -> dict:
-    """``spec.resources`` with every quantity a string, as the Kubernetes API types it (YAML lets a
-    user write ``nvidia.com/gpu: 1``; the CRD accepts int-or-string). GPUs asked for in requests
-    only are put in limits too: Kubernetes takes extended resources from limits."""
-    out = {section: {name: str(value) for name, value in quantities.items()}
-           for section, quantities in pool.spec.get("resources", {}).items()}
-    for name in GPU_RESOURCES:
-        if name in out.get("requests", {}) and name not in out.get("limits", {}):
-            out.setdefault("limits", {})[name] = out["requests"][name]
-    return out
-
-
-def _probe(path: str, **timing: int) -> dict:
-    return {"httpGet": {"path": path, "port": "http"}, **timing}
-
-
 def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
-    model_args = pool.model_args()
-    grace, drain = termination(pool)
-    args = ["serve", "--host", "0.0.0.0", "--port", str(HTTP_PORT), *role.serve_args(model_args),
-            "--policy", f"/etc/cadenza/{role.name}.policy.json", "--shutdown-timeout-s", str(max(1, grace - drain - 5))]
-    if pool.gpus:
-        args += ["--device", "cuda"]
-    if role.kv_transfer:  # peers dial the pod IP ($(POD_IP) is expanded by the kubelet)
-        args += ["--kv-transfer-port", str(KV_PORT), "--kv-transfer-host", "$(POD_IP)"]
-    claim = (pool.spec.get("cache") or {}).get("claimName")
-    cache = {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}
-    volumes = [{"name": "config", "configMap": {"name": f"{pool.name}-engine"}},
-               {"name": "cache", **cache}, {"name": "tmp", "emptyDir": {}}]
-    # The root filesystem is read-only: the model cache and /tmp (torch needs a temp dir) are volumes.
-    mounts = [{"name": "config", "mountPath": "/etc/cadenza", "readOnly": True},
-              {"name": "cache", "mountPath": "/cache"}, {"name": "tmp", "mountPath": "/tmp"}]
-    source = pool.spec["model"].get("source", {})
-    if "pvc" in source:
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": source["pvc"]["claimName"],
-                                                                     "readOnly": True}})
-        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
-    if pool.gpus:
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
-        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    env = [
-        {"name": "CADENZA_POOL", "value": pool.name},
-        {"name": "CADENZA_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "OTEL_SERVICE_NAME", "value": "cadenza"},
-        {"name": "HOME", "value": "/cache"},
-        {"name": "XDG_CACHE_HOME", "value": "/cache"},
-        {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"},
-    ]
-    if (threads := cpu_threads(pool)) is not None:
-        env.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
-    init = _fetch_model_container(pool, env, mounts)
-    if init:  # the init container downloaded it into /cache: the engine reads the cache only
-        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
-    if role.kv_transfer:
-        env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
-    auto = role.name == "auto"
-    if auto or role.kv_transfer:  # the SLO controller's admin calls; the gateway's KV headers
-        volume, mount, token_env = _token_volume(pool)
-        volumes.append(volume)
-        mounts.append(mount)
-        env.append(token_env)
-    ports = [{"name": "http", "containerPort": HTTP_PORT}]
-    if role.kv_transfer:
-        ports.append({"name": "kv", "containerPort": KV_PORT})
-    container = {
-        "name": "engine", "image": pool.spec["image"], "command": ["cadenza"], "args": args,
-        "ports": ports,
-        "env": env,
-        "resources": resources(pool),
-        "volumeMounts": mounts,
-        "startupProbe": _probe("/health", periodSeconds=5, failureThreshold=120),
-        "livenessProbe": _probe("/health", periodSeconds=10, failureThreshold=6),
-        "readinessProbe": _probe("/ready", periodSeconds=5, failureThreshold=2),
-        # While this sleeps the pod is still serving but no longer ready: every gateway drops it
-        # (EndpointSlice ready false) before SIGTERM makes the server stop listening.
-        "lifecycle": {"preStop": {"sleep": {"seconds": drain}}},
-        "securityContext": _SECURE_CONTAINER,
-    }
+    """The Deployment of ``role``'s replicas (its pod: :func:`~cadenza.operator.pods.engine_pod`),
+    the hash of its configuration on the pod template, so that a change rolls only this role."""
     pod_labels = labels(pool, "engine", role.name)
     selector = role_selector(pool, role.name)
-    if auto:  # the role label changes on a live pod, so it cannot be in the selector
+    if role.name == "auto":  # the role label changes on a live pod, so it cannot be in the selector
         pod_labels = {**labels(pool, "engine", "colocated"), WORKLOAD_LABEL: "auto"}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
@@ -211,44 +116,11 @@ def render_engine_deployment(pool: Pool, role: Role, owner=None) -> dict:
             "selector": {"matchLabels": selector},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": _rollout(pool)},
             "template": pod_settings.apply({
-                "metadata": {"labels": pod_labels, "annotations": {CONFIG_HASH: role.config_hash(model_args)}},
-                "spec": {
-                    **({"initContainers": init} if init else {}),
-                    "containers": [container], "volumes": volumes,
-                    "terminationGracePeriodSeconds": grace,  # the drain delay, then streams finish
-                    "securityContext": {"runAsNonRoot": True, "fsGroup": 65532},
-                },
+                "metadata": {"labels": pod_labels, "annotations": {CONFIG_HASH: role.config_hash(pool.model_args())}},
+                "spec": engine_pod(pool, role),
             }, pool.spec.get("pod"), "spec.pod"),
         },
     }
-
-
-def _fetch_model_container(pool: Pool, env: list[dict], mounts: list[dict]) -> list[dict]:
-    """The init container that downloads a Hub model (``model.source.hf``) into ``/cache``
-    before the engine starts (none for other sources). It has the engine's cache settings and
-    mounts, and the Hub token from ``tokenSecret``; the engine itself never sees the token."""
-    model = pool.hub_model
-    if model is None:
-        return []
-    hf = pool.spec["model"]["source"]["hf"]
-    init_env = [e for e in env if e["name"] in ("HOME", "XDG_CACHE_HOME")]
-    if secret := hf.get("tokenSecret"):
-        init_env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": secret["name"], "key": secret.get("key", "token")}}})
-    return [{
-        "name": "fetch-model", "image": pool.spec["image"], "command": ["cadenza"],
-        "args": ["fetch-model", model], "env": init_env,
-        "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")],
-        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
-        "securityContext": _SECURE_CONTAINER,
-    }]
-
-
-def termination(pool: Pool) -> tuple[int, int]:
-    """``(terminationGracePeriodSeconds, preStop drain delay)`` of engine pods: ``spec.termination``
-    (defaults 600 and 10). The server's shutdown timeout is what is left, less 5 s of margin."""
-    t = pool.spec.get("termination") or {}
-    return int(t.get("gracePeriodSeconds", 600)), int(t.get("drainDelaySeconds", 10))
 
 
 def _rollout(pool: Pool) -> dict:
@@ -267,26 +139,29 @@ def _service(pool: Pool, name: str, component: str, selector: dict, owner=None, 
 
 
 def render_services(pool: Pool, owner=None, narrow: bool = True) -> list[dict]:
-    """The per-class (headless) and gateway Services, and ``p-prefill`` in disaggregated mode
-    (selectors follow the mode; with ``narrow=False`` the class Services select every engine
-    pod, whatever the mode)."""
-    interactive = batch = engine_selector(pool)
-    if narrow and pool.mode == "dedicated":
-        interactive, batch = engine_selector(pool, "interactive"), engine_selector(pool, "batch")
-    elif narrow and pool.mode == "disaggregated":  # every class decodes on the decode pods
-        interactive = batch = engine_selector(pool, "decode")
-    elif narrow and pool.mode == "auto":  # routed by the labels the controller sets on each pod
-        interactive = {**engine_selector(pool), SERVES_INTERACTIVE: "true"}
-        batch = {**engine_selector(pool), SERVES_BATCH: "true"}
-    services = [
-        _service(pool, f"{pool.name}-interactive", "engine", interactive, owner, headless=True),
-        _service(pool, f"{pool.name}-batch", "engine", batch, owner, headless=True),
-        _service(pool, f"{pool.name}-gateway", "gateway", {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}, owner),
-    ]
-    if pool.mode == "disaggregated":
-        services.insert(2, _service(pool, f"{pool.name}-prefill", "engine", engine_selector(pool, "prefill"), owner,
-                                    headless=True))
-    return services
+    """The headless Service of each gateway route (:meth:`Pool.routes`: ``p-interactive``,
+    ``p-batch``, and ``p-prefill`` in disaggregated mode) and the gateway's Service.
+
+    A route's Service selects its role's pods; where one role serves every route (colocated,
+    auto) every engine pod, so a shift changes selectors, never the gateway; in mode auto, the
+    pods the SLO controller has labelled for the route. With ``narrow=False`` the class Services
+    select every engine pod, whatever the mode."""
+    routes = pool.routes()
+    one_role = len(set(routes.values())) == 1
+    services = [_service(pool, f"{pool.name}-{route}", "engine", _route_selector(pool, route, role, one_role, narrow),
+                         owner, headless=True) for route, role in routes.items()]
+    gateway = {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}
+    return [*services, _service(pool, f"{pool.name}-gateway", "gateway", gateway, owner)]
+
+
+def _route_selector(pool: Pool, route: str, role: str, one_role: bool, narrow: bool) -> dict[str, str]:
+    if route not in ROUTE_LABELS:  # prefill: the prefill pods, whatever the shift
+        return engine_selector(pool, role)
+    if narrow and role == "auto":  # routed by the labels the controller sets on each pod
+        return {**engine_selector(pool), ROUTE_LABELS[route]: "true"}
+    if not narrow or one_role:
+        return engine_selector(pool)
+    return engine_selector(pool, role)
 
 
 def render_pdbs(pool: Pool, roles: list[str], owner=None) -> list[dict]:
@@ -379,28 +254,13 @@ def render_gateway(pool: Pool, owner=None) -> list[dict]:
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}],
     }
-    container = {
-        "name": "gateway", "image": pool.spec.get("gateway", {}).get("image") or pool.spec["image"],
-        "command": ["cadenza"],
-        "args": ["gateway", "--kubernetes", "--namespace", pool.namespace, "--pool", pool.name,
-                 "--host", "0.0.0.0", "--port", str(HTTP_PORT), *pool.gateway_args()],
-        "ports": [{"name": "http", "containerPort": HTTP_PORT}],
-        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}},
-        "livenessProbe": _probe("/health", periodSeconds=10),
-        "readinessProbe": _probe("/ready", periodSeconds=5),
-        "securityContext": _SECURE_CONTAINER,
-    }
-    pod: dict[str, Any] = {"serviceAccountName": name, "containers": [container], "securityContext": {"runAsNonRoot": True}}
-    if pool.mode == "disaggregated":  # the KV transfer headers need the pool's token
-        volume, mount, token_env = _token_volume(pool)
-        container.update(volumeMounts=[mount], env=[token_env])
-        pod["volumes"] = [volume]
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(pool, name, "gateway", owner),
         "spec": {
             "replicas": _gateway_replicas(pool),
             "selector": {"matchLabels": {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}},
-            "template": pod_settings.apply({"metadata": {"labels": labels(pool, "gateway")}, "spec": pod},
+            "template": pod_settings.apply({"metadata": {"labels": labels(pool, "gateway")},
+                                            "spec": gateway_pod(pool, name)},
                                            pool.spec.get("gateway", {}).get("pod"), "spec.gateway.pod", gateway=True),
         },
     }

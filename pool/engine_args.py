@@ -38,7 +38,7 @@ def _snake(mapping: Mapping[str, Any], fields: Mapping[str, str], path: str) -> 
     out = {}
     for key, value in mapping.items():
         if key not in fields:
-            raise ConfigError(f"{path}.{key}: unknown setting (known: {', '.join(fields)})")
+            raise ConfigError(f"{path}.{key}", f"unknown setting (known: {', '.join(fields)})")
         out[fields[key]] = value
     return out
 
@@ -71,13 +71,13 @@ def engine_config(model: str, engine: Mapping[str, Any], served_model_name: str 
         if key in POLICY_KEYS:
             continue
         if key not in ENGINE_KNOBS:
-            raise ConfigError(f"spec.engine.{key}: unknown engine setting (known: {', '.join([*ENGINE_KNOBS, *POLICY_KEYS])})")
+            raise ConfigError(f"spec.engine.{key}", f"unknown engine setting (known: {', '.join([*ENGINE_KNOBS, *POLICY_KEYS])})")
         section, name, _flag = ENGINE_KNOBS[key]
         sections[section][name] = value
     try:
         policy = Policy().updated(policy_document(engine))
     except PolicyError as exc:
-        raise ConfigError(f"spec.engine: {exc}") from None
+        raise ConfigError("spec.engine", str(exc)) from None
     try:
         config = EngineConfig(
             model=model,
@@ -89,9 +89,8 @@ def engine_config(model: str, engine: Mapping[str, Any], served_model_name: str 
         check_chunk_within_budget(config.scheduler.token_budget, config.scheduler.chunk_size)
         return config
     except ConfigError as exc:
-        field, _, message = str(exc).partition(": ")
-        key = next((k for k, (_s, name, _f) in ENGINE_KNOBS.items() if name == field), field)
-        raise ConfigError(f"spec.engine.{key}: {message}") from None
+        key = next((k for k, (_s, name, _f) in ENGINE_KNOBS.items() if name == exc.field), exc.field)
+        raise ConfigError(f"spec.engine.{key}", exc.reason) from None
 
 
 def serve_args(engine: Mapping[str, Any]) -> list[str]:

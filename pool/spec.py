@@ -150,6 +150,23 @@ class Pool:
             self._check(role)
         return roles
 
+    def routes(self) -> dict[str, str]:
+        """The gateway's routes in this mode and the role whose replicas serve each:
+        ``{"interactive": role, "batch": role}``, plus ``"prefill"`` in disaggregated mode.
+
+        ``colocated`` and ``auto`` send both classes to their one role (auto's pods start
+        colocated; the SLO controller then narrows each route to the pods it has given a role);
+        ``dedicated`` sends interactive traffic to ``interactive`` and batch (and background) to
+        ``batch``; ``disaggregated`` decodes every class on ``decode`` and prefills long prompts
+        on ``prefill``. The operator's class Services, ``cadenza up``'s gateway config and the
+        simulator's fleet all read it.
+        """
+        if self.mode == "dedicated":
+            return {"interactive": "interactive", "batch": "batch"}
+        if self.mode == "disaggregated":
+            return {"interactive": "decode", "batch": "decode", "prefill": "prefill"}
+        return {"interactive": self.mode, "batch": self.mode}  # colocated, auto: one role serves both
+
     def role_settings(self, name: str, replicas: int = 0) -> Role:
         """The settings a role runs with under this spec — the base engine settings with the role's
         overrides on top — whether or not the mode runs it (for the policy file of a role being

@@ -31,7 +31,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cadenza.node.engine import kv_link
+from cadenza.node.core import disagg_rule
 from cadenza.node.core.cost_model import StepCostModel
 from cadenza.node.core.request import Request
 from cadenza.node.kv_transfer.threshold import FIXED_S, Rule
@@ -57,7 +57,7 @@ class KVLinkModel:
 def rule(cost: StepCostModel, link: KVLinkModel, bytes_per_token: int) -> Rule | None:
     """The selective rule of a decode replica with step-time model ``cost`` (None before
     calibration), the link's per-message latency added to its fixed cost."""
-    return kv_link.rule(cost, bytes_per_token, link.bytes_per_s, fixed_s=FIXED_S + link.latency_s)
+    return disagg_rule.rule(cost, bytes_per_token, link.bytes_per_s, fixed_s=FIXED_S + link.latency_s)
 
 
 def ready_at(link: KVLinkModel, arrival_s: float, prefill_end_s: float, prompt_tokens: int, chunk_tokens: int,

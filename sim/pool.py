@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cadenza.node.core.config import SchedulerConfig, resolve_max_model_len
+from cadenza.node.core.knobs import BY_CRD
 from cadenza.control.decide import ControllerSpec
 from cadenza.pool.engine_args import engine_config
 from cadenza.pool.spec import Pool
@@ -39,7 +40,7 @@ class FleetLayout:
     roles: dict[str, list[str]]
     configs: dict[str, SchedulerConfig]
     controller: ControllerSpec | None
-    block_size: int = 16
+    block_size: int = BY_CRD["blockSize"].default
     num_blocks: int | None = None
     slo: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     min_prompt_tokens: int | None = None
@@ -57,7 +58,10 @@ def fleet_layout(pool: Mapping[str, Any], roofline: Roofline, model_max_len: int
     capacity = roofline.kv_capacity_tokens()
     roles: dict[str, list[str]] = {"interactive": [], "batch": []}
     configs: dict[str, SchedulerConfig] = {}
-    block_size, num_blocks = 16, None
+    block_size, num_blocks = BY_CRD["blockSize"].default, None
+    routes_of: dict[str, list[str]] = {}  # role -> the gateway routes its replicas serve
+    for route, role_name in p.routes().items():
+        routes_of.setdefault(role_name, []).append(route)
     for role in p.roles():
         engine = engine_config("/model", role.engine, p.model_name)
         sched, block_size = engine.scheduler, engine.cache.block_size
@@ -71,8 +75,8 @@ def fleet_layout(pool: Mapping[str, Any], roofline: Roofline, model_max_len: int
         for i in range(role.replicas):
             name = f"{kind}-{i}"
             configs[name] = sched
-            for gateway_role in (("interactive", "batch") if kind in ("colocated", "decode") else (kind,)):
-                roles.setdefault(gateway_role, []).append(name)
+            for route in routes_of[role.name]:
+                roles.setdefault(route, []).append(name)
     controller = ControllerSpec.from_pool_spec(spec) if p.mode == "auto" else None
     slo = {cls: {k: float(v) for k, v in targets.items() if v} for cls, targets in (spec.get("slo") or {}).items()
            if targets}

@@ -21,6 +21,7 @@ from cadenza.node.core.messages import (
     AddRequest,
     EngineDead,
     EngineReady,
+    KVEndpoint,
     MessageError,
     Reconfigure,
     ReconfigureResult,
@@ -96,6 +97,7 @@ _TYPES: dict[int, tuple[type, Callable[[Any], list], Callable[[list], Any]]] = {
     17: (EngineStats, _fields_to_wire, _plain(EngineStats)),
     18: (ClassStats, _fields_to_wire, _plain(ClassStats)),
     19: (TenantLoad, _fields_to_wire, _plain(TenantLoad)),
+    20: (KVEndpoint, _fields_to_wire, _plain(KVEndpoint)),
     21: (RequestsQueued, _fields_to_wire, _plain(RequestsQueued)),
 }
 _TAG_OF = {cls: tag for tag, (cls, _enc, _dec) in _TYPES.items()}

@@ -11,6 +11,7 @@ import dataclasses
 import socket
 from dataclasses import dataclass, field
 
+from cadenza.node.core.errors import FieldError
 from cadenza.node.core.policy import Policy
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -20,13 +21,13 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 CUDA_GRAPH_MAX_ROWS, CUDA_GRAPH_MAX_CHUNK = 256, 512
 
 
-class ConfigError(ValueError):
-    """An invalid configuration value; the message starts with the field name."""
+class ConfigError(FieldError):
+    """An invalid configuration value (:class:`~cadenza.node.core.errors.FieldError`: ``field``, ``reason``)."""
 
 
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ConfigError(f"{name}: {message}")
+        raise ConfigError(name, message)
 
 
 def _positive_int(value: object, name: str) -> None:
@@ -236,7 +237,7 @@ class EngineConfig:
                     sections[section][name] = value
                     break
             else:
-                raise ConfigError(f"{name}: unknown engine setting")
+                raise ConfigError(name, "unknown engine setting")
         return cls(model=model, scheduler=SchedulerConfig(**sections["scheduler"]),
                    cache=CacheConfig(**sections["cache"]), **sections["engine"])
 

@@ -73,9 +73,9 @@ class Knob:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return
         if self.minimum is not None and value < self.minimum:
-            raise ConfigError(f"{self.name}: must be >= {self.minimum}, got {value}")
+            raise ConfigError(self.name, f"must be >= {self.minimum}, got {value}")
         if self.maximum is not None and value > self.maximum:
-            raise ConfigError(f"{self.name}: must be <= {self.maximum}, got {value}")
+            raise ConfigError(self.name, f"must be <= {self.maximum}, got {value}")
 
 
 _S, _C, _P = SchedulerConfig(), CacheConfig(), Policy()
@@ -154,13 +154,13 @@ def reconfigured(config: SchedulerConfig, changes: Mapping[str, Any]) -> Schedul
             checked). Nothing changes on an error.
     """
     if not isinstance(changes, Mapping):
-        raise ConfigError("changes: must be an object of settings")
+        raise ConfigError("changes", "must be an object of settings")
     for key in changes:
         knob = BY_NAME.get(key)
         if knob is None:
-            raise ConfigError(f"{key}: unknown setting (live settings: {', '.join(LIVE)})")
+            raise ConfigError(key, f"unknown setting (live settings: {', '.join(LIVE)})")
         if not knob.live or knob.section not in ("scheduler", "policy"):
-            raise ConfigError(f"{key}: cannot change on a running engine")
+            raise ConfigError(key, "cannot change on a running engine")
     check_live_changes(changes)
     plain = {k: v for k, v in changes.items() if BY_NAME[k].section == "scheduler"}
     policy_changes = {k: v for k, v in changes.items() if BY_NAME[k].section == "policy"}
@@ -186,7 +186,7 @@ def check_live_changes(changes: Mapping[str, Any]) -> None:
                 knob.check(value)
         tenants = changes.get("tenants")
         if isinstance(tenants, Mapping) and len(tenants) > MAX_TENANTS:
-            raise PolicyError(f"tenants: at most {MAX_TENANTS} tenants may be listed, got {len(tenants)} in the change")
+            raise PolicyError("tenants", f"at most {MAX_TENANTS} tenants may be listed, got {len(tenants)} in the change")
 
 
 def policy_from_view(view: Mapping[str, Any]) -> Policy:

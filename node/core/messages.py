@@ -3,9 +3,10 @@
 The core sees token ids only. In: :class:`AddRequest`, :class:`AbortRequests` (with a reason: a
 client gone, or a stop string the front end matched), :class:`Reconfigure` (answered by
 :class:`ReconfigureResult`), :class:`Shutdown`. Out: :class:`EngineReady` once the model is
-loaded (or :class:`EngineDead` if it cannot be), then one :class:`StepOutputs` per step — each
-request's new token ids and finish reason, the step's record for telemetry, and now and then the
-typed :class:`~cadenza.node.core.stats.EngineStats` — and, before the step, :class:`RequestsQueued`
+loaded, with the replica's :class:`KVEndpoint` if it has one (or :class:`EngineDead` if it cannot
+be loaded), then one :class:`StepOutputs` per step — each request's new token ids and finish
+reason, the step's record for telemetry, and now and then the typed
+:class:`~cadenza.node.core.stats.EngineStats` — and, before the step, :class:`RequestsQueued`
 for the requests that asked to hear when the core's admission control let them in.
 
 Every type is a slotted dataclass with a type tag (:mod:`cadenza.node.core.codec` writes them as
@@ -99,10 +100,25 @@ class Shutdown:  # stop after the current step; requests still live end as abort
 
 
 @dataclass(frozen=True, slots=True)
+class KVEndpoint:
+    """Where a replica's KV transfer endpoint listens (:mod:`cadenza.node.engine.kv_link`).
+
+    Attributes:
+        host, port: the address decode replicas pull published prompts' KV from.
+        boot_id: the endpoint's process boot id (a restart loses its KV; a pull names the boot
+            it expects).
+    """
+
+    host: str
+    port: int
+    boot_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class EngineReady:
     """The core has loaded its model; what the front end needs to check and serve requests.
     ``config``: the live configuration as ``GET /admin/config`` shows it; ``kv_transfer``: the KV
-    transfer endpoint (``host``, ``port``, ``boot_id``), None without one."""
+    transfer endpoint, None without one."""
 
     max_model_len: int
     vocab_size: int
@@ -110,7 +126,7 @@ class EngineReady:
     num_kv_blocks: int
     block_size: int
     config: dict
-    kv_transfer: dict | None = None
+    kv_transfer: KVEndpoint | None = None
 
 
 @dataclass(frozen=True, slots=True)

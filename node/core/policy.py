@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from cadenza.node.core.errors import FieldError
+
 CLASSES = ("interactive", "batch", "background")  # highest priority first
 CLASS_RANK = {name: rank for rank, name in enumerate(CLASSES)}
 # A class's queue bound when its policy sets none: this many waiting requests per running slot
@@ -28,8 +30,8 @@ MAX_TENANTS = 1024
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
 
 
-class PolicyError(ValueError):
-    """An invalid policy value; the message starts with the setting's path."""
+class PolicyError(FieldError):
+    """An invalid policy value (:class:`~cadenza.node.core.errors.FieldError`: ``field`` is the setting's path)."""
 
 
 def _shown(value: object) -> str:
@@ -41,14 +43,14 @@ def check_class(name: object) -> str:
     """A valid class name (case-insensitive, returned lower-case), or :class:`PolicyError`."""
     if isinstance(name, str) and name.strip().lower() in CLASS_RANK:
         return name.strip().lower()
-    raise PolicyError(f"class: must be one of {', '.join(CLASSES)}, got {_shown(name)}")
+    raise PolicyError("class", f"must be one of {', '.join(CLASSES)}, got {_shown(name)}")
 
 
 def check_tenant(name: object) -> str:
     """A valid tenant name (1-64 of ``A-Za-z0-9._:-``, starting alphanumeric), or :class:`PolicyError`."""
     if not isinstance(name, str) or not _TENANT.match(name):
-        raise PolicyError(f"tenant: must be 1-64 characters of A-Za-z0-9._:- starting with a letter or digit, "
-                          f"got {_shown(name)}")
+        raise PolicyError("tenant", "must be 1-64 characters of A-Za-z0-9._:- starting with a letter or digit, "
+                                    f"got {_shown(name)}")
     return name
 
 
@@ -62,7 +64,7 @@ def _positive(value: object, path: str, kind: type = int, optional: bool = True)
     ok = _is_number(value) and value > 0 and (kind is not int or isinstance(value, int))
     if not ok:
         suffix = " or null" if optional else ""
-        raise PolicyError(f"{path}: must be a finite positive {kind.__name__}{suffix}, got {_shown(value)}")
+        raise PolicyError(path, f"must be a finite positive {kind.__name__}{suffix}, got {_shown(value)}")
 
 
 
@@ -90,7 +92,7 @@ class ClassPolicy:
     def validate(self, path: str) -> None:
         _positive(self.max_prefill_tokens, f"{path}.max_prefill_tokens")
         if not _is_number(self.min_share) or not 0 <= self.min_share <= 1:
-            raise PolicyError(f"{path}.min_share: must be between 0 and 1, got {_shown(self.min_share)}")
+            raise PolicyError(f"{path}.min_share", f"must be between 0 and 1, got {_shown(self.min_share)}")
         _positive(self.max_queue_age_s, f"{path}.max_queue_age_s", float)
         _positive(self.max_queue_depth, f"{path}.max_queue_depth")
 
@@ -112,7 +114,7 @@ class TenantPolicy:
     def validate(self, path: str) -> None:
         _positive(self.weight, f"{path}.weight", float, optional=False)
         if self.weight < 1e-6 or self.weight > 1e6:
-            raise PolicyError(f"{path}.weight: must be between 1e-6 and 1e6, got {_shown(self.weight)}")
+            raise PolicyError(f"{path}.weight", f"must be between 1e-6 and 1e6, got {_shown(self.weight)}")
         _positive(self.max_concurrent, f"{path}.max_concurrent")
         _positive(self.max_queued_prompt_tokens, f"{path}.max_queued_prompt_tokens")
 
@@ -155,24 +157,24 @@ class Policy:
 
     def __post_init__(self) -> None:
         if set(self.classes) != set(CLASSES):
-            raise PolicyError(f"classes: must define exactly {', '.join(CLASSES)}, got {', '.join(self.classes)}")
+            raise PolicyError("classes", f"must define exactly {', '.join(CLASSES)}, got {', '.join(self.classes)}")
         for name, cls in self.classes.items():
             cls.validate(f"classes.{name}")
         if sum(c.min_share for c in self.classes.values()) > 1:
-            raise PolicyError("classes: the min_share values add up to more than 1")
+            raise PolicyError("classes", "the min_share values add up to more than 1")
         if len(self.tenants) > MAX_TENANTS:
-            raise PolicyError(_too_many_tenants(len(self.tenants)))
+            raise PolicyError("tenants", _too_many_tenants(len(self.tenants)))
         for name, tenant in self.tenants.items():
             check_tenant(name)
             tenant.validate(f"tenants.{name}")
         self.default_tenant.validate("default_tenant")
         _positive(self.step_time_target_ms, "step_time_target_ms", float)
         if not isinstance(self.max_preemptions, int) or isinstance(self.max_preemptions, bool) or self.max_preemptions < 0:
-            raise PolicyError(f"max_preemptions: must be an integer >= 0, got {_shown(self.max_preemptions)}")
+            raise PolicyError("max_preemptions", f"must be an integer >= 0, got {_shown(self.max_preemptions)}")
         if not _is_number(self.watermark) or not 0 <= self.watermark < 0.5:
-            raise PolicyError(f"watermark: must be a number in [0, 0.5), got {_shown(self.watermark)}")
+            raise PolicyError("watermark", f"must be a number in [0, 0.5), got {_shown(self.watermark)}")
         if not isinstance(self.tenant_cache_isolation, bool):
-            raise PolicyError(f"tenant_cache_isolation: must be true or false, got {_shown(self.tenant_cache_isolation)}")
+            raise PolicyError("tenant_cache_isolation", f"must be true or false, got {_shown(self.tenant_cache_isolation)}")
 
     def cache_salt(self, tenant: str, client_salt: str | None) -> bytes:
         """The prefix-cache salt of a request: its tenant when tenants are isolated, and the
@@ -210,16 +212,16 @@ class Policy:
         unknown = set(changes) - {"classes", "tenants", "default_tenant", "step_time_target_ms",
                                   "max_preemptions", "watermark", "tenant_cache_isolation"}
         if unknown:
-            raise PolicyError(f"{sorted(map(str, unknown))[0]}: unknown policy setting")
+            raise PolicyError(sorted(map(str, unknown))[0], "unknown policy setting")
         classes = dict(self.classes)
         seen: dict[str, object] = {}
         for given, patch in _mapping(changes.get("classes", {}), "classes").items():
             try:
                 name = check_class(given)  # canonical: "Batch" and " batch" are batch
             except PolicyError as exc:
-                raise PolicyError(f"classes: {str(exc).partition(': ')[2]}") from None
+                raise PolicyError("classes", exc.reason) from None
             if name in seen:
-                raise PolicyError(f"classes: {_shown(seen[name])} and {_shown(given)} name the same class")
+                raise PolicyError("classes", f"{_shown(seen[name])} and {_shown(given)} name the same class")
             seen[name] = given
             classes[name] = _merge(ClassPolicy, classes[name], patch, f"classes.{name}")
         tenants = dict(self.tenants)
@@ -227,12 +229,12 @@ class Policy:
         count = len(tenants.keys() | tenant_changes.keys()) - sum(
             1 for name, patch in tenant_changes.items() if patch is None and name in tenants)
         if count > MAX_TENANTS:  # before any tenant is merged: a huge map is refused at the cost of counting it
-            raise PolicyError(_too_many_tenants(count))
+            raise PolicyError("tenants", _too_many_tenants(count))
         for name, patch in tenant_changes.items():
             try:
                 check_tenant(name)
             except PolicyError as exc:
-                raise PolicyError(f"tenants: {str(exc).partition(': ')[2]}") from None
+                raise PolicyError("tenants", exc.reason) from None
             if patch is None:
                 tenants.pop(name, None)
             else:
@@ -251,14 +253,14 @@ class Policy:
         )
 
 
-def _too_many_tenants(count: int) -> str:
-    return (f"tenants: at most {MAX_TENANTS} tenants may be listed, got {count} (tenants not listed take "
+def _too_many_tenants(count: int) -> str:  # the reason, of the field ``tenants``
+    return (f"at most {MAX_TENANTS} tenants may be listed, got {count} (tenants not listed take "
             "default_tenant's settings)")
 
 
 def _mapping(value: object, path: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise PolicyError(f"{path}: must be an object")
+        raise PolicyError(path, "must be an object")
     return value
 
 
@@ -266,8 +268,7 @@ def _merge(kind: type, current: Any, patch: object, path: str) -> Any:
     patch = _mapping(patch, path)
     names = {f.name for f in fields(kind)}
     if unknown := set(patch) - names:
-        raise PolicyError(f"{path}.{sorted(map(str, unknown))[0]}: unknown setting "
-                          f"(known: {', '.join(sorted(names))})")
+        raise PolicyError(f"{path}.{sorted(map(str, unknown))[0]}", f"unknown setting (known: {', '.join(sorted(names))})")
     merged = kind(**{**asdict(current), **patch})
     merged.validate(path)
     return merged

@@ -21,7 +21,7 @@ from cadenza.node.core.block_manager import KVBlockManager
 from cadenza.node.core.config import EngineConfig, SchedulerConfig, resolve_max_model_len
 from cadenza.node.core.knobs import config_view, reconfigured
 from cadenza.node.engine.kv_link import KVLink
-from cadenza.node.core.messages import AddRequest, EngineReady, RequestDelta, StepRecord
+from cadenza.node.core.messages import AddRequest, EngineReady, KVEndpoint, RequestDelta, StepRecord
 from cadenza.node.core.request import Request, RequestStatus
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.core.stats import EngineStats
@@ -101,7 +101,7 @@ class EngineCore:
     def ready(self) -> EngineReady:
         """What the front end needs to know of this engine."""
         link = self.kv_link
-        kv = None if link is None else {"host": link.host, "port": link.port, "boot_id": link.boot_id}
+        kv = None if link is None else KVEndpoint(link.host, link.port, link.boot_id)
         return EngineReady(self.max_model_len, self.model_config.vocab_size, sorted(self.eos_token_ids),
                            self.block_manager.num_blocks, self.block_manager.block_size,
                            config_view(self.scheduler.config), kv)

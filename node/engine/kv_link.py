@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cadenza.node.core import disagg_rule
 from cadenza.node.core.block_manager import KVBlockManager
 from cadenza.node.core.cost_model import StepCostModel
 from cadenza.node.core.request import Request
@@ -44,7 +45,7 @@ from cadenza.node.credentials import admin_token
 from cadenza.node.kv_transfer.consumer import KVConsumer
 from cadenza.node.kv_transfer.producer import KVProducer
 from cadenza.node.kv_transfer.protocol import Fingerprint, TransferError
-from cadenza.node.kv_transfer.threshold import FIXED_S, Rule
+from cadenza.node.kv_transfer.threshold import Rule
 from cadenza.node.kv_transfer.throttled_log import ThrottledLog
 
 log = logging.getLogger(__name__)
@@ -53,19 +54,7 @@ HOLDER = "kv-lease:"  # the block-manager table holding a published request's bl
 DRAIN_BYTES = 4 * 2**20  # received KV written between two steps at most (more waits for the next gap)
 RENEW_EVERY_S = 1.0  # how often leases are renewed (prompts computing here, requests queued here), at most
 DEFAULT_MAX_HOLD_S = 120.0  # how long a request queued here keeps its source's KV leased (then computed here)
-LOCAL_TOKENS = 1  # of a moved prompt, computed where it decodes: its last token (remote_kv)
 ASSUMED_LINK_BYTES_PER_S = 1.25e9  # 10 Gbit/s, a common pod network, until pulls have measured the link
-
-
-def rule(cost: StepCostModel, bytes_per_token: int, link_bytes_per_s: float, local_tokens: int = LOCAL_TOKENS,
-         fixed_s: float = FIXED_S) -> Rule | None:
-    """The selective rule (:class:`~cadenza.node.kv_transfer.threshold.Rule`) of an engine with
-    step-time model ``cost``, its prefill coefficients and the link's cost per token; None before
-    the model is calibrated."""
-    if not cost.ready:
-        return None
-    return Rule.of_link(max(0.0, float(cost.coef[1])), max(0.0, float(cost.coef[4])), bytes_per_token,
-                        link_bytes_per_s, local_tokens, fixed_s)
 
 
 @dataclass
@@ -142,7 +131,7 @@ class KVLink:
         (:data:`ASSUMED_LINK_BYTES_PER_S` before any), and the prompt's last token computed here
         (:mod:`~cadenza.node.core.remote_kv`: it samples the first token). None
         before the cost model is calibrated."""
-        return rule(cost, self.fingerprint.bytes_per_token, self.consumer.bandwidth or ASSUMED_LINK_BYTES_PER_S)
+        return disagg_rule.rule(cost, self.fingerprint.bytes_per_token, self.consumer.bandwidth or ASSUMED_LINK_BYTES_PER_S)
 
     def min_prompt_tokens(self, cost: StepCostModel) -> int | None:
         """The shortest prompt worth prefilling on an idle prefill replica for this one, None

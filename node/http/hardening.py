@@ -125,7 +125,7 @@ class HttpTimeouts:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool)
                     and math.isfinite(value) and value > 0):
-                raise ConfigError(f"{name}: must be a positive number of seconds, got {value!r}")
+                raise ConfigError(name, f"must be a positive number of seconds, got {value!r}")
 
 
 _DEFAULTS = HttpTimeouts()

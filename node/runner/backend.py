@@ -145,21 +145,21 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = t
     if name == "auto":
         name = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
         if name not in ATTENTION_BACKENDS:
-            raise ConfigError(f"attention_backend: {ENV_VAR}={name!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
+            raise ConfigError("attention_backend", f"{ENV_VAR}={name!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
     triton_installed = importlib.util.find_spec("triton") is not None
     if name == "auto":
         if device.type == "cuda":
             return "triton" if triton_installed else "torch"
         return "cpu" if dtype == torch.float32 and _cpu_kernels_build() else "torch"
     if name == "triton" and not triton_installed:
-        raise ConfigError("attention_backend: triton is not installed (pip install triton)")
+        raise ConfigError("attention_backend", "triton is not installed (pip install triton)")
     if name == "cpu":
         if device.type != "cpu" or dtype != torch.float32:
-            raise ConfigError(f"attention_backend: cpu runs float32 on the CPU only, not {dtype} on {device}")
+            raise ConfigError("attention_backend", f"cpu runs float32 on the CPU only, not {dtype} on {device}")
         if not _cpu_kernels_build():
             from cadenza.kernels import cpu
 
-            raise ConfigError(f"attention_backend: the compiled CPU kernels did not build ({cpu.build_error()})")
+            raise ConfigError("attention_backend", f"the compiled CPU kernels did not build ({cpu.build_error()})")
     return name
 
 

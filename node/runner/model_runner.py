@@ -62,7 +62,7 @@ class ModelRunner:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             raise ConfigError(
-                f"kv_cache_bytes: cannot allocate a KV cache of {self.num_kv_blocks} blocks on "
+                "kv_cache_bytes", f"cannot allocate a KV cache of {self.num_kv_blocks} blocks on "
                 f"{self.device} ({exc}); lower the KV cache size"
             ) from None
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]

@@ -18,16 +18,13 @@ missing or wrong token is a 401; an invalid change is a 400 and nothing changes.
 
 from __future__ import annotations
 
-import asyncio
-import json
-
 from aiohttp import web
 
 from cadenza.node.frontend.client import EngineCommandError, EngineDeadError
 from cadenza.node.server.auth import authorize
 from cadenza.node.http.errors import APIError
-from cadenza.node.http.hardening import body_timeout
-from cadenza.node.server.openai_api import ENGINE, INLINE_BODY_BYTES
+from cadenza.node.server.app_keys import ENGINE
+from cadenza.node.server.json_body import read_json
 
 async def get_config(request: web.Request) -> web.Response:
     authorize(request)
@@ -39,13 +36,7 @@ async def get_config(request: web.Request) -> web.Response:
 
 async def put_config(request: web.Request) -> web.Response:
     authorize(request)
-    async with body_timeout(request):
-        raw = await request.read()
-    try:  # a large body is parsed off the event loop: probes and streams go on meanwhile
-        changes = json.loads(raw) if len(raw) <= INLINE_BODY_BYTES else await asyncio.get_running_loop(
-            ).run_in_executor(None, json.loads, raw)
-    except (ValueError, RecursionError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    changes = await read_json(request)  # a large body is parsed off the event loop: probes and streams go on
     if not isinstance(changes, dict) or not changes:
         raise APIError(400, "request body must be a non-empty JSON object of settings")
     try:

@@ -25,6 +25,7 @@ from cadenza.node.frontend.client import STALL_TIMEOUT_S, EngineClient
 from cadenza.node.frontend.step_log import StepLog
 from cadenza.node.server import admin, auth, openai_api
 from cadenza.node.server.access_log import access_log_middleware
+from cadenza.node.server.app_keys import DEFAULT_CLASS, ENGINE, MODEL_NAME, TELEMETRY
 from cadenza.node.http.errors import error_middleware, error_response
 from cadenza.node.http.hardening import HttpTimeouts
 from cadenza.node.http.runner import run_app
@@ -62,10 +63,10 @@ def create_app(config: EngineConfig, model_name: str | None = None, default_clas
                           stall_timeout_s=stall_timeout_s)
     telemetry = Telemetry(model_name, stats=engine.stats, step_log=StepLog(step_log) if step_log else None)
     engine.telemetry = telemetry
-    app[openai_api.ENGINE] = engine
-    app[openai_api.TELEMETRY] = telemetry
-    app[openai_api.MODEL_NAME] = model_name
-    app[openai_api.DEFAULT_CLASS] = check_class(default_class)
+    app[ENGINE] = engine
+    app[TELEMETRY] = telemetry
+    app[MODEL_NAME] = model_name
+    app[DEFAULT_CLASS] = check_class(default_class)
     admin.add_routes(app)
     app.cleanup_ctx.append(_engine_lifecycle)
     app.router.add_post("/v1/completions", openai_api.completions)
@@ -78,28 +79,28 @@ def create_app(config: EngineConfig, model_name: str | None = None, default_clas
 
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
-    engine = app[openai_api.ENGINE]
+    engine = app[ENGINE]
     engine.start()
     yield
     await engine.shutdown()
-    await asyncio.get_running_loop().run_in_executor(None, app[openai_api.TELEMETRY].shutdown)
+    await asyncio.get_running_loop().run_in_executor(None, app[TELEMETRY].shutdown)
 
 
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text exposition of every metric (GenAI semantic conventions + ``cadenza.*``)."""
-    body = await asyncio.get_running_loop().run_in_executor(None, request.app[openai_api.TELEMETRY].prometheus_text)
+    body = await asyncio.get_running_loop().run_in_executor(None, request.app[TELEMETRY].prometheus_text)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def health(request: web.Request) -> web.Response:
-    engine = request.app[openai_api.ENGINE]
+    engine = request.app[ENGINE]
     if engine.is_alive:
         return web.json_response({"status": "ok"})
     return error_response(503, f"engine is not running: {engine.error or 'stopped'}")
 
 
 async def ready(request: web.Request) -> web.Response:
-    engine = request.app[openai_api.ENGINE]
+    engine = request.app[ENGINE]
     if engine.is_ready:
         return web.json_response({"status": "ready", **engine.stats().to_dict()})
     if not engine.is_alive and engine.error is not None:
@@ -138,7 +139,7 @@ async def until_stopped_or_failed(app: web.Application, stop: asyncio.Event) -> 
     anything: rather than answer 503 forever while its process lives, it exits, and its
     supervisor (Kubernetes, or ``cadenza up``) restarts it.
     """
-    engine = app[openai_api.ENGINE]
+    engine = app[ENGINE]
     ready = asyncio.ensure_future(engine.wait_ready())
     stopped = asyncio.ensure_future(stop.wait())
     try:
@@ -148,7 +149,7 @@ async def until_stopped_or_failed(app: web.Application, stop: asyncio.Event) -> 
             return 1
         if not ready.done():
             return 0
-        logger.info("ready: serving %s", app[openai_api.MODEL_NAME])
+        logger.info("ready: serving %s", app[MODEL_NAME])
         dead = asyncio.ensure_future(engine.wait_dead())
         await asyncio.wait({dead, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if dead.done():

@@ -22,6 +22,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from aiohttp import web
 
+from cadenza.node.core.messages import KVEndpoint
 from cadenza.node.core.request import RemoteKV
 from cadenza.node.server.auth import authorize
 from cadenza.node.http.errors import APIError
@@ -60,7 +61,7 @@ def parse_source(value: str) -> RemoteKV:
     return RemoteKV(url.hostname, port, request_id, boot, int(tokens))
 
 
-def kv_options(request: web.Request, endpoint: dict | None) -> tuple[RemoteKV | None, bool]:
+def kv_options(request: web.Request, endpoint: KVEndpoint | None) -> tuple[RemoteKV | None, bool]:
     """``(remote_kv, publish_kv)`` the call's headers ask for; ``endpoint`` is this replica's
     KV transfer endpoint (``EngineReady.kv_transfer``; None: it has none).
 

@@ -21,21 +21,17 @@ from aiohttp import web
 from cadenza.node.core.admission import AdmissionError
 from cadenza.node.core.policy import DEFAULT_TENANT, PolicyError, check_class, check_tenant
 from cadenza.node.core.request import RemoteKV, SamplingParams
-from cadenza.node.frontend.client import EngineClient, EngineDeadError, Queued
+from cadenza.node.frontend.client import EngineDeadError, Queued
 from cadenza.node.frontend.input_processor import InputError, InputProcessor
-from cadenza.node.frontend.telemetry import Telemetry
 from cadenza.node.server.access_log import ACCESS
+from cadenza.node.server.app_keys import DEFAULT_CLASS, ENGINE, MODEL_NAME, TELEMETRY
 from cadenza.node.http.errors import APIError, error_body
-from cadenza.node.http.hardening import body_timeout, send
+from cadenza.node.http.hardening import send
+from cadenza.node.server.json_body import read_json
 from cadenza.node.server.kv_headers import format_source, kv_options
 from cadenza.node.server.protocol import ChatCompletionRequest, CompletionRequest, check_sizes, parse
 from cadenza.node.wire import (CLASS_HEADER, DISAGG_RULE_HEADER, KV_SOURCE_HEADER, REQUEST_ID_HEADER, TENANT_HEADER,
                                TRACEPARENT_HEADER)
-
-ENGINE = web.AppKey("engine", EngineClient)
-TELEMETRY = web.AppKey("telemetry", Telemetry)
-MODEL_NAME = web.AppKey("model_name", str)
-DEFAULT_CLASS = web.AppKey("default_class", str)
 
 
 @dataclass(slots=True)
@@ -63,8 +59,8 @@ def _class_and_tenant(request: web.Request) -> tuple[str, str]:
         request.get(ACCESS, {}).update({"class": cls, "tenant": tenant})
         return cls, tenant
     except PolicyError as exc:
-        header = CLASS_HEADER if str(exc).startswith("class") else TENANT_HEADER
-        raise APIError(400, f"{header}: {str(exc).partition(': ')[2]}", param=header) from None
+        header = CLASS_HEADER if exc.field == "class" else TENANT_HEADER
+        raise APIError(400, f"{header}: {exc.reason}", param=header) from None
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -144,37 +140,19 @@ def _input_errors():
         raise APIError(exc.status, exc.message, param=exc.param, code=exc.code) from None
 
 
-async def _off_loop(fn, *args):
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-
-INLINE_BODY_BYTES = 64 * 2**10  # larger bodies are parsed and validated in a worker thread
-
-
 async def _body(request: web.Request, model: type, max_model_len: int):
-    """The request body, read within the body timeout, parsed and validated as ``model``.
-
-    A body over ``INLINE_BODY_BYTES`` is decoded in a worker thread, so its Python-level
-    validation interleaves with the event loop instead of stalling every stream and probe.
+    """The request body, read within the body timeout, parsed and validated as ``model`` (off
+    the event loop when large: :func:`~cadenza.node.server.json_body.read_json`).
 
     Raises:
         APIError: 408 (body too slow), 400 (not JSON, too large a shape, invalid fields).
     """
-    async with body_timeout(request):
-        raw = await request.read()
-    if len(raw) <= INLINE_BODY_BYTES:
-        return _decode(raw, model, max_model_len)
-    return await _off_loop(_decode, raw, model, max_model_len)
+    def validated(data):
+        if isinstance(data, dict):
+            check_sizes(data, max_model_len)
+        return parse(model, data)
 
-
-def _decode(raw: bytes, model: type, max_model_len: int):
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, absurd nesting
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
-    if isinstance(data, dict):
-        check_sizes(data, max_model_len)
-    return parse(model, data)
+    return await read_json(request, validated)
 
 
 def _ready_inputs(request: web.Request) -> InputProcessor:
@@ -202,8 +180,8 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
         call.sampling = replace(call.sampling, max_tokens=1)  # streamed so the headers go out once queued
         call.stream = True
         # where the decode replica pulls this prompt's KV from
-        headers[KV_SOURCE_HEADER] = format_source(RemoteKV(endpoint["host"], endpoint["port"], call.request_id,
-                                                           endpoint["boot_id"], len(call.prompt_ids)))
+        headers[KV_SOURCE_HEADER] = format_source(RemoteKV(endpoint.host, endpoint.port, call.request_id,
+                                                           endpoint.boot_id, len(call.prompt_ids)))
     stream = client.generate(call.request_id, call.prompt_ids, call.sampling, call.traffic_class, call.tenant,
                              arrival_time=call.arrival, cache_salt=call.cache_salt,
                              traceparent=request.headers.get(TRACEPARENT_HEADER), remote_kv=remote_kv,

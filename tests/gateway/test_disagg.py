@@ -17,7 +17,7 @@ from cadenza.gateway.state import METRICS, PREFILL_CALLS, UPSTREAMS
 from cadenza.gateway.disagg import HEADERS_TIMEOUT_S, prompt_tokens
 from cadenza.node.server.app import create_app
 from cadenza.node.server.auth import TOKEN_ENV
-from cadenza.node.server.openai_api import ENGINE
+from cadenza.node.server.app_keys import ENGINE
 from cadenza.node.kv_transfer.threshold import Rule
 from cadenza.node.wire import DISAGG_RULE_HEADER, KV_SOURCE_HEADER
 from step_gate import StepGate

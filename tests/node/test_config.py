@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, resolve_max_model_len
+from cadenza.node.core.policy import Policy, PolicyError
 from cadenza.node.frontend.llm import Engine
 
 
@@ -29,6 +32,26 @@ from cadenza.node.frontend.llm import Engine
 def test_invalid_values_raise_naming_the_field(make, field):
     with pytest.raises(ConfigError, match=f"^{field}:"):
         make()
+
+
+def test_a_config_error_carries_its_field_and_reason_apart_and_survives_pickling():
+    with pytest.raises(ConfigError) as refused:
+        SchedulerConfig(token_budget=0)
+    assert (refused.value.field, refused.value.reason) == ("token_budget", "must be >= 1, got 0")
+    assert str(refused.value) == "token_budget: must be >= 1, got 0"
+    copy = pickle.loads(pickle.dumps(refused.value))
+    assert type(copy) is ConfigError and (copy.field, copy.reason, str(copy)) == (
+        "token_budget", "must be >= 1, got 0", str(refused.value))
+
+
+def test_a_policy_error_names_the_setting_s_path_as_its_field():
+    with pytest.raises(PolicyError) as refused:
+        Policy().updated({"tenants": {"acme": {"weight": 0}}})
+    assert refused.value.field == "tenants.acme.weight"
+    assert str(refused.value) == f"tenants.acme.weight: {refused.value.reason}"
+    with pytest.raises(PolicyError) as bad_class:
+        Policy().updated({"classes": {"urgent": {}}})
+    assert bad_class.value.field == "classes" and bad_class.value.reason.startswith("must be one of")
 
 
 def test_configs_are_frozen():

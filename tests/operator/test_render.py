@@ -9,7 +9,8 @@ import re
 import pytest
 
 from cadenza.pool.spec import Pool, PoolSpecError
-from cadenza.operator.render import (CONFIG_HASH, KV_PORT, render_all, selector_string,
+from cadenza.operator.pods import KV_PORT
+from cadenza.operator.render import (CONFIG_HASH, render_all, selector_string,
                                      stale_deployments, stale_services)
 
 OWNER = {"name": "chat", "uid": "uid-123"}

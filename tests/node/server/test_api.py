@@ -10,7 +10,7 @@ import pytest
 from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cadenza.node.engine.engine_core import EngineCore
 from cadenza.node.server.app import create_app
-from cadenza.node.server.openai_api import ENGINE, TELEMETRY
+from cadenza.node.server.app_keys import ENGINE, TELEMETRY
 from step_gate import StepGate
 from waiting import until
 

@@ -10,7 +10,7 @@ from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cadenza.node.core.policy import ClassPolicy, Policy, TenantPolicy, default_class_policies
 from cadenza.node.server.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from cadenza.node.server.app import create_app
-from cadenza.node.server.openai_api import ENGINE
+from cadenza.node.server.app_keys import ENGINE
 from step_gate import StepGate
 from waiting import until
 

@@ -8,7 +8,7 @@ import time
 
 from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cadenza.node.server.app import create_app, until_stopped_or_failed
-from cadenza.node.server.openai_api import ENGINE
+from cadenza.node.server.app_keys import ENGINE
 from step_gate import StepGate
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cadenza.node.server.app import create_app
-from cadenza.node.server.openai_api import ENGINE
+from cadenza.node.server.app_keys import ENGINE
 from waiting import until
 
 pytestmark = pytest.mark.slow  # each test starts a core process that loads torch and a model

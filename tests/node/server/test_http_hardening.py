@@ -28,7 +28,7 @@ from cadenza.node.http import hardening as http
 from cadenza.node.server import admin, auth
 from cadenza.node.http.errors import error_middleware
 from cadenza.node.server.app import create_app
-from cadenza.node.server.openai_api import ENGINE
+from cadenza.node.server.app_keys import ENGINE
 from cadenza.node.http.runner import run_app
 from cadenza.node.wire import MAX_BODY_BYTES
 from waiting import until

@@ -13,7 +13,7 @@ from cadenza.node.core.request import RemoteKV
 from cadenza.node.server.app import create_app
 from cadenza.node.server.auth import TOKEN_ENV
 from cadenza.node.server.kv_headers import format_source, parse_source
-from cadenza.node.server.openai_api import ENGINE
+from cadenza.node.server.app_keys import ENGINE
 from cadenza.node.wire import KV_PUBLISH_HEADER, KV_SOURCE_HEADER
 from step_gate import StepGate
 from waiting import until

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cadenza.node.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cadenza.node.core.policy import Policy
 from cadenza.node.server.app import create_app
-from cadenza.node.server.openai_api import ENGINE, TELEMETRY
+from cadenza.node.server.app_keys import ENGINE, TELEMETRY
 from server_process import free_port
 from waiting import until
 
