@@ -46,7 +46,8 @@ from opentelemetry.trace import Tracer
 from cadenza.control.decide import DEDICATE, ControllerSpec, Decision, History, Shape, rfc3339, decide
 from cadenza.pool.engine_args import live_document
 from cadenza.pool.spec import Pool
-from cadenza.control.signals import Signals, read_signals, signal_source
+from cadenza.control.prometheus import signal_source
+from cadenza.control.signals import Signals, read_signals
 
 logger = logging.getLogger("cadenza.controller")
 LIVE_KNOBS = ("token_budget", "chunk_size", "step_time_target_ms")

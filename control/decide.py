@@ -45,7 +45,8 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
-from cadenza.control.signals import CLASSES, ClassWindow, Signals
+from cadenza.control.signals import ClassWindow, Signals
+from cadenza.node.core.policy import CLASSES
 from cadenza.pool.live_knobs import knob_bounds
 
 MAX_LOG = 10

@@ -20,7 +20,11 @@ from typing import Any
 import cadenza.node.metric_names as names
 from cadenza.control.actuator import spec_knobs
 from cadenza.control.decide import ControllerSpec, History, Shape, decide
-from cadenza.control.signals import CLASSES, ScrapeSource, Signals, read_signals, signal_source
+from cadenza.control.exposition import gauge_values
+from cadenza.control.prometheus import signal_source
+from cadenza.control.scrape import ScrapeSource
+from cadenza.control.signals import Signals, read_signals
+from cadenza.node.core.policy import CLASSES
 
 ACTUATION = "advisory only: the pool's mode is fixed (mode auto lets the controller act)"
 
@@ -121,8 +125,7 @@ def disaggregation_status(pinned: int | None, scraped: Mapping[str, str] | None)
     """
     if pinned is not None:
         return {"minPromptTokens": pinned, "source": "pinned", "message": "spec.disaggregated.minPromptTokens"}
-    values = [float(line.rsplit(" ", 1)[1]) for text in (scraped or {}).values() for line in text.splitlines()
-              if line.startswith(THRESHOLD_METRIC) and line[len(THRESHOLD_METRIC):][:1] in (" ", "{")]
+    values = gauge_values((scraped or {}).values(), THRESHOLD_METRIC)
     if not values:
         return {"source": "unknown", "message": "no gateway reports a computed threshold yet (the decode replicas "
                                                 "calibrate their step-time model and measure the link first); "

@@ -30,7 +30,9 @@ import numpy as np
 
 from cadenza.gateway.metrics import latency_buckets
 from cadenza.control.decide import DEDICATE, MERGE, ControllerSpec, Decision, History, Shape, decide
-from cadenza.control.signals import CLASSES, ClassWindow, Histogram, Signals, window_of
+from cadenza.control.histograms import Histogram
+from cadenza.control.signals import ClassWindow, Signals, window_of
+from cadenza.node.core.policy import CLASSES
 from cadenza.sim.fleet import Fleet, Observations
 
 
