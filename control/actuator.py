@@ -43,7 +43,9 @@ from typing import Any, Protocol
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
-from cadenza.control.decide import DEDICATE, ControllerSpec, Decision, History, Shape, rfc3339, decide
+from cadenza.control.decide import Decision, Shape, decide
+from cadenza.control.history import DEDICATE, History, rfc3339
+from cadenza.control.spec import ControllerSpec
 from cadenza.pool.engine_args import live_document
 from cadenza.pool.spec import Pool
 from cadenza.control.prometheus import signal_source

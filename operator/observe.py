@@ -19,7 +19,9 @@ from typing import Any
 
 import cadenza.node.metric_names as names
 from cadenza.control.actuator import spec_knobs
-from cadenza.control.decide import ControllerSpec, History, Shape, decide
+from cadenza.control.decide import Shape, decide
+from cadenza.control.history import History
+from cadenza.control.spec import ControllerSpec
 from cadenza.control.exposition import gauge_values
 from cadenza.control.prometheus import signal_source
 from cadenza.control.scrape import ScrapeSource

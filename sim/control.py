@@ -29,7 +29,9 @@ from typing import Any
 import numpy as np
 
 from cadenza.gateway.metrics import latency_buckets
-from cadenza.control.decide import DEDICATE, MERGE, ControllerSpec, Decision, History, Shape, decide
+from cadenza.control.decide import Decision, Shape, decide
+from cadenza.control.history import DEDICATE, MERGE, History
+from cadenza.control.spec import ControllerSpec
 from cadenza.control.histograms import Histogram
 from cadenza.control.signals import ClassWindow, Signals, window_of
 from cadenza.node.core.policy import CLASSES

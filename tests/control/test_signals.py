@@ -8,7 +8,9 @@ import re
 import pytest
 
 from cadenza.gateway.metrics import GatewayMetrics
-from cadenza.control.decide import ControllerSpec, History, Shape, decide
+from cadenza.control.decide import Shape, decide
+from cadenza.control.history import History
+from cadenza.control.spec import ControllerSpec
 from cadenza.control.exposition import parse_pool_metrics
 from cadenza.control.prometheus import PrometheusSource
 from cadenza.control.scrape import SnapshotHistory

@@ -7,7 +7,8 @@ import pytest
 
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.loadgen.trace import TraceRequest
-from cadenza.control.decide import ControllerSpec, decide
+from cadenza.control.decide import decide
+from cadenza.control.spec import ControllerSpec
 from cadenza.sim.control import SimController
 from cadenza.sim.fleet import Fleet
 from cadenza.sim.hardware import PROFILES
