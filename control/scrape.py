@@ -32,6 +32,8 @@ from cadenza.control.exposition import Snapshot, parse_pool_metrics
 from cadenza.control.histograms import Histogram
 from cadenza.control.signals import ClassWindow, window_of
 
+KEEP_MARGIN_S = 120.0  # snapshots kept beyond the slow window: a scrape interval or two, and slack
+
 
 class SnapshotHistory:
     """Snapshots of one pool, oldest first, kept for as long as the slow window needs.

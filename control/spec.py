@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cadenza.pool.engine_args import live_document
 from cadenza.pool.live_knobs import knob_bounds
 
 
@@ -57,3 +58,10 @@ class ControllerSpec:
             stale_s=float(c.get("staleSeconds", 60)),
         )
 
+
+def spec_knobs(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The colocated knobs a pool starts with: its ``spec.engine``'s (engine defaults when unset)."""
+    engine = spec.get("engine") or {}
+    doc = live_document(engine)
+    return {"token_budget": doc["token_budget"], "chunk_size": doc["chunk_size"],
+            "step_time_target_ms": engine.get("stepTimeTargetMs")}

@@ -48,10 +48,13 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from cadenza.node.otel import make_resource, otlp_enabled
 
 from cadenza.operator import kube, render
-from cadenza.control.actuator import Actuator, AdminClient, State, spec_knobs
+from cadenza.control.advisory import advisory_loop
+from cadenza.control.in_place import AdminClient, follow, in_place_loop
+from cadenza.control.loop import ControlLoop
+from cadenza.control.status import slo_status
 from cadenza.operator.k8s_roles import PodBackend, scrape_pool
 from cadenza.operator import workload_status
-from cadenza.operator.observe import PoolObserver, disaggregation_status, latency_status, slo_condition
+from cadenza.operator.observe import disaggregation_status
 from cadenza.pool.spec import Pool, PoolSpecError
 from cadenza.pool.validate import PoolValidationError, validate_pool
 
@@ -62,9 +65,9 @@ REFUSED_RETRY_DELAY_S = 60
 RESYNC_S = float(os.environ.get("CADENZA_OPERATOR_RESYNC_S", "15"))
 RESYNC_CONCURRENCY = 8  # pools resynced at once (each blocks a thread on the API and on scrapes)
 _tokens: dict[str, str] = {}  # pool uid -> its admin token (the Secret is read once)
-_actuators: dict[str, Actuator] = {}  # pool uid -> the controller loop of a mode auto pool
+_actuators: dict[str, ControlLoop] = {}  # pool uid -> the controller loop of a mode auto pool (in place)
 _locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)  # pool uid -> its handlers' lock
-_observer = PoolObserver()
+_observer: dict[str, ControlLoop] = {}  # pool uid -> the advisory loop of a fixed-mode pool with SLOs
 
 
 def retry_delay(retry: int) -> float:
@@ -186,7 +189,11 @@ def _uid(meta: kopf.Meta) -> str:
 
 def _observe(body: kopf.Body, meta: kopf.Meta, pool: Pool) -> dict:
     """A pool that is not ``auto``: its gateways' latency and the controller's advice, recorded."""
-    return _observer.observe(_uid(meta), pool.spec, lambda: scrape_pool(pool), body.get("status", {}))
+    uid = _uid(meta)
+    loop = _observer[uid] = advisory_loop(_observer.get(uid), pool.spec, lambda: scrape_pool(pool),
+                                          body.get("status", {}).get("controller"))
+    loop.tick()
+    return slo_status(loop)
 
 
 def _admin_token(meta: kopf.Meta, pool: Pool) -> str:
@@ -200,29 +207,28 @@ def _admin_token(meta: kopf.Meta, pool: Pool) -> str:
 
 
 def _control(body: kopf.Body, meta: kopf.Meta, pool: Pool, logger: logging.Logger) -> dict:
-    """One tick of a ``mode: auto`` pool's controller (:mod:`.actuator` over its pods); the status
-    fields it reports. The loop's state is read back from ``status.controller`` when this operator
-    has none (it restarted), so the shape, knobs, cooldown and a drain in progress carry over."""
+    """One tick of a ``mode: auto`` pool's controller (:mod:`cadenza.control.in_place` over its pods);
+    the status fields it reports, from the signals that tick read. The loop's state is read back from
+    ``status.controller`` when this operator has none (it restarted), so the shape, knobs, cooldown
+    and a drain in progress carry over."""
     uid = _uid(meta)
-    actuator = _actuators.get(uid)
-    if actuator is None:
-        state = State.from_status(body.get("status", {}).get("controller"), spec_knobs(pool.spec))
-        actuator = _actuators[uid] = Actuator(pool, PodBackend(pool), AdminClient(_admin_token(meta, pool)), state)
+    loop = _actuators.get(uid)
+    if loop is None:
+        loop = _actuators[uid] = in_place_loop(pool, PodBackend(pool), AdminClient(_admin_token(meta, pool)),
+                                               body.get("status", {}).get("controller"))
     else:
-        actuator.update(pool)
+        follow(loop, pool)
     try:
-        decision = actuator.tick()
+        decision = loop.tick()
     except (kube.Transient, kube.Refused) as exc:
         logger.warning("controller: %s", exc)
         decision = None
     if decision is not None and decision.act:
         _event(body, "Normal", decision.action.capitalize(), decision.reason[:1000])
-    signals = actuator.signals(actuator.clock())
-    shape = actuator.last_shape if decision is not None else None
-    out = {"latency": latency_status(signals, actuator.spec), "controller": actuator.status(),
-           "sloMet": slo_condition(signals, actuator.spec),
-           "flapping": bool(actuator.last and actuator.last.flapping)}
-    for key, detail in (("lastRetune", actuator.state.last_retune), ("lastShift", actuator.state.last_shift)):
+    actuation = loop.actuation
+    shape = actuation.last_shape if decision is not None else None
+    out = {**slo_status(loop), "flapping": bool(loop.last and loop.last.flapping)}
+    for key, detail in (("lastRetune", actuation.state.last_retune), ("lastShift", actuation.state.last_shift)):
         if detail:
             out[key] = detail
     if shape is not None:
@@ -427,7 +433,7 @@ def _forget(uid: str) -> None:
     """Drop what the operator keeps in memory for a pool that is gone (its children go with it:
     owner references let the garbage collector delete them)."""
     _reconciled.discard(uid)
-    _observer.forget(uid)
+    _observer.pop(uid, None)
     _actuators.pop(uid, None)
     _tokens.pop(uid, None)  # (its lock stays: a handler may hold it yet)
 
