@@ -53,10 +53,11 @@ from cadenza.control.scrape import KEEP_MARGIN_S
 from cadenza.control.signals import Signals
 from cadenza.control.spec import ControllerSpec, spec_knobs
 from cadenza.pool.engine_args import live_document
+from cadenza.pool.live_knobs import KNOBS
 from cadenza.pool.spec import Pool
 
 logger = logging.getLogger("cadenza.controller")
-LIVE_KNOBS = ("token_budget", "chunk_size", "step_time_target_ms")
+LIVE_KNOBS = tuple(KNOBS.values())  # the knobs rung 1 moves, by their admin API names
 DRAIN_TIMEOUT_S = 120.0
 # A replica's queue counts come from its engine's published stats (at most ~0.2 s plus a step old)
 # and requests routed just before the routing change may still be on their way: "no batch work"

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cadenza.pool.engine_args import live_document
-from cadenza.pool.live_knobs import knob_bounds
+from cadenza.node.core.knobs import BY_CRD
+from cadenza.pool.live_knobs import KNOBS, knob_bounds
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,8 @@ class ControllerSpec:
 
 
 def spec_knobs(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The colocated knobs a pool starts with: its ``spec.engine``'s (engine defaults when unset)."""
+    """The live knobs a pool's colocated engines start with, by admin API name: its
+    ``spec.engine``'s, the engine's defaults (:mod:`cadenza.node.core.knobs`) when unset (None for
+    an unset step-time target)."""
     engine = spec.get("engine") or {}
-    doc = live_document(engine)
-    return {"token_budget": doc["token_budget"], "chunk_size": doc["chunk_size"],
-            "step_time_target_ms": engine.get("stepTimeTargetMs")}
+    return {name: engine.get(crd, BY_CRD[crd].default) for crd, name in KNOBS.items()}

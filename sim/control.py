@@ -37,7 +37,9 @@ from cadenza.control.loop import ControlLoop, Evaluation
 from cadenza.control.signals import ClassWindow, window_of
 from cadenza.control.spec import ControllerSpec
 from cadenza.gateway.metrics import latency_buckets
+from cadenza.node.core.knobs import BY_NAME
 from cadenza.node.core.policy import CLASSES
+from cadenza.pool.live_knobs import KNOBS
 from cadenza.sim.fleet import Fleet, Observations
 
 
@@ -128,11 +130,12 @@ class FleetActuation:
 
     @staticmethod
     def knobs(fleet: Fleet, colocated: list[str]) -> dict[str, float | None]:
+        """The live knobs rung 1 moves, as the first colocated replica runs them (None without one)."""
         if not colocated:
-            return {"chunk_size": None, "token_budget": None, "step_time_target_ms": None}
+            return dict.fromkeys(KNOBS.values())
         config = fleet.replicas[colocated[0]].scheduler.config
-        return {"chunk_size": config.chunk_size, "token_budget": config.token_budget,
-                "step_time_target_ms": config.policy.step_time_target_ms}
+        return {name: getattr(config.policy if BY_NAME[name].section == "policy" else config, name)
+                for name in KNOBS.values()}
 
     def prepare(self, now: float) -> tuple[Shape, dict[str, float | None]]:
         shape, colocated, _dedicated = self.shape(self.fleet)
@@ -146,8 +149,7 @@ class FleetActuation:
             self.actions.append(Action(now, decision.action, decision.reason, decision.act,
                                        decision.knobs, decision.move))
         if decision.act and decision.action == "retune":
-            changes: dict[str, Any] = {k: (int(v) if k != "step_time_target_ms" else v)
-                                       for k, v in (decision.knobs or {}).items()}
+            changes: dict[str, Any] = {k: BY_NAME[k].kind(v) for k, v in (decision.knobs or {}).items()}
             fleet.at(now + self.retune_delay_s, lambda f: f.reconfigure(self.shape(f)[1], changes))
         elif decision.act and decision.action == "reshape":
             fleet.at(now + self.reshape_delay_s, lambda f: self._move(f, decision.move))
