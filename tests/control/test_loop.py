@@ -8,7 +8,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from cadenza.gateway.metrics import GatewayMetrics
+from cadenza.control.decide import Shape
 from cadenza.control.in_place import COLOCATED, DRAIN_SETTLE_S, INTERACTIVE, Replica, State, in_place_loop
+from cadenza.control.loop import ControlLoop
+from cadenza.control.signals import ClassWindow
+from cadenza.control.spec import ControllerSpec
 from cadenza.pool.spec import Pool
 
 SPEC = {"model": {"name": "m"}, "replicas": 2, "mode": "auto", "engine": {"tokenBudget": 256, "chunkSize": 64},
@@ -223,3 +227,40 @@ def test_a_local_replica_that_exits_is_unrouted_until_the_controller_routes_it_a
     assert len(written) == 1  # nothing to rewrite
     backend.route(b, COLOCATED, interactive=True, batch=True)
     assert written[-1] == {"interactive": ["http://a", "http://b"], "batch": ["http://a", "http://b"]}
+
+
+def test_the_loop_keeps_its_own_schedule_on_its_clock():
+    class Source:
+        def __init__(self) -> None:
+            self.records: list[float] = []
+
+        def record(self, now):
+            self.records.append(now)
+
+        def window(self, cls, window_s, now, slo, *, min_samples, stale_s):
+            return ClassWindow(False, "no data")
+
+    class Fixed:
+        def prepare(self, now):
+            return Shape(2), {"chunk_size": 64, "token_budget": 256, "step_time_target_ms": None}
+
+        def act(self, evaluation):
+            pass
+
+        def status(self):
+            return {}
+
+    clock = [100.0]
+    spec = ControllerSpec.from_pool_spec({"slo": {"interactive": {"itlP99Ms": 50}},
+                                          "controller": {"fastWindowSeconds": 20, "windowSeconds": 60}})
+    loop = ControlLoop(Source(), spec, Fixed(), clock=lambda: clock[0])
+    assert loop.interval_s == 5.0 and loop.due() and loop.signals is None  # a few ticks per fast window
+    assert loop.tick().action == "hold" and loop.source.records == [100.0]
+    assert not loop.due() and not loop.due(104.9) and loop.due(105.0)
+    clock[0] = 105.0
+    assert loop.due()
+    assert ControlLoop(Source(), spec, Fixed(), interval_s=15.0).interval_s == 15.0
+    long = ControllerSpec.from_pool_spec({"controller": {"fastWindowSeconds": 300, "windowSeconds": 900}})
+    short = ControllerSpec.from_pool_spec({"controller": {"fastWindowSeconds": 2, "windowSeconds": 10}})
+    assert ControlLoop(Source(), long, Fixed()).interval_s == 15.0  # never slower than the operator's resync
+    assert ControlLoop(Source(), short, Fixed()).interval_s == 1.0
