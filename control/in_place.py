@@ -373,8 +373,9 @@ def in_place_loop(pool: Pool, backend: Backend, admin: AdminClient, stored: Mapp
     """The control loop of a ``mode: auto`` pool, acting in place over ``backend``.
 
     Args:
-        stored: what a previous process stored (``status.controller``, or the state file's), which
-            the loop continues from: history, knobs, roles, a drain in progress; None: a fresh start.
+        stored: a ``status.controller`` document the loop continues from (history, knobs, roles, a
+            drain in progress): what a previous operator stored, or what the caller knows of its
+            replicas (``cadenza up``: each one's role); None: a fresh start.
         clock: epoch seconds (injected in tests).
 
     Its source is the one ``spec.controller.prometheus`` asks for, else a scrape of ``backend``.
