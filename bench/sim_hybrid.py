@@ -142,7 +142,7 @@ def main() -> None:
         runs[f"{name}, chunk {DEDICATED_CHUNK}"] = run(f"{name}, chunk {DEDICATED_CHUNK}",
                                                       pool("dedicated", k, DEDICATED_CHUNK), trace, model)
     auto = run("auto", pool("auto"), trace, model)
-    for a in auto.controller.actions:
+    for a in auto.actions:
         print(f"    t={a.time_s:.0f} s {a.action}: {a.reason}")
     as_written = max((n for n in runs if "chunk" not in n), key=lambda n: runs[n].goodput_rps)
     print(f"auto / the better static shape at the pool's knobs ({as_written}): "
@@ -171,7 +171,7 @@ def main() -> None:
         "best_static": best_name,
         "ratio_at_pool_knobs": round(auto.goodput_rps / runs[as_written].goodput_rps, 3),
         "dropped": {**{n: r.result.dropped for n, r in runs.items()}, "auto": dropped},
-        "auto_actions": [(round(a.time_s), a.action, a.knobs or a.move) for a in auto.controller.actions if a.acted],
+        "auto_actions": [(round(a.time_s), a.action, a.knobs or a.move) for a in auto.actions if a.acted],
         "stationary_reshapes_per_hour": per_hour,
         "slo": SLO,
         "setup": {"model": "llama-3.1-8b", "hardware": "h100-sxm", "replicas": REPLICAS, "duration_s": duration_s,

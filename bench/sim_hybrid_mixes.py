@@ -102,10 +102,9 @@ def main() -> None:
     runs = {}
     for name, layout in layouts.items():
         runs[name] = run(name, layout, trace, model)
-        if runs[name].controller:
-            for x in runs[name].controller.actions:
-                if x.acted:
-                    print(f"    t={x.time_s:.0f} s {x.action} {x.knobs or x.move}: {x.reason}")
+        for x in runs[name].actions:
+            if x.acted:
+                print(f"    t={x.time_s:.0f} s {x.action} {x.knobs or x.move}: {x.reason}")
     static = {n: r.goodput_rps for n, r in runs.items() if n.startswith(("colocated", "dedicated"))}
     auto = [r.goodput_rps for n, r in runs.items() if n.startswith("auto")]
     best = max(static, key=static.get) if static else None

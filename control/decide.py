@@ -2,7 +2,8 @@
 
 The operator, ``cadenza up`` and the simulator call the same :func:`decide` with the pool's
 :class:`~cadenza.control.signals.Signals`, its current :class:`Shape` and live knobs, the
-:class:`History` kept in the pool's status, the :class:`ControllerSpec` and ``now``; it returns a
+:class:`~cadenza.control.history.History` kept in the pool's status, the
+:class:`~cadenza.control.spec.ControllerSpec` and ``now``; it returns a
 :class:`Decision` (what to do, why, and the history to store). No I/O, no clock.
 
 The ladder, cheapest first:
@@ -42,57 +43,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 from typing import Any
 
-from cadenza.control.signals import CLASSES, ClassWindow, Signals
-from cadenza.pool.live_knobs import knob_bounds
+from cadenza.control.history import DEDICATE, MAX_LOG, MERGE, History, rfc3339
+from cadenza.control.signals import ClassWindow, Signals
+from cadenza.control.spec import ControllerSpec
+from cadenza.node.core.policy import CLASSES
 
-MAX_LOG = 10
-DEDICATE, MERGE = "dedicate", "merge"  # colocated -> interactive; interactive -> colocated
 KV_FULL = 0.95  # KV usage (0-1) at which an engine is memory-bound
-
-
-@dataclass(frozen=True)
-class ControllerSpec:
-    """``spec.slo`` and ``spec.controller`` of a pool, defaulted (seconds, milliseconds, ratios)."""
-
-    slo: Mapping[str, Mapping[str, float]]
-    fast_window_s: float = 30.0
-    slow_window_s: float = 300.0
-    min_samples: int = 200
-    hysteresis: float = 0.1
-    cooldown_s: float = 600.0
-    dwell_s: float = 300.0
-    flap_window_s: float = 1800.0
-    retune_factor: float = 0.5
-    bounds: Mapping[str, tuple[float, float]] = field(default_factory=dict)  # engine knob name -> (min, max)
-    advisory: bool = False
-    stale_s: float = 60.0
-
-    @classmethod
-    def from_pool_spec(cls, spec: Mapping[str, Any]) -> ControllerSpec:
-        """Read a (schema-defaulted or raw) ServingPool spec.
-
-        Raises:
-            ValueError: bounds that are empty or inverted once defaulted (:func:`knob_bounds`).
-        """
-        c = spec.get("controller") or {}
-        slow = float(c.get("windowSeconds", 300))
-        return cls(
-            slo={k: dict(v) for k, v in (spec.get("slo") or {}).items() if v},
-            fast_window_s=float(c.get("fastWindowSeconds", 30)),
-            slow_window_s=slow,
-            min_samples=int(c.get("minSamples", 200)),
-            hysteresis=float(c.get("hysteresis", 0.1)),
-            cooldown_s=float(c.get("cooldownSeconds", 600)),
-            dwell_s=float(c.get("dwellSeconds", slow)),
-            flap_window_s=float(c.get("flapWindowSeconds", 1800)),
-            retune_factor=float(c.get("retuneFactor", 0.5)),
-            bounds=knob_bounds(spec),
-            advisory=bool(c.get("advisory", False)),
-            stale_s=float(c.get("staleSeconds", 60)),
-        )
 
 
 @dataclass(frozen=True)
@@ -102,50 +60,6 @@ class Shape:
     colocated: int
     interactive: int = 0
 
-
-@dataclass(frozen=True)
-class History:
-    """What the controller remembers between evaluations (stored in ``status.controller``).
-
-    Times are seconds on the injected clock (epoch seconds in the operator).
-    """
-
-    last_action: float | None = None
-    last_retune: float | None = None
-    last_reshape: float | None = None
-    reshapes: tuple[tuple[float, str], ...] = ()  # (time, DEDICATE | MERGE), within the flap window
-    bound_since: float | None = None  # interactive breaching with rung 1 at its bound, since
-    clear_since: float | None = None  # every class clear (slow window), since
-    frozen_until: float | None = None  # reshaping frozen (flapping) until
-    log: tuple[Mapping[str, Any], ...] = ()  # the last decisions that changed something or were advised
-
-    def to_status(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {}
-        for key, value in (("lastAction", self.last_action), ("lastRetune", self.last_retune),
-                           ("lastReshape", self.last_reshape), ("boundSince", self.bound_since),
-                           ("clearSince", self.clear_since), ("frozenUntil", self.frozen_until)):
-            if value is not None:
-                doc[key] = rfc3339(value)
-        if self.reshapes:
-            doc["reshapes"] = [{"time": rfc3339(t), "move": move} for t, move in self.reshapes]
-        if self.log:
-            doc["decisions"] = [dict(entry) for entry in self.log]
-        return doc
-
-    @classmethod
-    def from_status(cls, doc: Mapping[str, Any] | None) -> History:
-        """The history a previous operator stored (an empty one for None or garbage fields)."""
-        doc = doc if isinstance(doc, Mapping) else {}
-        t = {key: _parse_time(doc.get(key)) for key in ("lastAction", "lastRetune", "lastReshape", "boundSince",
-                                                        "clearSince", "frozenUntil")}
-        stored = doc.get("reshapes") if isinstance(doc.get("reshapes"), list) else []
-        reshapes = tuple((when, r.get("move")) for r in stored
-                         if isinstance(r, Mapping) and (when := _parse_time(r.get("time"))) is not None
-                         and r.get("move") in (DEDICATE, MERGE))
-        decisions = doc.get("decisions") if isinstance(doc.get("decisions"), list) else []
-        log = tuple(e for e in decisions if isinstance(e, Mapping))[-MAX_LOG:]
-        return cls(t["lastAction"], t["lastRetune"], t["lastReshape"], reshapes, t["boundSince"], t["clearSince"],
-                   t["frozenUntil"], log)
 
 
 @dataclass(frozen=True)
@@ -182,7 +96,7 @@ def decide(signals: Signals, shape: Shape, knobs: Mapping[str, float | None], hi
         shape: replicas per role now.
         knobs: the colocated engines' live knobs now (``chunk_size``, ``token_budget``,
             ``step_time_target_ms``; None for one that is unset).
-        history: what the last evaluation returned (or :meth:`History.from_status`).
+        history: what the last evaluation returned (or :meth:`~cadenza.control.history.History.from_status`).
         spec: the pool's SLOs and controller settings.
         now: seconds, same clock as ``history``.
     """
@@ -386,22 +300,3 @@ def _expire(history: History, spec: ControllerSpec, now: float) -> History:
     return replace(history, reshapes=reshapes, frozen_until=frozen, last_action=past(history.last_action),
                    last_retune=past(history.last_retune), last_reshape=past(history.last_reshape),
                    bound_since=past(history.bound_since), clear_since=past(history.clear_since))
-
-
-def rfc3339(t: float) -> str:
-    """``t`` (epoch seconds) as an RFC 3339 UTC timestamp, to the second."""
-    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-_LATEST = 1e11  # epoch seconds (year 5138): anything later is garbage, not a time
-
-
-def _parse_time(value: Any) -> float | None:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value) if math.isfinite(value) and abs(value) < _LATEST else None
-    if not isinstance(value, str):
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except (ValueError, OverflowError):
-        return None

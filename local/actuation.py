@@ -1,4 +1,5 @@
-"""Hybrid mode under ``cadenza up``: the :class:`~.actuator.Actuator` over local processes.
+"""Hybrid mode under ``cadenza up``: the in-place actuation (:mod:`cadenza.control.in_place`) over
+local processes.
 
 Replicas are the supervisor's processes (all started colocated, with a per-run admin token);
 routing is the gateway's config file, rewritten atomically and signalled with SIGHUP so the
@@ -11,7 +12,8 @@ import urllib.request
 from collections.abc import Callable
 from http.client import HTTPException
 
-from cadenza.control.actuator import COLOCATED, AdminClient, Actuator, Replica, State, spec_knobs
+from cadenza.control.in_place import COLOCATED, AdminClient, Replica, in_place_loop
+from cadenza.control.loop import ControlLoop
 from cadenza.pool.spec import Pool
 
 
@@ -71,8 +73,9 @@ def _get(url: str) -> str | None:
         return None
 
 
-def local_actuator(pool: Pool, replicas: dict[str, str], gateway_url: str,
-                   write_routes: Callable[[dict[str, list[str]]], None], token: str) -> Actuator:
-    """The controller loop of a local ``mode: auto`` pool."""
-    state = State(knobs=spec_knobs(pool.spec), roles={name: COLOCATED for name in replicas})
-    return Actuator(pool, LocalBackend(replicas, gateway_url, write_routes), AdminClient(token), state)
+def local_loop(pool: Pool, replicas: dict[str, str], gateway_url: str,
+               write_routes: Callable[[dict[str, list[str]]], None], token: str) -> ControlLoop:
+    """The controller loop of a local ``mode: auto`` pool: every replica starts colocated, at the
+    spec's knobs (the loop's actuation is in place over a :class:`LocalBackend`)."""
+    started = {"roles": {name: COLOCATED for name in replicas}}
+    return in_place_loop(pool, LocalBackend(replicas, gateway_url, write_routes), AdminClient(token), started)

@@ -17,7 +17,7 @@ admin API is off). At start, ``cadenza up`` logs each replica's address and whet
 replica) and does not list the replicas' addresses.
 
 With ``mode: auto`` every replica starts colocated, and the same SLO controller as the operator's
-keeps the pool's SLOs by retuning and moving replicas in place (:mod:`.local_control`) through
+keeps the pool's SLOs by retuning and moving replicas in place (:mod:`.actuation`) through
 their admin API; each decision is logged and the state file shows the shape.
 
 With ``mode: disaggregated`` the prefill and decode replicas each open a KV transfer endpoint (a
@@ -43,8 +43,8 @@ from typing import NamedTuple
 
 from cadenza.node.core.config import listen_problem as port_problem
 from cadenza.node.credentials import TOKEN_ENV, TOKEN_FILE_ENV
-from cadenza.control.actuator import Actuator
-from cadenza.local.actuation import local_actuator
+from cadenza.control.loop import ControlLoop
+from cadenza.local.actuation import local_loop
 from cadenza.pool.spec import Pool, PoolSpecError
 from cadenza.pool.spec import cpu_threads
 from cadenza.local.process import Process, free_port
@@ -173,10 +173,10 @@ def _threads(pool: Pool, replicas: int) -> int:
 
 
 def _write_state(path: Path | None, replicas: list[Process], gateway: Process,
-                 controller: Actuator | None = None) -> None:
+                 controller: ControlLoop | None = None) -> None:
     if path is None:
         return
-    roles = controller.state.roles if controller is not None else {}
+    roles = controller.actuation.state.roles if controller is not None else {}
     state = {
         "gateway": {"url": gateway.url, "pid": gateway.proc.pid if gateway.proc else None},
         "replicas": [{"name": r.name, "role": roles.get(r.name, r.role), "url": r.url,
@@ -263,11 +263,9 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
         if not stop["now"]:
             logger.info("pool %s: serving on %s/v1 (%d replicas ready%s)", name, gateway.url, len(replicas),
                         ", SLO controller on" if controller else "")
-        next_tick = time.monotonic()
         while not stop["now"]:
             _supervise(everyone, replicas, gateway, state_file, controller)
-            if controller is not None and time.monotonic() >= next_tick:
-                next_tick = time.monotonic() + controller.interval_s
+            if controller is not None and controller.due():
                 try:
                     controller.tick()
                 except Exception:  # noqa: BLE001 - a controller bug must not take the pool down
@@ -284,14 +282,14 @@ def run_local(pool_obj: dict, host: str = "127.0.0.1", port: int = 8000, state_f
 
 
 def _controller(pool_obj: dict, replicas: list[Process], gateway: Process, run_dir: Path,
-                token: str) -> Actuator:
+                token: str) -> ControlLoop:
     pool = Pool(pool_obj["metadata"]["name"], pool_obj["metadata"].get("namespace", "default"), pool_obj["spec"])
 
     def route(urls: dict[str, list[str]]) -> None:
         write_routes(run_dir / "gateway.json", urls)
         gateway.stop(signal.SIGHUP)  # re-read now, not at the next poll
 
-    return local_actuator(pool, {r.name: r.url for r in replicas}, gateway.url, route, token)
+    return local_loop(pool, {r.name: r.url for r in replicas}, gateway.url, route, token)
 
 
 def _exited_soon(p: Process, within_s: float = 1.0) -> bool:
@@ -303,7 +301,7 @@ def _exited_soon(p: Process, within_s: float = 1.0) -> bool:
 
 
 def _supervise(everyone: list[Process], replicas: list[Process], gateway: Process, state_file: Path | None,
-               controller: Actuator | None = None) -> None:
+               controller: ControlLoop | None = None) -> None:
     now = time.monotonic()
     for p in everyone:
         if p.proc is None or p.proc.poll() is None:
@@ -313,7 +311,7 @@ def _supervise(everyone: list[Process], replicas: list[Process], gateway: Proces
             p.restart_at = now + backoff
             logger.warning("%s exited with %s; restarting in %.0f s (log: %s)", p.name, p.proc.returncode, backoff, p.log)
             if controller is not None and p in replicas:
-                controller.backend.unroute(p.name)  # routed again once its role's settings are back
+                controller.actuation.backend.unroute(p.name)  # routed again once its role's settings are back
         elif now >= p.restart_at:
             p.restarts += 1
             p.restart_at = 0.0

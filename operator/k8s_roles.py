@@ -1,4 +1,5 @@
-"""Hybrid mode in a cluster: the :class:`~.actuator.Actuator` over the pods of a ``mode: auto`` pool.
+"""Hybrid mode in a cluster: the in-place actuation (:mod:`cadenza.control.in_place`) over the pods of
+a ``mode: auto`` pool.
 
 - Replicas are the pool's engine pods (``serving.cadenza.dev/workload: auto``), reached at their
   pod IP on the container port named ``http``.
@@ -11,8 +12,9 @@
 - The gateways' ``/metrics`` (latency) and the engines' (queues, KV, preemptions, predicted step
   time) are scraped at their pod IPs, in parallel.
 
-The actuator's :class:`~.actuator.State` is stored in ``status.controller`` by the handler, so an
-operator that restarts comes back to the same shape, knobs, cooldown and drain.
+The loop's state (its history and the actuation's :class:`~cadenza.control.in_place.State`) is
+stored in ``status.controller`` by the handler, so an operator that restarts comes back to the same
+shape, knobs, cooldown and drain.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPException
 
 from cadenza.operator import kube, render
-from cadenza.control.actuator import Replica
+from cadenza.control.in_place import Replica
 from cadenza.pool.spec import Pool
 
 logger = logging.getLogger(__name__)

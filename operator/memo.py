@@ -17,9 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cadenza.control.actuator import Actuator
+from cadenza.control.loop import ControlLoop
 from cadenza.operator.children import Children
-from cadenza.operator.observe import PoolObserver
 
 
 def pool_uid(meta: Mapping[str, Any]) -> str:
@@ -31,18 +30,18 @@ def pool_uid(meta: Mapping[str, Any]) -> str:
 class PoolState:
     """One pool's memory: the lock its handlers take (a resync holding the old spec cannot undo
     what an update just applied), whether this operator reconciled it (the resync loop follows
-    only those), its admin token (the Secret is read once), the controller loop of a ``mode:
-    auto`` pool, and the SLO windows read so far of a pool of fixed shape."""
+    only those), its admin token (the Secret is read once), and its control loop: in place over
+    the pods of a ``mode: auto`` pool, advice only for a pool of fixed shape with ``spec.slo``
+    (its windows are what the loop read so far)."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     reconciled: bool = False
     admin_token: str | None = None
-    actuator: Actuator | None = None
-    observer: PoolObserver = field(default_factory=PoolObserver)
+    control: ControlLoop | None = None
 
     def forget(self) -> None:
         """Drop what is remembered of a pool that is gone; the lock stays (a handler may hold it yet)."""
-        self.reconciled, self.admin_token, self.actuator, self.observer = False, None, None, PoolObserver()
+        self.reconciled, self.admin_token, self.control = False, None, None
 
 
 class Operator:

@@ -1,11 +1,12 @@
-"""The SLO part of a pass over a pool: a ``mode: auto`` pool's controller tick (:func:`_control`,
-:class:`~cadenza.control.actuator.Actuator` over its pods), or, for a pool of fixed shape with
-``spec.slo``, its gateways' latency and the controller's advice (:func:`_observe`); and the
-pool's admin token, which the controller and the pods that mount it need (:func:`_admin_token`).
+"""The SLO part of a pass over a pool: one tick of its control loop (:mod:`cadenza.control.loop`):
+in place over its pods for a ``mode: auto`` pool (:func:`_control`), advice only for a pool of
+fixed shape with ``spec.slo`` (:func:`_observe`); and the pool's admin token, which the controller
+and the pods that mount it need (:func:`_admin_token`).
 
 Each returns the status fields :func:`~.status.build_status` reports (``latency``,
-``controller``, ``sloMet`` ...). What they remember between passes (the token, the controller
-loop, the SLO windows) is the pool's :class:`~.memo.PoolState`.
+``controller``, ``sloMet`` ...), from the signals that tick read: the loop reads them once. What
+they remember between passes (the token, the loop and its windows) is the pool's
+:class:`~.memo.PoolState`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from collections.abc import Callable, Mapping
 
 import kopf
 
-from cadenza.control.actuator import Actuator, AdminClient, State, spec_knobs
+from cadenza.control.advisory import Advisory, advisory_loop
+from cadenza.control.in_place import AdminClient, InPlace, follow, in_place_loop
+from cadenza.control.status import slo_status
 from cadenza.operator import kube, render
 from cadenza.operator.k8s_roles import PodBackend
 from cadenza.operator.memo import PoolState
-from cadenza.operator.memo import pool_uid as _uid
-from cadenza.operator.observe import latency_status, slo_condition
 from cadenza.operator.report import event as _event
 from cadenza.pool.spec import Pool
 
@@ -38,7 +39,11 @@ def read_slo(pool_state: PoolState, body: kopf.Body, pool: Pool, logger: logging
 def _observe(pool_state: PoolState, body: kopf.Body, meta: kopf.Meta, pool: Pool,
              scrape: Callable[[], Mapping[str, str] | None]) -> dict:
     """A pool that is not ``auto``: its gateways' latency and the controller's advice, recorded."""
-    return pool_state.observer.observe(_uid(meta), pool.spec, scrape, body.get("status", {}))
+    previous = pool_state.control  # an auto pool's loop, when the mode just changed, is not advice's
+    previous = previous if previous is not None and isinstance(previous.actuation, Advisory) else None
+    loop = pool_state.control = advisory_loop(previous, pool.spec, scrape, body.get("status", {}).get("controller"))
+    loop.tick()
+    return slo_status(loop)
 
 
 def _admin_token(pool_state: PoolState, meta: kopf.Meta, pool: Pool) -> str:
@@ -51,29 +56,28 @@ def _admin_token(pool_state: PoolState, meta: kopf.Meta, pool: Pool) -> str:
 
 
 def _control(pool_state: PoolState, body: kopf.Body, meta: kopf.Meta, pool: Pool, logger: logging.Logger) -> dict:
-    """One tick of a ``mode: auto`` pool's controller (:mod:`.actuator` over its pods); the status
-    fields it reports. The loop's state is read back from ``status.controller`` when this operator
-    has none (it restarted), so the shape, knobs, cooldown and a drain in progress carry over."""
-    actuator = pool_state.actuator
-    if actuator is None:
-        state = State.from_status(body.get("status", {}).get("controller"), spec_knobs(pool.spec))
-        actuator = pool_state.actuator = Actuator(pool, PodBackend(pool),
-                                                  AdminClient(_admin_token(pool_state, meta, pool)), state)
+    """One tick of a ``mode: auto`` pool's controller (:mod:`cadenza.control.in_place` over its pods);
+    the status fields it reports, from the signals that tick read. The loop's state is read back from
+    ``status.controller`` when this operator has none (it restarted), so the shape, knobs, cooldown
+    and a drain in progress carry over."""
+    loop = pool_state.control
+    if loop is None or not isinstance(loop.actuation, InPlace):  # none yet, or the pool just became auto
+        loop = pool_state.control = in_place_loop(pool, PodBackend(pool),
+                                                  AdminClient(_admin_token(pool_state, meta, pool)),
+                                                  body.get("status", {}).get("controller"))
     else:
-        actuator.update(pool)
+        follow(loop, pool)
     try:
-        decision = actuator.tick()
+        decision = loop.tick()
     except (kube.Transient, kube.Refused) as exc:
         logger.warning("controller: %s", exc)
         decision = None
     if decision is not None and decision.act:
         _event(body, "Normal", decision.action.capitalize(), decision.reason[:1000])
-    signals = actuator.signals(actuator.clock())
-    shape = actuator.last_shape if decision is not None else None
-    out = {"latency": latency_status(signals, actuator.spec), "controller": actuator.status(),
-           "sloMet": slo_condition(signals, actuator.spec),
-           "flapping": bool(actuator.last and actuator.last.flapping)}
-    for key, detail in (("lastRetune", actuator.state.last_retune), ("lastShift", actuator.state.last_shift)):
+    actuation = loop.actuation
+    shape = actuation.last_shape if decision is not None else None
+    out = {**slo_status(loop), "flapping": bool(loop.last and loop.last.flapping)}
+    for key, detail in (("lastRetune", actuation.state.last_retune), ("lastShift", actuation.state.last_shift)):
         if detail:
             out[key] = detail
     if shape is not None:

@@ -286,7 +286,7 @@ def run_report(policy, trace, roofline, on_done) -> dict:
         "goodput_rps": run.goodput_rps, "reshapes": run.reshapes,
         "kv_usage": result.kv_usage, "preemptions": result.preemptions, "kv_transfer": result.kv_transfer,
         "by_class": {cls: asdict(summary) for cls, summary in result.by_class.items()},
-        "actions": [asdict(a) for a in run.controller.actions] if run.controller else [],
+        "actions": [asdict(a) for a in run.actions],
         "attainment_over_time": fleet.attainment_over_time(max(interval, result.span_s / 60)),
     }
 

@@ -27,7 +27,8 @@ from typing import Any
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.loadgen.trace import TraceRequest
 from cadenza.sim.baselines import PrefillFirstScheduler
-from cadenza.sim.control import SimController
+from cadenza.control.loop import ControlLoop
+from cadenza.sim.control import Action, sim_controller
 from cadenza.sim.disagg import KVLinkModel
 from cadenza.sim.fleet import Fleet, FleetResult
 from cadenza.sim.pool import FleetLayout, fleet_layout
@@ -57,12 +58,17 @@ class Policy:
 
 @dataclass(frozen=True, slots=True)
 class PolicyRun:
-    """A policy's run: the fleet's result, the fleet, and the controller (``auto``; None otherwise)."""
+    """A policy's run: the fleet's result, the fleet, and the control loop (``auto``; None otherwise)."""
 
     policy: str
     result: FleetResult
     fleet: Fleet
-    controller: SimController | None
+    controller: ControlLoop | None
+
+    @property
+    def actions(self) -> list[Action]:
+        """The controller's decisions other than ``hold``, acted on or not (none without a controller)."""
+        return self.controller.actuation.actions if self.controller else []
 
     @property
     def goodput_rps(self) -> float:
@@ -71,7 +77,7 @@ class PolicyRun:
 
     @property
     def reshapes(self) -> int:
-        return sum(1 for a in self.controller.actions if a.acted and a.action == "reshape") if self.controller else 0
+        return sum(1 for a in self.actions if a.acted and a.action == "reshape")
 
 
 def _with_mode(pool: Mapping[str, Any], mode: str) -> dict:
@@ -119,7 +125,8 @@ def policies(pool: Mapping[str, Any], roofline: Roofline, names: Sequence[str] =
 
 def run_policy(policy: Policy, trace: Sequence[TraceRequest], roofline: Roofline,
                on_done=None, **controller_args: float) -> PolicyRun:
-    """Replay ``trace`` under ``policy`` (``controller_args``: :class:`SimController` delays).
+    """Replay ``trace`` under ``policy`` (``controller_args``: :func:`~cadenza.sim.control.sim_controller`'s
+    interval and delays).
 
     Raises:
         RuntimeError: a replica stopped making progress.
@@ -130,7 +137,6 @@ def run_policy(policy: Policy, trace: Sequence[TraceRequest], roofline: Roofline
                   link=policy.link, min_prompt_tokens=layout.min_prompt_tokens)
     controller = None
     if layout.controller is not None:
-        controller = SimController(layout.controller, **controller_args)
-        controller.attach(fleet)
+        controller = sim_controller(layout.controller, fleet, **controller_args)
     classes = ["interactive"] * len(trace) if policy.one_class else None  # reported by the trace's all the same
     return PolicyRun(policy.name, fleet.run(trace, classes, on_done=on_done), fleet, controller)

@@ -16,7 +16,7 @@ from typing import Any
 
 from cadenza.node.core.config import SchedulerConfig, resolve_max_model_len
 from cadenza.node.core.knobs import BY_CRD
-from cadenza.control.decide import ControllerSpec
+from cadenza.control.spec import ControllerSpec
 from cadenza.pool.engine_args import engine_config
 from cadenza.pool.spec import Pool
 from cadenza.sim.roofline import Roofline

@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from cadenza.control.decide import DEDICATE, MERGE, ControllerSpec, History, Shape, decide
+from cadenza.control.decide import Shape, decide
+from cadenza.control.history import DEDICATE, MERGE, History
+from cadenza.control.spec import ControllerSpec
 from cadenza.control.signals import ClassWindow, Signals
 
 SLO = {"interactive": {"ttftP99Ms": 1000, "itlP99Ms": 100}, "batch": {"ttftP99Ms": 20000}}

@@ -22,7 +22,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cadenza.gateway.metrics import GatewayMetrics, latency_buckets
-from cadenza.control.signals import PrometheusSource, ScrapeSource, SnapshotHistory, parse_pool_metrics
+from cadenza.control.exposition import parse_pool_metrics
+from cadenza.control.prometheus import PrometheusSource
+from cadenza.control.scrape import ScrapeSource, SnapshotHistory
 from local_pool import pool_yaml, stop_up, up_env
 from metrics_server import FakeEngine, serve_metrics
 from server_process import free_port

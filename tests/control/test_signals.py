@@ -8,8 +8,13 @@ import re
 import pytest
 
 from cadenza.gateway.metrics import GatewayMetrics
-from cadenza.control.decide import ControllerSpec, History, Shape, decide
-from cadenza.control.signals import ClassWindow, PrometheusSource, Signals, SnapshotHistory, parse_pool_metrics
+from cadenza.control.decide import Shape, decide
+from cadenza.control.history import History
+from cadenza.control.spec import ControllerSpec
+from cadenza.control.exposition import parse_pool_metrics
+from cadenza.control.prometheus import PrometheusSource
+from cadenza.control.scrape import SnapshotHistory
+from cadenza.control.signals import ClassWindow, Signals
 from metrics_server import FakeEngine
 
 SLO = {"interactive": {"ttftP99Ms": 500, "itlP99Ms": 100}}

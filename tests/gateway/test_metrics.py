@@ -7,7 +7,9 @@ import random
 import pytest
 
 from cadenza.gateway.metrics import latency_buckets
-from cadenza.control.signals import Histogram, SnapshotHistory, parse_pool_metrics
+from cadenza.control.exposition import parse_pool_metrics
+from cadenza.control.histograms import Histogram
+from cadenza.control.scrape import SnapshotHistory
 
 STREAM = {"model": "fake", "prompt": "hi", "max_tokens": 5, "stream": True}
 
@@ -79,7 +81,7 @@ def test_bad_targets_are_refused():
 def test_a_window_is_the_difference_of_two_scrapes():
     bounds = (0.1, 0.2, 0.4)
     history = SnapshotHistory(keep_s=400)
-    from cadenza.control.signals import Snapshot
+    from cadenza.control.exposition import Snapshot
 
     def snap(t, ttft_counts, itl_counts):
         return Snapshot(t, {"interactive": Histogram(bounds, ttft_counts)}, {"interactive": Histogram(bounds, itl_counts)})
@@ -107,7 +109,7 @@ def test_a_window_is_the_difference_of_two_scrapes():
 
 
 def test_a_covered_window_without_requests_is_a_known_zero():
-    from cadenza.control.signals import Snapshot
+    from cadenza.control.exposition import Snapshot
 
     h = Histogram((0.1,), (7, 7))
     history = SnapshotHistory(keep_s=100)

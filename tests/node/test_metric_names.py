@@ -11,7 +11,7 @@ from cadenza.node.core.messages import StepRecord
 from cadenza.node.core.stats import ClassStats, EngineStats
 from cadenza.node.frontend.telemetry import Telemetry
 from cadenza.gateway.metrics import GatewayMetrics
-from cadenza.control import signals
+from cadenza.control import exposition
 from cadenza.operator import observe
 
 
@@ -29,9 +29,9 @@ def test_the_engines_series_carry_the_names_and_labels_the_controller_reads():
         telemetry.shutdown()
     for metric in (names.REQUESTS, names.KV_BLOCKS, names.REQUESTS_PREEMPTED, names.STEP_PREDICTED_DURATION):
         assert metric.prometheus in f, metric
-    preempted = f[signals.ENGINE_PREEMPTED].samples
-    assert preempted[0].labels[signals.ENGINE_CLASS_LABEL] == "interactive" and preempted[0].value == 3
-    assert {s.labels[signals.ENGINE_CLASS_LABEL] for s in f[signals.ENGINE_REQUESTS].samples} == {"interactive"}
+    preempted = f[exposition.ENGINE_PREEMPTED].samples
+    assert preempted[0].labels[exposition.ENGINE_CLASS_LABEL] == "interactive" and preempted[0].value == 3
+    assert {s.labels[exposition.ENGINE_CLASS_LABEL] for s in f[exposition.ENGINE_REQUESTS].samples} == {"interactive"}
 
 
 def test_the_gateways_series_carry_the_names_and_labels_the_controller_and_status_read():
@@ -44,10 +44,10 @@ def test_the_gateways_series_carry_the_names_and_labels_the_controller_and_statu
         f = families(metrics.prometheus_text())
     finally:
         metrics.shutdown()
-    for name in (signals.TTFT_METRIC, signals.ITL_METRIC, observe.THRESHOLD_METRIC):
+    for name in (exposition.TTFT_METRIC, exposition.ITL_METRIC, observe.THRESHOLD_METRIC):
         assert name in f, name
-    ttft = [s for s in f[signals.TTFT_METRIC].samples if s.name.endswith("_count")]
-    assert ttft and ttft[0].labels[signals.CLASS_LABEL] == "interactive"
+    ttft = [s for s in f[exposition.TTFT_METRIC].samples if s.name.endswith("_count")]
+    assert ttft and ttft[0].labels[exposition.CLASS_LABEL] == "interactive"
     assert f[observe.THRESHOLD_METRIC].samples[0].value == 512
 
 

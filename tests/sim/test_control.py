@@ -1,5 +1,5 @@
-"""The controller in the simulation: the operator's decide() on simulated windows, acting through
-the fleet after its delays."""
+"""The controller in the simulation: the operator's control loop and decide() on simulated windows,
+acting through the fleet after its delays."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import pytest
 
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.loadgen.trace import TraceRequest
-from cadenza.control.decide import ControllerSpec, decide
-from cadenza.sim.control import SimController
+from cadenza.control.decide import decide
+from cadenza.control.signals import read_signals
+from cadenza.control.spec import ControllerSpec
+from cadenza.sim.control import FleetSource, sim_controller
 from cadenza.sim.fleet import Fleet
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
@@ -34,18 +36,20 @@ def pool_spec(**controller) -> ControllerSpec:
                        **controller}})
 
 
-def run(controller: SimController | None, seconds: float = 60) -> Fleet:
-    fleet = Fleet({"interactive": ["a", "b"], "batch": ["a", "b"]}, {"a": CONFIG, "b": CONFIG}, MODEL)
-    if controller is not None:
-        controller.attach(fleet)
+def fleet() -> Fleet:
+    return Fleet({"interactive": ["a", "b"], "batch": ["a", "b"]}, {"a": CONFIG, "b": CONFIG}, MODEL)
+
+
+def run(fleet: Fleet, seconds: float = 60) -> Fleet:
     fleet.run(*mixed_trace(seconds))
     return fleet
 
 
 def test_an_itl_breach_halves_the_chunks_live_until_the_slo_holds():
-    controller = SimController(pool_spec(), interval_s=5, scrape_delay_s=5, retune_delay_s=1)
-    tuned, static = run(controller), run(None)
-    retunes = [a for a in controller.actions if a.action == "retune"]
+    tuned, static = fleet(), fleet()
+    controller = sim_controller(pool_spec(), tuned, interval_s=5, scrape_delay_s=5, retune_delay_s=1)
+    run(tuned), run(static)
+    retunes = [a for a in controller.actuation.actions if a.action == "retune"]
     assert [a.knobs for a in retunes[:2]] == [{"chunk_size": 1024}, {"chunk_size": 512}]
     assert all(a.acted for a in retunes) and retunes[0].time_s >= 5
     assert {r.scheduler.config.chunk_size for r in tuned.replicas.values()} == {retunes[-1].knobs["chunk_size"]}
@@ -55,33 +59,38 @@ def test_an_itl_breach_halves_the_chunks_live_until_the_slo_holds():
 
 
 def test_every_simulated_decision_is_what_decide_returns_for_the_same_inputs():
-    controller = SimController(pool_spec(), interval_s=5, scrape_delay_s=5)
-    run(controller, seconds=40)
-    assert len(controller.decisions) >= 7
-    for now, signals, shape, knobs, before, decision in controller.decisions:
+    simulated = fleet()
+    controller = sim_controller(pool_spec(), simulated, interval_s=5, scrape_delay_s=5)
+    run(simulated, seconds=40)
+    decisions = controller.actuation.decisions
+    assert len(decisions) >= 7
+    for now, signals, shape, knobs, before, _spec, decision in decisions:
         assert decide(signals, shape, knobs, before, controller.spec, now) == decision
-    assert [a.time_s for a in controller.actions] == [t for t, *_, d in controller.decisions if d.action != "hold"]
+    assert [a.time_s for a in controller.actuation.actions] == [t for t, *_, d in decisions if d.action != "hold"]
 
 
 def test_with_prefill_at_its_bound_a_replica_is_dedicated_to_interactive_after_a_slow_window():
     # chunkSize may not move: rung 1 is exhausted from the start, so the breach reshapes
-    controller = SimController(pool_spec(bounds={"chunkSize": {"min": 2048, "max": 2048}}), interval_s=5,
-                               scrape_delay_s=5, reshape_delay_s=10)
-    fleet = run(controller, seconds=90)
-    reshapes = [a for a in controller.actions if a.action == "reshape" and a.acted]
+    simulated = fleet()
+    controller = sim_controller(pool_spec(bounds={"chunkSize": {"min": 2048, "max": 2048}}), simulated, interval_s=5,
+                                scrape_delay_s=5, reshape_delay_s=10)
+    run(simulated, seconds=90)
+    reshapes = [a for a in controller.actuation.actions if a.action == "reshape" and a.acted]
     assert reshapes and reshapes[0].move == "dedicate"
     assert reshapes[0].time_s >= 20  # the breach must hold at the bound for a slow window first
-    assert fleet.roles() == {"interactive": ["a", "b"], "batch": ["a"]}
-    batch_on_b = [t for rid, t in fleet.replicas["b"].times.items() if fleet.classes[rid] == "batch"]
-    assert all(t.arrival_s < reshapes[0].time_s + controller.reshape_delay_s for t in batch_on_b)
+    assert simulated.roles() == {"interactive": ["a", "b"], "batch": ["a"]}
+    batch_on_b = [t for rid, t in simulated.replicas["b"].times.items() if simulated.classes[rid] == "batch"]
+    assert all(t.arrival_s < reshapes[0].time_s + controller.actuation.reshape_delay_s for t in batch_on_b)
 
 
 @pytest.mark.parametrize("delay", [0.0, 7.5])
 def test_a_window_holds_the_first_tokens_of_its_span_ending_a_scrape_delay_ago(delay):
-    controller = SimController(pool_spec(), interval_s=5, scrape_delay_s=delay)
-    fleet = run(None, seconds=20)
+    spec, simulated = pool_spec(), run(fleet(), seconds=20)
+    source = FleetSource(simulated, spec, scrape_delay_s=delay)
     end = 20.0 - delay
-    fast = controller.signals(fleet, now=20.0).fast["interactive"]
-    first_tokens = [t.token_s[0] for t in fleet.timelines("interactive") if t.token_s]
+    source.record(20.0)
+    fast = read_signals(source, 20.0, spec.slo, spec.fast_window_s, spec.slow_window_s, min_samples=spec.min_samples,
+                        stale_s=spec.stale_s).fast["interactive"]
+    first_tokens = [t.token_s[0] for t in simulated.timelines("interactive") if t.token_s]
     assert fast.window_s == pytest.approx(5.0)
     assert fast.requests == sum(1 for t in first_tokens if end - 5.0 < t <= end) > 20

@@ -1,17 +1,19 @@
 """Carrying out the SLO controller's decisions in place, the same way on Kubernetes and locally.
 
-:class:`Actuator` holds one pool's controller loop — windows from gateway and engine scrapes, the live
-settings each replica's role asks for, a move in progress, :func:`~.controller.decide` — and
-reaches the world only through a :class:`Backend`: pods with labels in a cluster
-(:mod:`.k8s_roles`), processes behind a gateway config file under ``cadenza up``
-(:mod:`.local_control`). Each :meth:`Actuator.tick`:
+:class:`InPlace` is the :class:`~cadenza.control.loop.Actuation` of a ``mode: auto`` pool: the live
+settings each replica's role asks for, a move in progress, and the moves themselves. It reaches the
+world only through a :class:`Backend` — pods with labels in a cluster
+(:mod:`cadenza.operator.k8s_roles`), processes behind a gateway config file under ``cadenza up``
+(:mod:`cadenza.local.actuation`) — and an :class:`AdminClient`. Each tick of its loop
+(:func:`in_place_loop`), after the signals are read:
 
-1. records a scrape of the pool's gateways and engines (or, with ``spec.controller.prometheus``,
-   reads the windows from a Prometheus-compatible API instead);
-2. gives every ready replica its role's live settings (``GET /admin/config``, ``PUT`` what
-   differs), and only then routes it: interactive to every replica, batch and background to
-   colocated ones — so a replica that restarted, or a new pod, serves nothing with wrong settings;
-3. advances a move in progress, or else decides and carries out the decision.
+1. :meth:`InPlace.prepare` gives every ready replica its role's live settings (``GET
+   /admin/config``, ``PUT`` what differs), and only then routes it: interactive to every replica,
+   batch and background to colocated ones — so a replica that restarted, or a new pod, serves
+   nothing with wrong settings; then it advances a move in progress (no decision that tick);
+2. :meth:`InPlace.act` logs the decision and, when it acts, records why (the figures the decision
+   read, in a ``cadenza.controller.act`` span and ``status.lastRetune`` / ``lastShift``) and
+   carries it out.
 
 Moves, in the order that drops and slows nothing:
 
@@ -23,8 +25,8 @@ Moves, in the order that drops and slows nothing:
 - *retune*: the new knobs to every colocated replica.
 
 No replica is started or stopped and no model reloaded. The state that must outlive the process
-(:class:`State`: the controller's history, the knobs, the shape, a drain in progress) is plain
-data the backend stores — in the pool's status in a cluster.
+(:class:`State`: the knobs, the roles, a drain in progress; the loop keeps the controller's
+history beside it) is plain data the caller stores — in the pool's status in a cluster.
 """
 
 from __future__ import annotations
@@ -43,13 +45,19 @@ from typing import Any, Protocol
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
-from cadenza.control.decide import DEDICATE, ControllerSpec, Decision, History, Shape, rfc3339, decide
+from cadenza.control.decide import Decision, Shape
+from cadenza.control.history import DEDICATE, History, rfc3339
+from cadenza.control.loop import ControlLoop, Evaluation
+from cadenza.control.prometheus import signal_source
+from cadenza.control.scrape import KEEP_MARGIN_S
+from cadenza.control.signals import Signals
+from cadenza.control.spec import ControllerSpec, spec_knobs
 from cadenza.pool.engine_args import live_document
+from cadenza.pool.live_knobs import KNOBS
 from cadenza.pool.spec import Pool
-from cadenza.control.signals import Signals, read_signals, signal_source
 
 logger = logging.getLogger("cadenza.controller")
-LIVE_KNOBS = ("token_budget", "chunk_size", "step_time_target_ms")
+LIVE_KNOBS = tuple(KNOBS.values())  # the knobs rung 1 moves, by their admin API names
 DRAIN_TIMEOUT_S = 120.0
 # A replica's queue counts come from its engine's published stats (at most ~0.2 s plus a step old)
 # and requests routed just before the routing change may still be on their way: "no batch work"
@@ -60,7 +68,7 @@ COLOCATED, INTERACTIVE = "colocated", "interactive"
 
 @dataclass
 class Replica:
-    """One engine replica as the actuator sees it.
+    """One engine replica as the in-place actuation sees it.
 
     Attributes:
         name: pod or process name. url: its HTTP root. ready: answering (pod Ready).
@@ -75,7 +83,7 @@ class Replica:
 
 
 class Backend(Protocol):
-    """How an :class:`Actuator` reaches a pool's replicas and gateways."""
+    """How :class:`InPlace` reaches a pool's replicas and gateways."""
 
     def replicas(self) -> list[Replica]:
         """The pool's engine replicas now."""
@@ -113,10 +121,9 @@ class AdminClient:
 
 @dataclass
 class State:
-    """What must outlive the process: the controller's history, the colocated knobs, each
-    replica's role, and a drain in progress (replica name, since)."""
+    """What must outlive the process besides the controller's history: the colocated knobs, each
+    replica's role, a drain in progress (replica name, since) and the last retune and shift."""
 
-    history: History = field(default_factory=History)
     knobs: dict[str, Any] = field(default_factory=dict)
     roles: dict[str, str] = field(default_factory=dict)
     draining: tuple[str, float] | None = None
@@ -124,7 +131,7 @@ class State:
     last_shift: dict[str, Any] | None = None
 
     def to_status(self) -> dict[str, Any]:
-        doc = {**self.history.to_status(), "knobs": dict(self.knobs), "roles": dict(self.roles)}
+        doc = {"knobs": dict(self.knobs), "roles": dict(self.roles)}
         if self.draining:
             doc["draining"] = {"replica": self.draining[0], "since": self.draining[1]}
         for key, value in (("lastRetuneDetail", self.last_retune), ("lastShiftDetail", self.last_shift)):
@@ -134,7 +141,8 @@ class State:
 
     @classmethod
     def from_status(cls, doc: Mapping[str, Any] | None, knobs: Mapping[str, Any]) -> State:
-        """What a previous process stored (``knobs``: the spec's, when none were stored)."""
+        """What a previous process stored in ``status.controller`` (``knobs``: the spec's, when
+        none were stored); garbage fields are dropped."""
         doc = doc if isinstance(doc, Mapping) else {}
         stored = doc.get("knobs") if isinstance(doc.get("knobs"), Mapping) else {}
         # A stored knob must be a usable number (or an unset step-time target); else the spec's.
@@ -149,116 +157,92 @@ class State:
         if drain and isinstance(drain.get("replica"), str) and isinstance(since, int | float) and math.isfinite(since):
             draining = (drain["replica"], float(since))
         details = [d if isinstance(d := doc.get(k), Mapping) else None for k in ("lastRetuneDetail", "lastShiftDetail")]
-        return cls(History.from_status(doc), {**knobs, **valid}, roles, draining, *details)
+        return cls({**knobs, **valid}, roles, draining, *details)
 
 
-class Actuator:
-    """One pool's controller loop over a :class:`Backend` (see the module docstring).
+class InPlace:
+    """Actuation in place over a :class:`Backend` (see the module docstring).
 
     Args:
-        pool: the pool (its spec gives the SLOs, bounds and role settings).
+        pool: the pool (its spec gives the role settings and the drain timeout).
         backend: where the replicas and gateways are.
         admin: the client holding the pool's admin token.
-        state: what the last process stored (a fresh one by default).
-        clock: seconds since the epoch (injected in tests).
+        state: what the last process stored (a fresh one, at the spec's knobs, by default).
+        tracer: where the ``cadenza.controller.act`` spans go.
+
+    Attributes:
+        last_shape: replicas per role at the last tick (None before the first).
     """
 
     def __init__(self, pool: Pool, backend: Backend, admin: AdminClient, state: State | None = None,
-                 clock: Callable[[], float] = time.time, tracer: Tracer | None = None) -> None:
-        self.pool, self.backend, self.admin, self.clock = pool, backend, admin, clock
+                 tracer: Tracer | None = None) -> None:
+        self.pool, self.backend, self.admin = pool, backend, admin
         self.tracer = tracer or trace.get_tracer("cadenza.controller")
-        self.spec = ControllerSpec.from_pool_spec(pool.spec)
-        self.source = signal_source(pool.spec, backend.scrape, keep_s=self.spec.slow_window_s + 120)
         self.state = state or State(knobs=spec_knobs(pool.spec))
         self.drain_timeout_s = float((pool.spec.get("controller") or {}).get("drainTimeoutSeconds", DRAIN_TIMEOUT_S))
-        self.last: Decision | None = None
-        self.last_shape: Shape | None = None  # replicas per role at the last tick
+        self.last_shape: Shape | None = None
+        self._replicas: list[Replica] = []  # as the last prepare() found them
+        self._last: Decision | None = None
         self._unreachable: set[str] = set()  # replicas whose admin API failed, until it answers
         self._last_kind = ""
 
-    def update(self, pool: Pool) -> None:
-        """A changed spec: new SLOs, bounds and role settings from the next tick."""
-        self.pool, self.spec = pool, ControllerSpec.from_pool_spec(pool.spec)
+    # -- one tick ------------------------------------------------------------------------------
 
-    @property
-    def interval_s(self) -> float:
-        """Seconds between ticks: a few scrapes per fast window."""
-        return max(1.0, min(15.0, self.spec.fast_window_s / 4))
-
-    # -- one evaluation ------------------------------------------------------------------------
-
-    def tick(self) -> Decision | None:
-        """Scrape, give replicas their settings and routing, advance a drain or decide and act.
-        Never raises for a replica or gateway that does not answer: that part waits a tick."""
-        now = self.clock()
-        self.source.record(now)
-        replicas = self.backend.replicas()
+    def prepare(self, now: float) -> tuple[Shape, dict[str, Any]] | None:
+        """Give replicas their settings and routing, then advance a drain (None: nothing to
+        decide this tick) or say the shape and knobs. Never raises for a replica or gateway that
+        does not answer: that part waits a tick."""
+        replicas = self._replicas = self.backend.replicas()
         self._assign_roles(replicas)
         self.last_shape = self.shape(replicas)
         self._reconcile(replicas)
         if self.state.draining is not None:
             self._advance_drain(replicas, now)
             return None
-        decision = decide(self.signals(now), self.shape(replicas), self.state.knobs, self.state.history, self.spec, now)
-        self.state.history, self.last = decision.history, decision
-        kind = re.sub(r"[\d.]+", "#", decision.reason)  # actions always; a hold when its kind changes
+        return self.shape(replicas), dict(self.state.knobs)
+
+    def act(self, evaluation: Evaluation) -> None:
+        """Log the decision (actions always; a hold when its kind changes) and, when it acts,
+        record why and carry it out inside a ``cadenza.controller.act`` span."""
+        decision, now = evaluation.decision, evaluation.time
+        self._last = decision
+        kind = re.sub(r"[\d.]+", "#", decision.reason)
         level = logging.INFO if decision.action != "hold" or kind != self._last_kind else logging.DEBUG
         logger.log(level, "controller %s: %s — %s%s", self.pool.name, decision.action, decision.reason,
                    "" if decision.act or decision.action == "hold" else " (not acted on: advisory or frozen)")
         self._last_kind = kind
-        if decision.act:
-            signals = self._figures(now)
-            with self.tracer.start_as_current_span("cadenza.controller.act", attributes={
-                    "cadenza.pool.name": self.pool.name, "cadenza.controller.action": decision.action,
-                    "cadenza.controller.move": decision.move or "", "cadenza.controller.reason": decision.reason,
-                    **{f"cadenza.signal.{k}": v for k, v in signals.items() if v is not None}}):
-                self._record(decision, replicas, signals, now)
-                self._carry_out(decision, replicas, now)
-        return decision
+        if not decision.act:
+            return
+        signals = figures(evaluation.signals, evaluation.spec)
+        with self.tracer.start_as_current_span("cadenza.controller.act", attributes={
+                "cadenza.pool.name": self.pool.name, "cadenza.controller.action": decision.action,
+                "cadenza.controller.move": decision.move or "", "cadenza.controller.reason": decision.reason,
+                **{f"cadenza.signal.{k}": v for k, v in signals.items() if v is not None}}):
+            self._record(decision, evaluation.shape, signals, now)
+            self._carry_out(decision, self._replicas, now)
 
-    def _figures(self, now: float) -> dict[str, Any]:
-        """The slow-window figures the decision read, for the record (per class with an SLO)."""
-        out: dict[str, Any] = {}
-        for cls, window in self.signals(now).slow.items():
-            if cls in self.spec.slo and window.known:
-                for key, value in (("ttft_p99_ms", window.ttft_p99_ms), ("itl_p99_ms", window.itl_p99_ms),
-                                   ("queue_depth", window.queue_depth), ("preemptions", window.preemptions)):
-                    out[f"{cls}.{key}"] = round(value, 1) if isinstance(value, float) else value
-                if cls == "interactive":  # the pool's figures, the same in every class's window
-                    out["kv_usage"] = None if window.kv_usage is None else round(window.kv_usage, 3)
-                    out["predicted_step_p99_ms"] = (None if window.predicted_step_p99_ms is None
-                                                    else round(window.predicted_step_p99_ms, 1))
-        return out
-
-    def _record(self, decision: Decision, replicas: list[Replica], signals: dict, now: float) -> None:
+    def _record(self, decision: Decision, shape: Shape, signals: dict, now: float) -> None:
         entry = {"time": rfc3339(now), "reason": decision.reason,
                  "signals": {k: v for k, v in signals.items() if v is not None}}
         if decision.action == "retune":
             self.state.last_retune = {**entry, "from": {k: self.state.knobs.get(k) for k in decision.knobs},
                                       "to": dict(decision.knobs)}
         else:
-            shape = self.shape(replicas)
             after = (shape.colocated - 1, shape.interactive + 1) if decision.move == DEDICATE else (
                 shape.colocated + 1, shape.interactive - 1)
             self.state.last_shift = {**entry, "move": decision.move,
                                      "from": {"colocated": shape.colocated, "interactive": shape.interactive},
                                      "to": {"colocated": after[0], "interactive": after[1]}}
 
-    def signals(self, now: float) -> Signals:
-        spec = self.spec
-        return read_signals(self.source, now, spec.slo, spec.fast_window_s, spec.slow_window_s,
-                            min_samples=spec.min_samples, stale_s=spec.stale_s)
-
     def shape(self, replicas: list[Replica]) -> Shape:
         roles = [self.state.roles.get(r.name, COLOCATED) for r in replicas]
         return Shape(roles.count(COLOCATED), roles.count(INTERACTIVE))
 
     def status(self) -> dict[str, Any]:
-        """``status.controller`` / the state file: the stored state and the last decision."""
+        """The stored state and, after a decision, each class's SLO met or not."""
         doc = self.state.to_status()
-        if self.last is not None:
-            doc["lastDecision"] = {"action": self.last.action, "reason": self.last.reason, "acted": self.last.act}
-            doc["sloMet"] = dict(self.last.slo_met)
+        if self._last is not None:
+            doc["sloMet"] = dict(self._last.slo_met)
         return doc
 
     # -- roles, settings, routing -------------------------------------------------------------
@@ -367,9 +351,45 @@ class Actuator:
                            self.pool.name, name, now - since)
 
 
-def spec_knobs(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The colocated knobs a pool starts with: its ``spec.engine``'s (engine defaults when unset)."""
-    engine = spec.get("engine") or {}
-    doc = live_document(engine)
-    return {"token_budget": doc["token_budget"], "chunk_size": doc["chunk_size"],
-            "step_time_target_ms": engine.get("stepTimeTargetMs")}
+def figures(signals: Signals, spec: ControllerSpec) -> dict[str, Any]:
+    """The slow-window figures a decision read, for its record: per class with an SLO and a known
+    window, ``CLS.ttft_p99_ms`` / ``itl_p99_ms`` (ms) / ``queue_depth`` / ``preemptions``, and the
+    pool's ``kv_usage`` (0-1) and ``predicted_step_p99_ms``."""
+    out: dict[str, Any] = {}
+    for cls, window in signals.slow.items():
+        if cls in spec.slo and window.known:
+            for key, value in (("ttft_p99_ms", window.ttft_p99_ms), ("itl_p99_ms", window.itl_p99_ms),
+                               ("queue_depth", window.queue_depth), ("preemptions", window.preemptions)):
+                out[f"{cls}.{key}"] = round(value, 1) if isinstance(value, float) else value
+            if cls == "interactive":  # the pool's figures, the same in every class's window
+                out["kv_usage"] = None if window.kv_usage is None else round(window.kv_usage, 3)
+                out["predicted_step_p99_ms"] = (None if window.predicted_step_p99_ms is None
+                                                else round(window.predicted_step_p99_ms, 1))
+    return out
+
+
+def in_place_loop(pool: Pool, backend: Backend, admin: AdminClient, stored: Mapping[str, Any] | None = None, *,
+                  clock: Callable[[], float] = time.time, tracer: Tracer | None = None) -> ControlLoop:
+    """The control loop of a ``mode: auto`` pool, acting in place over ``backend``.
+
+    Args:
+        stored: a ``status.controller`` document the loop continues from (history, knobs, roles, a
+            drain in progress): what a previous operator stored, or what the caller knows of its
+            replicas (``cadenza up``: each one's role); None: a fresh start.
+        clock: epoch seconds (injected in tests).
+
+    Its source is the one ``spec.controller.prometheus`` asks for, else a scrape of ``backend``.
+
+    Raises:
+        ValueError: controller bounds that are empty or inverted (:meth:`ControllerSpec.from_pool_spec`).
+    """
+    spec = ControllerSpec.from_pool_spec(pool.spec)
+    actuation = InPlace(pool, backend, admin, State.from_status(stored, spec_knobs(pool.spec)), tracer)
+    return ControlLoop(signal_source(pool.spec, backend.scrape, keep_s=spec.slow_window_s + KEEP_MARGIN_S),
+                       spec, actuation, history=History.from_status(stored), clock=clock)
+
+
+def follow(loop: ControlLoop, pool: Pool) -> None:
+    """A changed spec: new SLOs, bounds and role settings from the next tick of an in-place ``loop``."""
+    loop.update(ControllerSpec.from_pool_spec(pool.spec))
+    loop.actuation.pool = pool

@@ -1,4 +1,5 @@
-"""The actuator over a fake backend and fake replicas: settings before routing, drains, records."""
+"""The control loop acting in place over a fake backend and fake replicas: settings before routing,
+drains, records, the state a restart continues from."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from cadenza.gateway.metrics import GatewayMetrics
-from cadenza.control.actuator import COLOCATED, DRAIN_SETTLE_S, INTERACTIVE, Actuator, Replica, State, spec_knobs
+from cadenza.control.decide import Shape
+from cadenza.control.in_place import COLOCATED, DRAIN_SETTLE_S, INTERACTIVE, Replica, State, in_place_loop
+from cadenza.control.loop import ControlLoop
+from cadenza.control.signals import ClassWindow
+from cadenza.control.spec import ControllerSpec
 from cadenza.pool.spec import Pool
 
 SPEC = {"model": {"name": "m"}, "replicas": 2, "mode": "auto", "engine": {"tokenBudget": 256, "chunkSize": 64},
@@ -69,96 +74,97 @@ class FakeBackend:
         replica.routed_interactive, replica.routed_batch = interactive, batch
 
 
-def setup(state=None):
+def setup(stored=None):
     clock, metrics = Clock(), GatewayMetrics([0.05])
     admin = FakeAdmin(["http://a", "http://b"])
     backend = FakeBackend(admin, metrics)
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    actuator = Actuator(Pool("p", "ns", SPEC), backend, admin, state, clock=clock, tracer=provider.get_tracer("t"))
-    return actuator, backend, admin, metrics, clock, exporter
+    loop = in_place_loop(Pool("p", "ns", SPEC), backend, admin, stored, clock=clock, tracer=provider.get_tracer("t"))
+    return loop, backend, admin, metrics, clock, exporter
 
 
-def run(actuator, metrics, clock, seconds, itl_s, step=1.0):
+def run(loop, metrics, clock, seconds, itl_s, step=1.0):
     end = clock.now + seconds
     while clock.now < end:
         for _ in range(10):
             metrics.ttft.record(0.1, {"cadenza.traffic_class": "interactive"})
             metrics.itl.record(itl_s, {"cadenza.traffic_class": "interactive"})
-        actuator.tick()
+        loop.tick()
         clock.now += step
 
 
 def test_new_replicas_are_routed_only_after_their_settings():
-    actuator, backend, admin, metrics, clock, _ = setup()
-    actuator.tick()
+    loop, backend, admin, metrics, clock, _ = setup()
+    loop.tick()
     assert backend.labels == {"a": (COLOCATED, True, True), "b": (COLOCATED, True, True)}
     assert not admin.calls  # they already ran the colocated settings: nothing to put
 
 
 def test_a_breach_retunes_then_dedicates_after_a_drain_and_records_why():
-    actuator, backend, admin, metrics, clock, exporter = setup()
+    loop, backend, admin, metrics, clock, exporter = setup()
     admin.batch["http://b"] = 2  # b still has batch work when it is picked
-    run(actuator, metrics, clock, 40, itl_s=0.2)
+    run(loop, metrics, clock, 40, itl_s=0.2)
     assert admin.config["http://a"]["chunk_size"] == 32  # rung 1 reached its bound first
-    assert actuator.state.draining and actuator.state.draining[0] == "b"
+    assert loop.actuation.state.draining and loop.actuation.state.draining[0] == "b"
     assert backend.labels["b"] == (COLOCATED, True, False)  # out of the batch routing, still colocated
     admin.batch["http://b"] = 0
-    run(actuator, metrics, clock, 2, itl_s=0.2)
-    assert actuator.state.roles == {"a": COLOCATED, "b": INTERACTIVE}
+    run(loop, metrics, clock, 2, itl_s=0.2)
+    assert loop.actuation.state.roles == {"a": COLOCATED, "b": INTERACTIVE}
     assert backend.labels["b"] == (INTERACTIVE, True, False)
-    shift = actuator.state.last_shift
+    shift = loop.actuation.state.last_shift
     assert shift["move"] == "dedicate" and shift["from"] == {"colocated": 2, "interactive": 0}
     assert shift["to"] == {"colocated": 1, "interactive": 1} and shift["signals"]["interactive.itl_p99_ms"] > 50
-    assert actuator.state.last_retune["from"] == {"chunk_size": 64} and actuator.state.last_retune["to"] == {"chunk_size": 32}
+    retune = loop.actuation.state.last_retune
+    assert retune["from"] == {"chunk_size": 64} and retune["to"] == {"chunk_size": 32}
     spans = [s for s in exporter.get_finished_spans() if s.name == "cadenza.controller.act"]
     assert [s.attributes["cadenza.controller.action"] for s in spans] == ["retune", "reshape"]
 
 
 def test_a_drain_trusts_no_batch_work_only_once_the_published_counts_can_show_it():
     """Counts read right after the routing change may predate a batch request already sent."""
-    actuator, backend, admin, metrics, clock, _ = setup()
+    loop, backend, admin, metrics, clock, _ = setup()
     admin.batch["http://b"] = 0  # looks idle from the first read
     for _ in range(400):
-        if actuator.state.draining:
+        if loop.actuation.state.draining:
             break
-        run(actuator, metrics, clock, 0.25, itl_s=0.2, step=0.25)
-    assert actuator.state.draining, "the breach never led to a drain"
-    since = actuator.state.draining[1]
+        run(loop, metrics, clock, 0.25, itl_s=0.2, step=0.25)
+    assert loop.actuation.state.draining, "the breach never led to a drain"
+    since = loop.actuation.state.draining[1]
     ended = None
     while ended is None:
         clock.now += 0.25
-        actuator.tick()
-        if actuator.state.draining is None:
+        loop.tick()
+        if loop.actuation.state.draining is None:
             ended = clock.now
     assert ended - since > 1.0  # not the next tick: the counts could not show a request in flight yet
     assert DRAIN_SETTLE_S <= ended - since < DRAIN_SETTLE_S + 0.5
-    assert actuator.state.roles["b"] == INTERACTIVE
+    assert loop.actuation.state.roles["b"] == INTERACTIVE
 
 
 def test_a_drain_that_times_out_leaves_the_replica_colocated_and_routed():
-    actuator, backend, admin, metrics, clock, _ = setup()
+    loop, backend, admin, metrics, clock, _ = setup()
     admin.batch["http://b"] = 1  # a long batch stream that never ends within the drain timeout
-    run(actuator, metrics, clock, 80, itl_s=0.2)
-    assert actuator.state.roles["b"] == COLOCATED
+    run(loop, metrics, clock, 80, itl_s=0.2)
+    assert loop.actuation.state.roles["b"] == COLOCATED
     assert ("route", "b", COLOCATED, True, False) in backend.events
     assert backend.events[backend.events.index(("route", "b", COLOCATED, True, False)) + 1] == (
         "route", "b", COLOCATED, True, True)
 
 
 def test_state_survives_a_restart_and_a_lost_interactive_pod_is_replaced_in_its_role():
-    actuator, backend, admin, metrics, clock, _ = setup()
-    run(actuator, metrics, clock, 40, itl_s=0.2)
-    assert actuator.state.roles["b"] == INTERACTIVE
-    stored = actuator.status()
-    again, backend2, admin2, metrics2, clock2, _ = setup(State.from_status(stored, spec_knobs(SPEC)))
+    loop, backend, admin, metrics, clock, _ = setup()
+    run(loop, metrics, clock, 40, itl_s=0.2)
+    assert loop.actuation.state.roles["b"] == INTERACTIVE
+    stored = loop.status()
+    again, backend2, admin2, metrics2, clock2, _ = setup(stored)
     clock2.now = clock.now
     del backend2.pods["b"]  # the interactive pod is gone; a new one comes
     backend2.pods["c"] = Replica("c", "http://b")  # (reuses b's fake admin)
     again.tick()
-    assert again.state.roles == {"a": COLOCATED, "c": INTERACTIVE}
-    assert again.state.knobs["chunk_size"] == 32  # the colocated knobs carried over
+    assert again.actuation.state.roles == {"a": COLOCATED, "c": INTERACTIVE}
+    assert again.actuation.state.knobs["chunk_size"] == 32  # the colocated knobs carried over
     assert backend2.labels["c"] == (INTERACTIVE, True, False)
 
 
@@ -221,3 +227,40 @@ def test_a_local_replica_that_exits_is_unrouted_until_the_controller_routes_it_a
     assert len(written) == 1  # nothing to rewrite
     backend.route(b, COLOCATED, interactive=True, batch=True)
     assert written[-1] == {"interactive": ["http://a", "http://b"], "batch": ["http://a", "http://b"]}
+
+
+def test_the_loop_keeps_its_own_schedule_on_its_clock():
+    class Source:
+        def __init__(self) -> None:
+            self.records: list[float] = []
+
+        def record(self, now):
+            self.records.append(now)
+
+        def window(self, cls, window_s, now, slo, *, min_samples, stale_s):
+            return ClassWindow(False, "no data")
+
+    class Fixed:
+        def prepare(self, now):
+            return Shape(2), {"chunk_size": 64, "token_budget": 256, "step_time_target_ms": None}
+
+        def act(self, evaluation):
+            pass
+
+        def status(self):
+            return {}
+
+    clock = [100.0]
+    spec = ControllerSpec.from_pool_spec({"slo": {"interactive": {"itlP99Ms": 50}},
+                                          "controller": {"fastWindowSeconds": 20, "windowSeconds": 60}})
+    loop = ControlLoop(Source(), spec, Fixed(), clock=lambda: clock[0])
+    assert loop.interval_s == 5.0 and loop.due() and loop.signals is None  # a few ticks per fast window
+    assert loop.tick().action == "hold" and loop.source.records == [100.0]
+    assert not loop.due() and not loop.due(104.9) and loop.due(105.0)
+    clock[0] = 105.0
+    assert loop.due()
+    assert ControlLoop(Source(), spec, Fixed(), interval_s=15.0).interval_s == 15.0
+    long = ControllerSpec.from_pool_spec({"controller": {"fastWindowSeconds": 300, "windowSeconds": 900}})
+    short = ControllerSpec.from_pool_spec({"controller": {"fastWindowSeconds": 2, "windowSeconds": 10}})
+    assert ControlLoop(Source(), long, Fixed()).interval_s == 15.0  # never slower than the operator's resync
+    assert ControlLoop(Source(), short, Fixed()).interval_s == 1.0
