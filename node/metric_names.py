@@ -2,7 +2,7 @@
 
 The engines (:mod:`cadenza.node.frontend.telemetry`) and the gateway
 (:mod:`cadenza.gateway.metrics`) emit these through the OpenTelemetry SDK; the SLO controller
-(:mod:`cadenza.control.signals`) and the operator's status (:mod:`cadenza.operator.observe`) read
+(:mod:`cadenza.control.signals`) and the operator's status (:mod:`cadenza.operator.status`) read
 them back from Prometheus. Each is named here once, by its OpenTelemetry name and unit, and
 :attr:`Metric.prometheus` is the name the SDK's Prometheus exporter gives it (OpenTelemetry's
 "Prometheus and OpenMetrics compatibility" rules: dots become underscores, a unit becomes a suffix,

@@ -29,7 +29,7 @@ import kopf
 from cadenza.operator import kube, render, ssa
 from cadenza.operator.children import PLURAL
 from cadenza.operator.memo import Operator, pool_uid
-from cadenza.operator.observed import Observed, observe
+from cadenza.operator.observe import Observed, observe
 from cadenza.operator.pool_spec import read_pool
 from cadenza.operator.report import event
 from cadenza.operator.slo import _admin_token

@@ -28,7 +28,7 @@ from cadenza.operator import kube, render, report
 from cadenza.operator.children import CHILD_KINDS, PLURAL, Children
 from cadenza.operator.converge import converge, utc_now
 from cadenza.operator.memo import Operator, pool_uid
-from cadenza.operator.observed import observe
+from cadenza.operator.observe import observe
 from cadenza.operator.pool_spec import read_pool
 from cadenza.operator.slo import read_slo
 from cadenza.pool.spec import PoolSpecError
@@ -93,7 +93,7 @@ def _latest(op: Operator, body: kopf.Body) -> kopf.Body | None:
 
 
 def resync_pool(op: Operator, body: kopf.Body) -> None:
-    """One resync of a pool: one read of it (:func:`~.observed.observe`, its SLO part included),
+    """One resync of a pool: one read of it (:func:`~.observe.observe`, its SLO part included),
     then :func:`~.converge.converge` — follow rollouts, finish a mode shift whose new roles became
     ready, repair drift — and its status patched only where it changed, so an unchanged pool
     costs no API call. Never raises: a failure is logged and retried at the next resync."""

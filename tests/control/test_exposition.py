@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cadenza.control.exposition import gauge_values
 from cadenza.gateway.metrics import GatewayMetrics
-from cadenza.operator.observe import THRESHOLD_METRIC, disaggregation_status
+from cadenza.operator.status import THRESHOLD_METRIC, disaggregation_status
 
 
 def gateway_text(threshold: int | None) -> str:

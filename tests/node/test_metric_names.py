@@ -12,7 +12,7 @@ from cadenza.node.core.stats import ClassStats, EngineStats
 from cadenza.node.frontend.telemetry import Telemetry
 from cadenza.gateway.metrics import GatewayMetrics
 from cadenza.control import exposition
-from cadenza.operator import observe
+from cadenza.operator import status
 
 
 def families(text: bytes) -> dict:
@@ -44,11 +44,11 @@ def test_the_gateways_series_carry_the_names_and_labels_the_controller_and_statu
         f = families(metrics.prometheus_text())
     finally:
         metrics.shutdown()
-    for name in (exposition.TTFT_METRIC, exposition.ITL_METRIC, observe.THRESHOLD_METRIC):
+    for name in (exposition.TTFT_METRIC, exposition.ITL_METRIC, status.THRESHOLD_METRIC):
         assert name in f, name
     ttft = [s for s in f[exposition.TTFT_METRIC].samples if s.name.endswith("_count")]
     assert ttft and ttft[0].labels[exposition.CLASS_LABEL] == "interactive"
-    assert f[observe.THRESHOLD_METRIC].samples[0].value == 512
+    assert f[status.THRESHOLD_METRIC].samples[0].value == 512
 
 
 def test_prometheus_names_follow_the_exporters_rules():

@@ -7,8 +7,8 @@ import datetime
 import pytest
 from fake_cluster import BODY
 
-from cadenza.operator import kube, observed
-from cadenza.operator.observed import Observed
+from cadenza.operator import kube, observe
+from cadenza.operator.observe import Observed
 from cadenza.operator.status import build_status
 from cadenza.pool.spec import Pool
 
@@ -31,7 +31,7 @@ def test_a_disaggregated_pool_reports_its_threshold_pinned_or_as_its_gateways_co
     monkeypatch.setattr(kube, "ensure_secret_token", lambda meta, token: tokens.append(meta["name"]) or token)
     scraped = {"chat-gateway-1": "# TYPE g gauge\ncadenza_gateway_disagg_min_prompt_tokens{a=\"b\"} 700.0\n",
                "chat-gateway-2": "cadenza_gateway_disagg_min_prompt_tokens 650.0\n", "chat-decode-1": "x 1\n"}
-    monkeypatch.setattr(observed, "scrape_pool", lambda pool: scraped)
+    monkeypatch.setattr(observe, "scrape_pool", lambda pool: scraped)
     body = {**BODY, "spec": {**BODY["spec"], "mode": "disaggregated", "disaggregated": {"prefillReplicas": 1}}}
     status = cluster.run(body)["status"]
     assert tokens == ["chat-admin"]  # before the pods that mount it
