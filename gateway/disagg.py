@@ -14,7 +14,10 @@ router's: :mod:`.router`):
    off from it for its ``Retry-After`` and chooses the next prefill replica, and with none left
    the decode replica prefills the prompt at once (``fallback_busy``).
 2. **Decode.** Right after those headers, the gateway sends the original request to the decode
-   replica the router chose for the request's class, naming that source. The decode replica
+   replica the router chose for the request's class, naming that source. The router chose (and
+   counts) that replica with the prefill replica, before the prefill call: a request no decode
+   replica could take is refused before any prefill is spent on it, and requests arriving during
+   the prefill call see the replica as busy. The decode replica
    pulls the prompt's blocks while they are being computed (the transfer overlaps the prefill),
    prefills only the prompt's last token, and streams the answer to the client. From the
    client's side this is one ordinary stream.

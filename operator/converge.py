@@ -28,11 +28,10 @@ import kopf
 
 from cadenza.operator import kube, render, ssa
 from cadenza.operator.children import PLURAL
-from cadenza.operator.memo import Operator, pool_uid
+from cadenza.operator.memo import Operator, admin_token, pool_uid
 from cadenza.operator.observe import Observed, observe
 from cadenza.operator.pool_spec import read_pool
 from cadenza.operator.report import event
-from cadenza.operator.slo import _admin_token
 from cadenza.operator.status import build_status, invalid_status, previous_condition
 from cadenza.pool.spec import Pool, PoolSpecError, Role
 from cadenza.pool.validate import PoolValidationError
@@ -108,7 +107,7 @@ def converge(op: Operator, body: kopf.Body, pool: Pool, roles: Sequence[Role], o
     """
     meta, children = body.metadata, op.children
     if render.needs_admin_token(pool):
-        _admin_token(op.state(pool_uid(meta)), meta, pool)  # before the pods that mount it
+        admin_token(op.state(pool_uid(meta)), meta, pool)  # before the pods that mount it
     retiring = [name for name in render.stale_deployments(pool, roles) if observed.deployment(name) is not None]
     waiting = [role.name for role in roles if not observed.role_ready(pool, role)] if retiring else []
     kept = tuple(name.removeprefix(f"{pool.name}-") for name in retiring) if waiting else ()

@@ -12,13 +12,16 @@ Source: kopf's in-memory containers, https://docs.kopf.dev/en/stable/memos/
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from cadenza.control.loop import ControlLoop
+from cadenza.operator import kube, render
 from cadenza.operator.children import Children
+from cadenza.pool.spec import Pool
 
 
 def pool_uid(meta: Mapping[str, Any]) -> str:
@@ -79,3 +82,12 @@ class Operator:
             state = self._states.get(uid)
         if state is not None:
             state.forget()
+
+
+def admin_token(pool_state: PoolState, meta: Mapping[str, Any], pool: Pool) -> str:
+    """The pool's admin token: its Secret read (or created) once, then remembered (replicas read
+    it at start-up, so it is never rewritten)."""
+    if pool_state.admin_token is None:
+        owner = {"name": meta["name"], "uid": meta["uid"]} if meta.get("uid") else None
+        pool_state.admin_token = kube.ensure_secret_token(render.admin_secret_meta(pool, owner), secrets.token_hex(16))
+    return pool_state.admin_token

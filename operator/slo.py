@@ -1,7 +1,6 @@
 """The SLO part of a pass over a pool: one tick of its control loop (:mod:`cadenza.control.loop`):
 in place over its pods for a ``mode: auto`` pool (:func:`_control`), advice only for a pool of
-fixed shape with ``spec.slo`` (:func:`_observe`); and the pool's admin token, which the controller
-and the pods that mount it need (:func:`_admin_token`).
+fixed shape with ``spec.slo`` (:func:`_observe`).
 
 Each returns the status fields :func:`~.status.build_status` reports (``latency``,
 ``controller``, ``sloMet`` ...), from the signals that tick read: the loop reads them once. What
@@ -12,7 +11,6 @@ they remember between passes (the token, the loop and its windows) is the pool's
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Callable, Mapping
 
 import kopf
@@ -20,9 +18,9 @@ import kopf
 from cadenza.control.advisory import Advisory, advisory_loop
 from cadenza.control.in_place import AdminClient, InPlace, follow, in_place_loop
 from cadenza.control.status import slo_status
-from cadenza.operator import kube, render
+from cadenza.operator import kube
 from cadenza.operator.k8s_roles import PodBackend
-from cadenza.operator.memo import PoolState
+from cadenza.operator.memo import PoolState, admin_token
 from cadenza.operator.report import event as _event
 from cadenza.pool.spec import Pool
 
@@ -33,7 +31,10 @@ def read_slo(pool_state: PoolState, body: kopf.Body, pool: Pool, logger: logging
     a pool with ``spec.slo`` (from ``scrape``, the pass's one read of its ``/metrics``), else None."""
     if pool.mode == "auto":
         return _control(pool_state, body, body.metadata, pool, logger)
-    return _observe(pool_state, body, body.metadata, pool, scrape) if pool.spec.get("slo") else None
+    if not pool.spec.get("slo"):
+        pool_state.control = None  # no loop now: one started again starts from status.controller
+        return None
+    return _observe(pool_state, body, body.metadata, pool, scrape)
 
 
 def _observe(pool_state: PoolState, body: kopf.Body, meta: kopf.Meta, pool: Pool,
@@ -46,15 +47,6 @@ def _observe(pool_state: PoolState, body: kopf.Body, meta: kopf.Meta, pool: Pool
     return slo_status(loop)
 
 
-def _admin_token(pool_state: PoolState, meta: kopf.Meta, pool: Pool) -> str:
-    """The pool's admin token: its Secret read (or created) once, then remembered (replicas read
-    it at start-up, so it is never rewritten)."""
-    if pool_state.admin_token is None:
-        owner = {"name": meta["name"], "uid": meta["uid"]} if meta.get("uid") else None
-        pool_state.admin_token = kube.ensure_secret_token(render.admin_secret_meta(pool, owner), secrets.token_hex(16))
-    return pool_state.admin_token
-
-
 def _control(pool_state: PoolState, body: kopf.Body, meta: kopf.Meta, pool: Pool, logger: logging.Logger) -> dict:
     """One tick of a ``mode: auto`` pool's controller (:mod:`cadenza.control.in_place` over its pods);
     the status fields it reports, from the signals that tick read. The loop's state is read back from
@@ -63,7 +55,7 @@ def _control(pool_state: PoolState, body: kopf.Body, meta: kopf.Meta, pool: Pool
     loop = pool_state.control
     if loop is None or not isinstance(loop.actuation, InPlace):  # none yet, or the pool just became auto
         loop = pool_state.control = in_place_loop(pool, PodBackend(pool),
-                                                  AdminClient(_admin_token(pool_state, meta, pool)),
+                                                  AdminClient(admin_token(pool_state, meta, pool)),
                                                   body.get("status", {}).get("controller"))
     else:
         follow(loop, pool)

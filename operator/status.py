@@ -136,8 +136,10 @@ def build_status(pool: Pool, roles: Sequence[Role], observed: Observed, previous
         per_role[stale] = None
     slo = observed.slo
     if slo is not None:
-        status["latency"] = slo["latency"]
-        status["controller"] = slo["controller"]
+        # whole maps: a key the loop no longer reports (a drain that ended, a class gone quiet)
+        # is removed, not kept by the merge patch
+        status["latency"] = replacing(previous.get("latency"), slo["latency"])
+        status["controller"] = replacing(previous.get("controller"), slo["controller"])
         for key in ("shape", "lastRetune", "lastShift"):
             if key in slo:
                 status[key] = slo[key]
@@ -152,6 +154,19 @@ def build_status(pool: Pool, roles: Sequence[Role], observed: Observed, previous
     if generation is not None:
         status["observedGeneration"] = generation
     return status
+
+
+def replacing(before: Any, after: Mapping[str, Any]) -> dict:
+    """A merge patch that leaves ``after`` exactly where ``before`` was: every key ``before`` has
+    and ``after`` lacks is set to None (a merge patch keeps what it does not name), map by map."""
+    out = dict(after)
+    if isinstance(before, Mapping):
+        for key, value in before.items():
+            if key not in out:
+                out[key] = None
+            elif isinstance(value, Mapping) and isinstance(out[key], Mapping):
+                out[key] = replacing(value, out[key])
+    return out
 
 
 def invalid_status(message: str, *, previous: Mapping[str, Any], now: datetime.datetime, generation: int | None,

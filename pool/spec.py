@@ -1,6 +1,7 @@
 """A ServingPool's spec, read once: its roles, their replicas and their engine settings.
 
-Both renderers — Kubernetes objects (:mod:`.render`) and local processes (:mod:`.local`) — work
+Both renderers — Kubernetes objects (:mod:`cadenza.operator.render`) and local processes
+(:mod:`cadenza.local.up`) — work
 from this view, so a pool means the same thing in a cluster and on a laptop.
 
 Roles: ``colocated`` mode runs one role, ``colocated``, whose replicas serve every class.
@@ -8,7 +9,7 @@ Roles: ``colocated`` mode runs one role, ``colocated``, whose replicas serve eve
 top) and ``batch`` replicas (the base settings) for batch and background traffic. ``auto`` runs one
 workload, ``auto``, whose pods start with the base settings and no routing; the SLO controller
 gives each pod its role (colocated or interactive) in place — labels and live settings — and
-only then routes to it (:mod:`.actuator`). ``disaggregated`` runs ``prefill`` replicas
+only then routes to it (:mod:`cadenza.control.in_place`). ``disaggregated`` runs ``prefill`` replicas
 (``disaggregated.prefillEngine`` on top of the base), which compute long prompts and stream their
 KV, and ``decode`` replicas (``disaggregated.decodeEngine`` on top) serving every class; both
 have a KV transfer endpoint.

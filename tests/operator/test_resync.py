@@ -106,3 +106,31 @@ def test_one_resync_of_a_converged_pool_reads_each_source_once(cluster, monkeypa
         for server in servers.values():
             server.shutdown()
         gateway.shutdown()
+
+
+def test_a_pool_that_leaves_auto_and_comes_back_starts_its_loop_again_from_its_status(cluster, monkeypatch):
+    # auto -> a fixed mode without SLOs -> auto: the loop of the first auto spell (its roles are
+    # of pods since replaced) is not resumed; the new one reads status.controller, as after a restart
+    import copy
+
+    from cadenza.control.in_place import InPlace
+    from cadenza.operator import k8s_roles
+    from cadenza.operator.memo import pool_uid
+
+    monkeypatch.setattr(kube, "ensure_secret_token", lambda meta, token: token)
+    monkeypatch.setattr(k8s_roles, "scrape_pool", lambda pool: None)
+
+    def body(mode: str) -> dict:
+        b = copy.deepcopy(BODY)
+        b["spec"]["mode"] = mode
+        return b
+
+    cluster.run(body("auto"))
+    cluster.resync(body("auto"))
+    state = cluster.operator.state(pool_uid(BODY["metadata"]))
+    first = state.control
+    assert isinstance(first.actuation, InPlace)
+    cluster.resync(body("colocated"))
+    assert state.control is None
+    cluster.resync(body("auto"))
+    assert isinstance(state.control.actuation, InPlace) and state.control is not first

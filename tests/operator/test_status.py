@@ -112,3 +112,37 @@ def test_a_role_that_is_not_short_is_not_asked_about_its_pods():
     status = build_status(pool, pool.roles(), Observed({"chat-colocated": ready}, {"colocated": stuck}), {}, at(1))
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["Ready"]["reason"] == "AllReplicasReady" and conditions["Degraded"]["status"] == "False"
+
+
+def _merged(live: dict, patch: dict) -> dict:
+    """``live`` after a JSON merge patch (RFC 7386): None removes a key, maps merge key by key."""
+    out = dict(live)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def test_what_the_controller_no_longer_reports_leaves_the_status():
+    # status is a merge patch, which keeps every key it does not name: a drain that ended must not
+    # stay in status.controller (a restarted operator would resume it), nor a quiet class in latency
+    pool = Pool("chat", "prod", {"model": {"name": "tiny", "source": {"path": "/m"}}, "replicas": 2, "mode": "auto",
+                                 "engine": {"tokenBudget": 256, "chunkSize": 64}})
+    previous = {"controller": {"knobs": {"chunk_size": 64}, "roles": {"p0": "colocated", "gone": "interactive"},
+                               "draining": {"replica": "p0", "since": 1.0}},
+                "latency": {"windowSeconds": 300, "classes": {"batch": {"known": True}}}}
+    slo = {"latency": {"windowSeconds": 300}, "controller": {"knobs": {"chunk_size": 64}, "roles": {"p0": "colocated"}},
+           "sloMet": ("Unknown", "SignalsUnknown", "no signal"), "flapping": False}
+    now = datetime.datetime(2026, 12, 5, tzinfo=datetime.timezone.utc)
+    status = build_status(pool, pool.roles(), Observed(slo=slo), previous, now)
+    after = _merged(previous, status)
+    assert after["controller"] == {"knobs": {"chunk_size": 64}, "roles": {"p0": "colocated"}}
+    assert after["latency"] == {"windowSeconds": 300}
+    # and once applied, the next pass changes nothing
+    from cadenza.operator.report import patch_is_noop
+
+    assert patch_is_noop(after, build_status(pool, pool.roles(), Observed(slo=slo), after, now))
