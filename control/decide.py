@@ -55,11 +55,12 @@ KV_FULL = 0.95  # KV usage (0-1) at which an engine is memory-bound
 
 @dataclass(frozen=True)
 class Shape:
-    """How many replicas serve in each role (``auto`` pools use these two)."""
+    """How many replicas serve in each role of an ``auto`` pool: ``colocated`` (every class),
+    ``interactive`` (interactive only), ``prefill`` (prefills long prompts for the others)."""
 
     colocated: int
     interactive: int = 0
-
+    prefill: int = 0
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 MAX_LOG = 10  # decisions kept in the history's log
-DEDICATE, MERGE = "dedicate", "merge"  # the reshapes: colocated -> interactive; interactive -> colocated
+# The reshapes: colocated -> interactive and back (rung 2); colocated -> prefill and back (rung 3).
+DEDICATE, MERGE = "dedicate", "merge"
+DISAGGREGATE, AGGREGATE = "disaggregate", "aggregate"
+MOVES = (DEDICATE, MERGE, DISAGGREGATE, AGGREGATE)
+SPLITS = frozenset({DEDICATE, DISAGGREGATE})  # away from colocated; MERGE and AGGREGATE come back
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class History:
     last_action: float | None = None
     last_retune: float | None = None
     last_reshape: float | None = None
-    reshapes: tuple[tuple[float, str], ...] = ()  # (time, DEDICATE | MERGE), within the flap window
+    reshapes: tuple[tuple[float, str], ...] = ()  # (time, one of MOVES), within the flap window
     bound_since: float | None = None  # interactive breaching with rung 1 at its bound, since
     clear_since: float | None = None  # every class clear (slow window), since
     frozen_until: float | None = None  # reshaping frozen (flapping) until
@@ -58,7 +62,7 @@ class History:
         stored = doc.get("reshapes") if isinstance(doc.get("reshapes"), list) else []
         reshapes = tuple((when, r.get("move")) for r in stored
                          if isinstance(r, Mapping) and (when := _parse_time(r.get("time"))) is not None
-                         and r.get("move") in (DEDICATE, MERGE))
+                         and r.get("move") in MOVES)
         decisions = doc.get("decisions") if isinstance(doc.get("decisions"), list) else []
         log = tuple(e for e in decisions if isinstance(e, Mapping))[-MAX_LOG:]
         return cls(t["lastAction"], t["lastRetune"], t["lastReshape"], reshapes, t["boundSince"], t["clearSince"],

@@ -42,7 +42,15 @@ class ClassWindow:
         kv_usage: the highest KV usage (0-1) of any engine at the window's scrapes (the pool's).
         preemptions: requests of the class preempted in the window.
         predicted_step_p99_ms: p99 of the engines' predicted step time in the window (the pool's).
-        The four engine figures are None when the engines' series were not scraped.
+        prefill_share: of the tokens the engines computed in the window, the share (0-1) that were
+            prompt (prefill) tokens (the pool's).
+        min_prompt_tokens: the selective disaggregation rule's threshold, the shortest prompt worth
+            prefilling on another replica (tokens; the largest the engines report, as the gateway
+            takes it; the pool's).
+        long_prompt_share: of the prompt tokens the engines took in the window, the share (0-1) in
+            prompts at least ``min_prompt_tokens`` long: what a prefill replica would take (the pool's).
+        The engine figures are None when the engines' series were not scraped (or, for the last
+            three, when the engines report no rule yet).
     """
 
     known: bool
@@ -56,6 +64,9 @@ class ClassWindow:
     kv_usage: float | None = None
     preemptions: int | None = None
     predicted_step_p99_ms: float | None = None
+    prefill_share: float | None = None
+    min_prompt_tokens: float | None = None
+    long_prompt_share: float | None = None
 
     def load(self) -> str:
         """The engine figures as "queue 3, KV 97 %, 2 preempted, predicted step p99 410 ms"
@@ -85,9 +96,11 @@ class ClassWindow:
         for key, value in (("ttftP99Ms", self.ttft_p99_ms), ("itlP99Ms", self.itl_p99_ms),
                            ("attainment", self.attainment), ("queueDepth", self.queue_depth),
                            ("kvUsage", self.kv_usage), ("preemptions", self.preemptions),
-                           ("predictedStepP99Ms", self.predicted_step_p99_ms)):
+                           ("predictedStepP99Ms", self.predicted_step_p99_ms),
+                           ("prefillShare", self.prefill_share), ("minPromptTokens", self.min_prompt_tokens),
+                           ("longPromptShare", self.long_prompt_share)):
             if value is not None:
-                doc[key] = round(value, 4 if key in ("attainment", "kvUsage") else 1) if isinstance(value, float) else value
+                doc[key] = round(value, 4 if key in ("attainment", "kvUsage", "prefillShare", "longPromptShare") else 1) if isinstance(value, float) else value
         if self.reason:
             doc["reason"] = self.reason
         return doc

@@ -33,6 +33,7 @@ class ControllerSpec:
     bounds: Mapping[str, tuple[float, float]] = field(default_factory=dict)  # engine knob name -> (min, max)
     advisory: bool = False
     stale_s: float = 60.0
+    disaggregate: bool = True  # rung 3 may move replicas into the prefill role
 
     @classmethod
     def from_pool_spec(cls, spec: Mapping[str, Any]) -> ControllerSpec:
@@ -56,6 +57,7 @@ class ControllerSpec:
             bounds=knob_bounds(spec),
             advisory=bool(c.get("advisory", False)),
             stale_s=float(c.get("staleSeconds", 60)),
+            disaggregate=bool(c.get("disaggregate", True)),
         )
 
 

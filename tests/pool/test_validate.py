@@ -71,7 +71,8 @@ def test_defaults_land_where_the_crd_puts_them():
     assert spec["dedicated"] == {"interactiveReplicas": 1, "engine": {}}  # defaulted, then defaulted inside
     assert spec["controller"] == {"windowSeconds": 300, "fastWindowSeconds": 30, "minSamples": 200, "hysteresis": 0.1,
                                   "cooldownSeconds": 600, "flapWindowSeconds": 1800, "retuneFactor": 0.5,
-                                  "staleSeconds": 60, "advisory": False, "drainTimeoutSeconds": 120}
+                                  "staleSeconds": 60, "advisory": False, "drainTimeoutSeconds": 120,
+                                  "disaggregate": True}
     assert "slo" not in spec and "resources" not in spec  # no default, so absent
 
 
