@@ -615,6 +615,7 @@ def selects(service: dict, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
 
 
+@pytest.mark.slow  # a kopf run
 def test_an_auto_pool_moves_a_replica_into_the_prefill_role_and_back_in_place(api, monkeypatch):
     """Issue 31: disaggregate drains every class from the pod, gives it the prefill settings, then
     the labels the gateway's <pool>-prefill Service selects; aggregate brings it back; status,
