@@ -17,7 +17,7 @@ from cadenza.pool.spec import GPU_RESOURCES, MODEL_MOUNT, Pool, Role, cpu_thread
 
 ADMIN_TOKEN_DIR = "/var/run/cadenza-admin"
 HTTP_PORT = 8000
-KV_PORT = 9000  # the KV transfer endpoint of prefill and decode pods
+KV_PORT = 9000  # the KV transfer endpoint of prefill, decode and (unless controller.disaggregate is false) auto pods
 # Every container of a pool's pods: a non-root user, a read-only root, no privilege, no capability.
 _SECURE_CONTAINER = {
     "runAsNonRoot": True, "runAsUser": 65532, "readOnlyRootFilesystem": True,
