@@ -2,162 +2,80 @@
 
 :class:`InPlace` is the :class:`~cadenza.control.loop.Actuation` of a ``mode: auto`` pool: the live
 settings each replica's role asks for, a move in progress, and the moves themselves. It reaches the
-world only through a :class:`Backend` — pods with labels in a cluster
+world only through a :class:`~cadenza.control.replicas.Backend` — pods with labels in a cluster
 (:mod:`cadenza.operator.k8s_roles`), processes behind a gateway config file under ``cadenza up``
-(:mod:`cadenza.local.actuation`) — and an :class:`AdminClient`. Each tick of its loop
-(:func:`in_place_loop`), after the signals are read:
+(:mod:`cadenza.local.actuation`) — and an :class:`~cadenza.control.replicas.AdminClient`. Each
+tick of its loop (:func:`in_place_loop`), after the signals are read:
 
 1. :meth:`InPlace.prepare` gives every ready replica its role's live settings (``GET
-   /admin/config``, ``PUT`` what differs), and only then routes it: interactive to every replica,
-   batch and background to colocated ones — so a replica that restarted, or a new pod, serves
+   /admin/config``, ``PUT`` what differs), and only then routes it (its role's routes,
+   :data:`~cadenza.control.roles.ROUTES`) — so a replica that restarted, or a new pod, serves
    nothing with wrong settings; then it advances a move in progress (no decision that tick);
 2. :meth:`InPlace.act` logs the decision and, when it acts, records why (the figures the decision
-   read, in a ``cadenza.controller.act`` span and ``status.lastRetune`` / ``lastShift``) and
-   carries it out.
+   read and the shape before and after, in a ``cadenza.controller.act`` span and
+   ``status.lastRetune`` / ``lastShift``) and carries it out.
 
-Moves, in the order that drops and slows nothing:
+Moves (:mod:`cadenza.control.roles`), in the order that drops and slows nothing:
 
 - *dedicate* (colocated -> interactive): stop routing batch to the replica, wait until it has no
   batch or background request running or waiting (at most ``drainTimeoutSeconds``; past it, the
   replica is routed batch again and stays colocated until the next try), apply the interactive
   settings, then label it interactive;
-- *merge* (interactive -> colocated): apply the colocated settings, label it colocated, route batch;
+- *disaggregate* (colocated -> prefill): stop routing interactive and batch to it, wait until it
+  has no request of any class running or waiting (the same timeout; past it, it is routed back
+  and stays colocated), apply the prefill settings (:func:`prefill_settings`), then label it
+  prefill and route it as a prefill replica: the gateways send it the long prompts their
+  selective rule moves, and the replicas that decode pull the KV from its KV endpoint;
+- *merge* / *aggregate* (interactive / prefill -> colocated): apply the colocated settings, label it
+  colocated, route interactive and batch. A former prefill replica keeps its KV endpoint, so the
+  KV it published under lease is still served to the replicas pulling it;
 - *retune*: the new knobs to every colocated replica.
 
+A replica lost in the interactive or prefill role is replaced in it by the next new one (the shape
+the controller chose is kept: its decisions count on it); while the pool does not let the
+controller disaggregate (``spec.controller.disaggregate: false``), a prefill replica goes back to
+colocated at the next tick.
+
 No replica is started or stopped and no model reloaded. The state that must outlive the process
-(:class:`State`: the knobs, the roles, a drain in progress; the loop keeps the controller's
-history beside it) is plain data the caller stores — in the pool's status in a cluster.
+(:class:`~cadenza.control.replicas.State`: the knobs, the roles, a move in progress; the loop keeps
+the controller's history beside it) is plain data the caller stores — in the pool's status in a cluster.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import re
 import time
-import urllib.request
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from http.client import HTTPException
-from typing import Any, Protocol
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
 from cadenza.control.decide import Decision, Shape
-from cadenza.control.history import DEDICATE, History, rfc3339
+from cadenza.control.history import SPLITS, History, rfc3339
 from cadenza.control.loop import ControlLoop, Evaluation
+from cadenza.control.roles import (COLOCATED, INTERACTIVE, MOVE, PREFILL, ROUTES, Drain, busy, describe, shape_after,
+                                   shape_doc, shape_of)
 from cadenza.control.prometheus import signal_source
+from cadenza.control.replicas import LIVE_KNOBS, AdminClient, Backend, Replica, State
 from cadenza.control.scrape import KEEP_MARGIN_S
 from cadenza.control.signals import Signals
 from cadenza.control.spec import ControllerSpec, spec_knobs
 from cadenza.pool.engine_args import live_document
-from cadenza.pool.live_knobs import KNOBS
+from cadenza.pool.live_knobs import knob_bounds
 from cadenza.pool.spec import Pool
 
 logger = logging.getLogger("cadenza.controller")
-LIVE_KNOBS = tuple(KNOBS.values())  # the knobs rung 1 moves, by their admin API names
 DRAIN_TIMEOUT_S = 120.0
 # A replica's queue counts come from its engine's published stats (at most ~0.2 s plus a step old)
 # and requests routed just before the routing change may still be on their way: "no batch work"
 # counts only once the drain is this old.
 DRAIN_SETTLE_S = 2.0
-COLOCATED, INTERACTIVE = "colocated", "interactive"
-
-
-@dataclass
-class Replica:
-    """One engine replica as the in-place actuation sees it.
-
-    Attributes:
-        name: pod or process name. url: its HTTP root. ready: answering (pod Ready).
-        routed_interactive / routed_batch: the gateway sends it that traffic now.
-    """
-
-    name: str
-    url: str
-    ready: bool = True
-    routed_interactive: bool = False
-    routed_batch: bool = False
-
-
-class Backend(Protocol):
-    """How :class:`InPlace` reaches a pool's replicas and gateways."""
-
-    def replicas(self) -> list[Replica]:
-        """The pool's engine replicas now."""
-
-    def scrape(self) -> dict[str, str] | None:
-        """``/metrics`` of every reachable gateway and engine of the pool, by pod or process name;
-        None when no gateway answered."""
-
-    def route(self, replica: Replica, role: str, interactive: bool, batch: bool) -> None:
-        """Make the gateways send ``replica`` interactive / batch traffic or not, recording ``role``."""
-
-
-class AdminClient:
-    """``GET/PUT /admin/config`` and ``GET /ready`` of replicas (blocking, short timeouts)."""
-
-    def __init__(self, token: str, timeout_s: float = 5.0) -> None:
-        self.token, self.timeout_s = token, timeout_s
-
-    def _open(self, req: urllib.request.Request) -> dict:
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            return json.loads(resp.read())
-
-    def get_config(self, url: str) -> dict:
-        return self._open(urllib.request.Request(f"{url}/admin/config",
-                                                 headers={"Authorization": f"Bearer {self.token}"}))
-
-    def put_config(self, url: str, doc: Mapping[str, Any]) -> dict:
-        return self._open(urllib.request.Request(
-            f"{url}/admin/config", json.dumps(doc).encode(), method="PUT",
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}))
-
-    def ready(self, url: str) -> dict:
-        return self._open(urllib.request.Request(f"{url}/ready"))
-
-
-@dataclass
-class State:
-    """What must outlive the process besides the controller's history: the colocated knobs, each
-    replica's role, a drain in progress (replica name, since) and the last retune and shift."""
-
-    knobs: dict[str, Any] = field(default_factory=dict)
-    roles: dict[str, str] = field(default_factory=dict)
-    draining: tuple[str, float] | None = None
-    last_retune: dict[str, Any] | None = None  # time, from, to, reason, signals
-    last_shift: dict[str, Any] | None = None
-
-    def to_status(self) -> dict[str, Any]:
-        doc = {"knobs": dict(self.knobs), "roles": dict(self.roles)}
-        if self.draining:
-            doc["draining"] = {"replica": self.draining[0], "since": self.draining[1]}
-        for key, value in (("lastRetuneDetail", self.last_retune), ("lastShiftDetail", self.last_shift)):
-            if value:
-                doc[key] = value
-        return doc
-
-    @classmethod
-    def from_status(cls, doc: Mapping[str, Any] | None, knobs: Mapping[str, Any]) -> State:
-        """What a previous process stored in ``status.controller`` (``knobs``: the spec's, when
-        none were stored); garbage fields are dropped."""
-        doc = doc if isinstance(doc, Mapping) else {}
-        stored = doc.get("knobs") if isinstance(doc.get("knobs"), Mapping) else {}
-        # A stored knob must be a usable number (or an unset step-time target); else the spec's.
-        valid = {k: v for k in LIVE_KNOBS if k in stored and (
-            (v := stored[k]) is None and k == "step_time_target_ms"
-            or isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0)}
-        roles_doc = doc.get("roles") if isinstance(doc.get("roles"), Mapping) else {}
-        roles = {k: v for k, v in roles_doc.items() if isinstance(k, str) and v in (COLOCATED, INTERACTIVE)}
-        drain = doc.get("draining") if isinstance(doc.get("draining"), Mapping) else None
-        draining = None
-        since = drain.get("since") if drain else None
-        if drain and isinstance(drain.get("replica"), str) and isinstance(since, int | float) and math.isfinite(since):
-            draining = (drain["replica"], float(since))
-        details = [d if isinstance(d := doc.get(k), Mapping) else None for k in ("lastRetuneDetail", "lastShiftDetail")]
-        return cls({**knobs, **valid}, roles, draining, *details)
+# What each role serves, for the log.
+_SERVING = {COLOCATED: "serving every class", INTERACTIVE: "serving interactive only",
+            PREFILL: "prefilling the long prompts the gateways move"}
 
 
 class InPlace:
@@ -214,11 +132,14 @@ class InPlace:
         if not decision.act:
             return
         signals = figures(evaluation.signals, evaluation.spec)
+        shape = evaluation.shape
+        after = shape_after(shape, decision.move) if decision.action == "reshape" else shape
         with self.tracer.start_as_current_span("cadenza.controller.act", attributes={
                 "cadenza.pool.name": self.pool.name, "cadenza.controller.action": decision.action,
                 "cadenza.controller.move": decision.move or "", "cadenza.controller.reason": decision.reason,
+                "cadenza.controller.shape.before": describe(shape), "cadenza.controller.shape.after": describe(after),
                 **{f"cadenza.signal.{k}": v for k, v in signals.items() if v is not None}}):
-            self._record(decision, evaluation.shape, signals, now)
+            self._record(decision, shape, signals, now)
             self._carry_out(decision, self._replicas, now)
 
     def _record(self, decision: Decision, shape: Shape, signals: dict, now: float) -> None:
@@ -228,15 +149,12 @@ class InPlace:
             self.state.last_retune = {**entry, "from": {k: self.state.knobs.get(k) for k in decision.knobs},
                                       "to": dict(decision.knobs)}
         else:
-            after = (shape.colocated - 1, shape.interactive + 1) if decision.move == DEDICATE else (
-                shape.colocated + 1, shape.interactive - 1)
-            self.state.last_shift = {**entry, "move": decision.move,
-                                     "from": {"colocated": shape.colocated, "interactive": shape.interactive},
-                                     "to": {"colocated": after[0], "interactive": after[1]}}
+            self.state.last_shift = {**entry, "move": decision.move, "from": shape_doc(shape),
+                                     "to": shape_doc(shape_after(shape, decision.move))}
 
     def shape(self, replicas: list[Replica]) -> Shape:
-        roles = [self.state.roles.get(r.name, COLOCATED) for r in replicas]
-        return Shape(roles.count(COLOCATED), roles.count(INTERACTIVE))
+        """Replicas per role among ``replicas`` (a replica draining counts in the role it leaves)."""
+        return shape_of([self.state.roles.get(r.name, COLOCATED) for r in replicas])
 
     def status(self) -> dict[str, Any]:
         """The stored state and, after a decision, each class's SLO met or not."""
@@ -248,23 +166,32 @@ class InPlace:
     # -- roles, settings, routing -------------------------------------------------------------
 
     def _assign_roles(self, replicas: list[Replica]) -> None:
-        """Forget replicas that are gone; a new one takes the place of a lost interactive replica
-        (the shape is kept), else starts colocated."""
+        """Forget replicas that are gone; a new one takes the place of a lost interactive or
+        prefill replica (the shape is kept), else starts colocated. Without
+        ``spec.controller.disaggregate`` a prefill replica is colocated again."""
         names = {r.name for r in replicas}
-        before = list(self.state.roles.values()).count(INTERACTIVE)
-        self.state.roles = {n: role for n, role in self.state.roles.items() if n in names}
-        missing = before - list(self.state.roles.values()).count(INTERACTIVE)
+        before = dict(self.state.roles)
+        if not self.pool.prefill_in_place and PREFILL in before.values():
+            logger.info("controller %s: spec.controller.disaggregate is off: prefill replicas back to colocated",
+                        self.pool.name)
+            before = {n: COLOCATED if role == PREFILL else role for n, role in before.items()}
+        roles = {n: role for n, role in before.items() if n in names}
+        lost = [role for role in (INTERACTIVE, PREFILL)
+                for _ in range(list(before.values()).count(role) - list(roles.values()).count(role))]
         for replica in replicas:
-            if replica.name not in self.state.roles:
-                self.state.roles[replica.name] = INTERACTIVE if missing > 0 else COLOCATED
-                missing -= self.state.roles[replica.name] == INTERACTIVE
-        if self.state.draining and self.state.draining[0] not in names:
+            if replica.name not in roles:
+                roles[replica.name] = lost.pop(0) if lost else COLOCATED
+        self.state.roles = roles
+        if self.state.draining and self.state.draining.replica not in names:
             self.state.draining = None
 
     def settings(self, role: str) -> dict[str, Any]:
-        """The live settings of a role: interactive's from the spec; colocated's with the knobs."""
+        """The live settings of a role: interactive's from the spec (``dedicated.engine`` on top of
+        ``spec.engine``), prefill's from :func:`prefill_settings`, colocated's with the knobs."""
         if role == INTERACTIVE:
             return live_document(self.pool.role_settings(INTERACTIVE).engine)
+        if role == PREFILL:
+            return prefill_settings(self.pool)
         doc = live_document(self.pool.spec.get("engine") or {})
         doc.update({k: v for k, v in self.state.knobs.items() if k != "step_time_target_ms" or v is not None})
         return doc
@@ -290,16 +217,18 @@ class InPlace:
         return True
 
     def _reconcile(self, replicas: list[Replica]) -> None:
-        draining = self.state.draining[0] if self.state.draining else None
+        """Every ready replica runs its role's settings, then is in its role's routes (a replica
+        draining: in the routes its move keeps it in)."""
+        drain = self.state.draining
         for replica in replicas:
             if not replica.ready:
                 continue
             role = self.state.roles[replica.name]
             if not self._apply(replica, role):
                 continue
-            batch = role == COLOCATED and replica.name != draining
-            if (replica.routed_interactive, replica.routed_batch) != (True, batch):
-                self.backend.route(replica, role, interactive=True, batch=batch)
+            routes = MOVE[drain.move].draining_routes if drain and replica.name == drain.replica else ROUTES[role]
+            if replica.routes != routes:
+                self.backend.route(replica, role, routes)
 
     # -- moves --------------------------------------------------------------------------------
 
@@ -310,45 +239,71 @@ class InPlace:
                 if replica.ready and self.state.roles[replica.name] == COLOCATED:
                     self._apply(replica, COLOCATED)
             return
-        if decision.move == DEDICATE:
-            candidates = [r for r in replicas if r.ready and self.state.roles[r.name] == COLOCATED]
-            if not candidates:
-                return
-            replica = candidates[-1]
-            self.state.draining = (replica.name, now)
-            self.backend.route(replica, COLOCATED, interactive=True, batch=False)
-            logger.info("controller %s: %s out of the batch routing; draining its batch work", self.pool.name,
-                        replica.name)
-            self._advance_drain(replicas, now)
+        move = MOVE[decision.move]
+        candidates = [r for r in replicas if r.ready and self.state.roles[r.name] == move.source]
+        if not candidates:
+            logger.warning("controller %s: no ready %s replica to %s", self.pool.name, move.source, move.name)
             return
-        candidates = [r for r in replicas if r.ready and self.state.roles[r.name] == INTERACTIVE]
-        if candidates and self._apply(candidates[-1], COLOCATED):
-            replica = candidates[-1]
+        replica = candidates[-1]
+        if decision.move in SPLITS:  # out of the routes it leaves first; it changes once drained
+            self.state.draining = Drain(replica.name, now, move.name)
+            self.backend.route(replica, COLOCATED, move.draining_routes)
+            logger.info("controller %s: %s out of the %s routing; draining its %s requests", self.pool.name,
+                        replica.name, "/".join(sorted(ROUTES[COLOCATED] - move.draining_routes)),
+                        "/".join(move.drains))
+            self._advance_drain(replicas, now)
+        elif self._apply(replica, COLOCATED):  # a merge or an aggregate: it only takes more traffic
             self.state.roles[replica.name] = COLOCATED
-            self.backend.route(replica, COLOCATED, interactive=True, batch=True)
-            logger.info("controller %s: %s back to colocated", self.pool.name, replica.name)
+            self.backend.route(replica, COLOCATED, ROUTES[COLOCATED])
+            logger.info("controller %s: %s back to colocated (%s)", self.pool.name, replica.name, move.name)
 
     def _advance_drain(self, replicas: list[Replica], now: float) -> None:
-        name, since = self.state.draining
+        name, since, move_name = self.state.draining
+        move = MOVE[move_name]
         replica = next((r for r in replicas if r.name == name), None)
-        busy = None
+        left = None
         if replica is not None:
             try:
-                classes = self.admin.ready(replica.url)["classes"]
-                busy = sum(classes[c]["running"] + classes[c]["waiting"] for c in ("batch", "background"))
+                left = busy(self.admin.ready(replica.url)["classes"], move_name)
             except (OSError, HTTPException, ValueError, KeyError, TypeError):
-                busy = None
-        if busy == 0 and now - since >= DRAIN_SETTLE_S and self._apply(replica, INTERACTIVE):
-            self.state.roles[name] = INTERACTIVE
+                left = None
+        if left == 0 and now - since >= DRAIN_SETTLE_S and self._apply(replica, move.target):
+            self.state.roles[name] = move.target
             self.state.draining = None
-            self.backend.route(replica, INTERACTIVE, interactive=True, batch=False)
-            logger.info("controller %s: %s drained; serving interactive only", self.pool.name, name)
+            self.backend.route(replica, move.target, ROUTES[move.target])
+            logger.info("controller %s: %s drained; %s", self.pool.name, name, _SERVING[move.target])
         elif now - since > self.drain_timeout_s:
             self.state.draining = None
             if replica is not None:
-                self.backend.route(replica, COLOCATED, interactive=True, batch=True)
-            logger.warning("controller %s: %s still had batch work after %.0f s: it stays colocated",
-                           self.pool.name, name, now - since)
+                self.backend.route(replica, COLOCATED, ROUTES[COLOCATED])
+            logger.warning("controller %s: %s still had %s requests after %.0f s: it stays colocated",
+                           self.pool.name, name, "/".join(move.drains), now - since)
+
+
+def prefill_settings(pool: Pool) -> dict[str, Any]:
+    """The live settings of a replica moved into the prefill role (a ``PUT /admin/config`` body).
+
+    What a static disaggregated pool's prefill replica runs — ``spec.engine`` with
+    ``disaggregated.prefillEngine`` on top — except where ``prefillEngine`` is silent: the chunk
+    size and token budget are then the top of the controller's bounds (``spec.controller.bounds``,
+    the largest the pool lets the controller use; the chunk size's defaults to ``spec.engine``'s,
+    and the chunk never exceeds the budget), and no step-time target — a prefill replica streams
+    no token, so nothing caps its chunks for ITL, and the larger its chunks the sooner each long
+    prompt's KV is ready.
+
+    Raises:
+        ValueError: bounds that are empty or inverted (:func:`~cadenza.pool.live_knobs.knob_bounds`).
+    """
+    own = (pool.spec.get("disaggregated") or {}).get("prefillEngine") or {}
+    doc = live_document(pool.role_settings(PREFILL).engine)
+    bounds = knob_bounds(pool.spec)
+    if "tokenBudget" not in own and "token_budget" in bounds:
+        doc["token_budget"] = int(bounds["token_budget"][1])
+    if "chunkSize" not in own:
+        doc["chunk_size"] = min(int(bounds["chunk_size"][1]), doc["token_budget"])
+    if "stepTimeTargetMs" not in own:
+        doc["step_time_target_ms"] = None
+    return doc
 
 
 def figures(signals: Signals, spec: ControllerSpec) -> dict[str, Any]:

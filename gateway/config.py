@@ -5,6 +5,7 @@ Shape::
     roles:                       # role -> replica base URLs; colocated: both list the same ones
       interactive: [http://127.0.0.1:9001]
       batch: [http://127.0.0.1:9002]
+      prefill: [http://127.0.0.1:9003]  # optional: replicas that prefill long prompts for the others
     default_class: interactive   # optional: class of requests without x-cadenza-class
     max_outstanding: 64          # optional: requests in flight that make a replica full
 
@@ -56,7 +57,7 @@ def check_url(value: object, where: str) -> str:
 
 
 def check_roles(roles: object, where: str = "roles") -> dict[str, list[str]]:
-    """Role -> list of URLs, each role ``interactive`` or ``batch``, or :class:`GatewayConfigError`."""
+    """Role -> list of URLs, each role ``interactive``, ``batch`` or ``prefill``, or :class:`GatewayConfigError`."""
     if not isinstance(roles, Mapping):
         raise GatewayConfigError(f"{where}: must be a mapping of role -> list of URLs, got {roles!r}")
     out = {}

@@ -1,8 +1,9 @@
 """Upstreams from the Kubernetes API: the ready endpoints of a pool's role Services (cluster mode).
 
 A ServingPool ``<pool>`` has one Service per role, ``<pool>-interactive`` and ``<pool>-batch``,
-and in disaggregated mode ``<pool>-prefill`` (in the other modes it does not exist: its listing is
-empty and the gateway prefills nothing elsewhere).
+and in disaggregated mode ``<pool>-prefill`` — in mode auto too, selecting the pods the SLO
+controller has moved into the prefill role (label ``serves-prefill``), empty until it has (in
+the other modes it does not exist: its listing is empty and the gateway prefills nothing elsewhere).
 The gateway lists each Service's EndpointSlices (``discovery.k8s.io/v1``, label
 ``kubernetes.io/service-name=<service>``), then **watches** them, so a pod that stops being ready
 or starts terminating (its preStop drain) leaves the routing as soon as the API server says so,

@@ -18,7 +18,11 @@ replica) and does not list the replicas' addresses.
 
 With ``mode: auto`` every replica starts colocated, and the same SLO controller as the operator's
 keeps the pool's SLOs by retuning and moving replicas in place (:mod:`.actuation`) through
-their admin API; each decision is logged and the state file shows the shape.
+their admin API; each decision is logged and the state file shows the shape (``shape``:
+replicas per role). Unless ``spec.controller.disaggregate`` is false, every replica also opens a
+KV transfer endpoint and the gateway holds the admin token, so a replica the controller moves into
+the prefill role prefills the long prompts the gateway moves (threshold
+``disaggregated.minPromptTokens``, else ``auto``) and every other one can pull their KV.
 
 With ``mode: disaggregated`` the prefill and decode replicas each open a KV transfer endpoint (a
 free port, announced per request) and share the admin token with the gateway, which sends every
@@ -44,6 +48,7 @@ from typing import NamedTuple
 from cadenza.node.core.config import listen_problem as port_problem
 from cadenza.node.credentials import TOKEN_ENV, TOKEN_FILE_ENV
 from cadenza.control.loop import ControlLoop
+from cadenza.control.roles import shape_doc, shape_of
 from cadenza.local.actuation import local_loop
 from cadenza.pool.spec import Pool, PoolSpecError
 from cadenza.pool.spec import cpu_threads
@@ -108,8 +113,9 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int, admin_token: str |
     """The replicas and the gateway a pool needs, with their configuration files written.
 
     ``admin_token``, when given, enables every replica's admin API with it, and is the gateway's
-    too in ``mode: disaggregated`` (its KV transfer headers need it); without it the replicas'
-    admin API is off, whatever this process's environment says.
+    too in ``mode: disaggregated`` and in an auto pool that may move replicas into the prefill
+    role (its KV transfer headers need it); without it the replicas' admin API is off, whatever
+    this process's environment says.
 
     Raises:
         PoolSpecError: a spec that cannot run here (a PVC source needs a cluster).
@@ -151,9 +157,15 @@ def plan(pool_obj: dict, run_dir: Path, host: str, port: int, admin_token: str |
     gateway = Process("gateway", [sys.executable, "-m", "cadenza.node.cli", "gateway", "--config", str(config),
                                   "--host", host, "--port", str(port), *pool.gateway_args()], port,
                       run_dir / "gateway.log", host=host,
-                      env={TOKEN_ENV: admin_token if pool.mode == "disaggregated" and admin_token else "",
-                           TOKEN_FILE_ENV: ""})
+                      env={TOKEN_ENV: admin_token if _moves_kv(pool) and admin_token else "", TOKEN_FILE_ENV: ""})
     return replicas, gateway
+
+
+def _moves_kv(pool: Pool) -> bool:
+    """Whether the pool's gateway may send prompts through prefill replicas (its KV transfer
+    headers carry the pool's token): a disaggregated pool, or an auto pool whose controller may
+    move replicas into the prefill role."""
+    return pool.mode == "disaggregated" or pool.prefill_in_place
 
 
 def write_routes(config: Path, urls: dict[str, list[str]]) -> None:
@@ -185,6 +197,7 @@ def _write_state(path: Path | None, replicas: list[Process], gateway: Process,
     }
     if controller is not None:
         state["controller"] = controller.status()
+        state["shape"] = shape_doc(shape_of(list(roles.values())))  # as the roles are now
     tmp = path.with_name(path.name + ".tmp")
     try:
         tmp.write_text(json.dumps(state, indent=2) + "\n")

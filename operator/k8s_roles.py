@@ -3,10 +3,13 @@ a ``mode: auto`` pool.
 
 - Replicas are the pool's engine pods (``serving.cadenza.dev/workload: auto``), reached at their
   pod IP on the container port named ``http``.
-- A role is the pod label ``serving.cadenza.dev/role``; routing is the labels
-  ``serving.cadenza.dev/serves-interactive`` / ``serves-batch``, which the per-class Services
-  select, so the gateways (following those Services' EndpointSlices) route by them. A role change
-  patches labels — the Deployment's selector does not hold them, so no pod is created or deleted.
+- A role is the pod label ``serving.cadenza.dev/role`` (``colocated``, ``interactive`` or
+  ``prefill``); routing is the labels ``serving.cadenza.dev/serves-interactive`` /
+  ``serves-batch`` / ``serves-prefill``, which the route Services ``<pool>-interactive`` /
+  ``-batch`` / ``-prefill`` select, so the gateways (following those Services' EndpointSlices)
+  route by them — a pod labelled ``serves-prefill`` is a prefill replica to them, as in a
+  disaggregated pool. A role change patches labels — the Deployment's selector does not hold
+  them, so no pod is created or deleted.
 - Settings go through each pod's ``PUT /admin/config`` with the pool's token, read from the Secret
   the operator created and mounted into the pods.
 - The gateways' ``/metrics`` (latency) and the engines' (queues, KV, preemptions, predicted step
@@ -25,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPException
 
 from cadenza.operator import kube, render
-from cadenza.control.in_place import Replica
+from cadenza.control.replicas import Replica
 from cadenza.pool.spec import Pool
 
 logger = logging.getLogger(__name__)
@@ -43,20 +46,20 @@ class PodBackend:
         pods = kube.list_pods(self.pool.namespace, {render.POOL_LABEL: self.pool.name,
                                                     render.COMPONENT_LABEL: "engine", render.WORKLOAD_LABEL: "auto"})
         return [Replica(p["name"], f"http://{p['ip']}:{p['port']}", ready=bool(p["ready"] and p["ip"]),
-                        routed_interactive=p["labels"].get(render.SERVES_INTERACTIVE) == "true",
-                        routed_batch=p["labels"].get(render.SERVES_BATCH) == "true")
+                        routes=frozenset(route for route, label in render.ROUTE_LABELS.items()
+                                         if p["labels"].get(label) == "true"))
                 for p in sorted(pods, key=lambda p: p["name"])]
 
     def scrape(self) -> dict[str, str] | None:
         return scrape_pool(self.pool)
 
-    def route(self, replica: Replica, role: str, interactive: bool, batch: bool) -> None:
+    def route(self, replica: Replica, role: str, routes: frozenset[str]) -> None:
+        """One patch of the pod's role label and its route labels (each set or removed)."""
         kube.patch_pod_labels(replica.name, self.pool.namespace, {
             render.ROLE_LABEL: role,
-            render.SERVES_INTERACTIVE: "true" if interactive else None,
-            render.SERVES_BATCH: "true" if batch else None,
+            **{label: "true" if route in routes else None for route, label in render.ROUTE_LABELS.items()},
         })
-        replica.routed_interactive, replica.routed_batch = interactive, batch
+        replica.routes = frozenset(routes)
 
 
 def scrape_pool(pool: Pool) -> dict[str, str] | None:

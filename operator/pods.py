@@ -2,8 +2,9 @@
 
 Pure functions from a :class:`~cadenza.pool.spec.Pool` to pod specs (plain dicts); the objects
 around them (Deployments, labels, Services, budgets) are :mod:`cadenza.operator.render`'s. An
-engine pod runs ``cadenza serve`` on :data:`HTTP_PORT` (and, for prefill and decode, a KV
-transfer endpoint on :data:`KV_PORT`, bound to the pod IP), with a read-only root filesystem
+engine pod runs ``cadenza serve`` on :data:`HTTP_PORT` (and, for prefill, decode and — unless
+``controller.disaggregate`` is false — auto, a KV transfer endpoint on :data:`KV_PORT`, bound to
+the pod IP), with a read-only root filesystem
 (the model cache and ``/tmp`` are volumes), the pool's token where it is used (the admin Secret,
 mounted at :data:`ADMIN_TOKEN_DIR`), probes, and a preStop drain before SIGTERM.
 """
@@ -16,7 +17,7 @@ from cadenza.pool.spec import GPU_RESOURCES, MODEL_MOUNT, Pool, Role, cpu_thread
 
 ADMIN_TOKEN_DIR = "/var/run/cadenza-admin"
 HTTP_PORT = 8000
-KV_PORT = 9000  # the KV transfer endpoint of prefill and decode pods
+KV_PORT = 9000  # the KV transfer endpoint of prefill, decode and (unless controller.disaggregate is false) auto pods
 # Every container of a pool's pods: a non-root user, a read-only root, no privilege, no capability.
 _SECURE_CONTAINER = {
     "runAsNonRoot": True, "runAsUser": 65532, "readOnlyRootFilesystem": True,
@@ -158,8 +159,8 @@ def termination(pool: Pool) -> tuple[int, int]:
 
 def gateway_pod(pool: Pool, service_account: str) -> dict:
     """The pod spec of the pool's gateway: ``cadenza gateway --kubernetes`` reading the pool's
-    EndpointSlices as ``service_account``, with the pool's token in disaggregated mode (it asks the
-    replicas to move KV)."""
+    EndpointSlices as ``service_account``, with the pool's token in disaggregated mode and in an
+    auto pool that may move replicas into the prefill role (it asks the replicas to move KV)."""
     container = {
         "name": "gateway", "image": pool.spec.get("gateway", {}).get("image") or pool.spec["image"],
         "command": ["cadenza"],
@@ -173,7 +174,7 @@ def gateway_pod(pool: Pool, service_account: str) -> dict:
     }
     pod: dict[str, Any] = {"serviceAccountName": service_account, "containers": [container],
                            "securityContext": {"runAsNonRoot": True}}
-    if pool.mode == "disaggregated":  # the KV transfer headers need the pool's token
+    if pool.mode == "disaggregated" or pool.prefill_in_place:  # the KV transfer headers need the pool's token
         volume, mount, token_env = token_volume(pool)
         container.update(volumeMounts=[mount], env=[token_env])
         pod["volumes"] = [volume]

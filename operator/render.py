@@ -5,23 +5,26 @@ Every function returns plain dicts (testable without a cluster). For a pool name
 - ConfigMap ``p-engine``: each role's policy document (mounted at ``/etc/cadenza``);
 - a Deployment per role: ``p-colocated``, ``p-interactive`` and ``p-batch``, ``p-auto``, or
   ``p-prefill`` and ``p-decode``; the pod template carries a hash of the role's configuration, so a
-  changed knob rolls only that role; prefill and decode pods also listen for KV transfers (port
-  ``kv``, bound to the pod IP) and hold the pool's token;
+  changed knob rolls only that role; prefill and decode pods (and auto pods, unless
+  ``controller.disaggregate`` is false) also listen for KV transfers (port ``kv``, bound to the
+  pod IP) and hold the pool's token;
 - Services: ``p-interactive`` and ``p-batch`` (what the gateway routes each class to — in
   colocated mode both select every engine pod, so a mode shift changes selectors, never the
   gateway; while a shift waits for the new roles, ``narrow=False`` keeps them on every engine
   pod, old and new; in disaggregated mode they select the decode pods, and ``p-prefill`` the
-  prefill pods), all headless (the gateway dials the pods its EndpointSlices list, so a virtual
+  prefill pods; in mode auto each selects the pods labelled ``serves-<route>``, ``p-prefill``
+  included), all headless (the gateway dials the pods its EndpointSlices list, so a virtual
   IP would only be a second, unused load balancer), and ``p-gateway`` (the pool's entry point);
 - a PodDisruptionBudget per role, named like its Deployment (one pod of the role down at a time,
   so a drain never takes a whole role, and a one-replica role can still be drained), and
   ``p-gateway`` while the gateway runs two replicas;
 - the gateway: ServiceAccount, Role and RoleBinding ``p-gateway`` (read EndpointSlices) and a
-  Deployment ``p-gateway`` running ``cadenza gateway --kubernetes`` (with the pool's token in
-  disaggregated mode: it asks the replicas to move KV);
-- while a role with a KV transfer endpoint runs (disaggregated mode, and a shift away from it
-  until its pods are gone), the NetworkPolicy ``p-kv``: the KV port of those pods admits only the
-  pool's own engine pods, their HTTP port stays open.
+  Deployment ``p-gateway`` running ``cadenza gateway --kubernetes`` (with the pool's token where
+  it may ask the replicas to move KV);
+- while a role with a KV transfer endpoint runs (disaggregated mode, an auto pool that may move
+  replicas into the prefill role, and a shift away from either until its pods are gone), the
+  NetworkPolicy ``p-kv``: the KV port of those pods admits only the pool's own engine pods, their
+  HTTP port stays open.
 
 All carry an owner reference to the pool. What runs in the pods (containers, volumes, probes,
 ports) is :mod:`cadenza.operator.pods`'s.
@@ -43,7 +46,11 @@ POOL_LABEL, ROLE_LABEL = "serving.cadenza.dev/pool", "serving.cadenza.dev/role"
 # controller sets on each pod once its role's settings are applied (never in the selector).
 WORKLOAD_LABEL = "serving.cadenza.dev/workload"
 SERVES_INTERACTIVE, SERVES_BATCH = "serving.cadenza.dev/serves-interactive", "serving.cadenza.dev/serves-batch"
-ROUTE_LABELS = {"interactive": SERVES_INTERACTIVE, "batch": SERVES_BATCH}  # the class routes and their labels
+SERVES_PREFILL = "serving.cadenza.dev/serves-prefill"
+# the gateway routes and the labels that put an auto pod in them (the class routes, and prefill)
+ROUTE_LABELS = {"interactive": SERVES_INTERACTIVE, "batch": SERVES_BATCH, "prefill": SERVES_PREFILL}
+# the role labels an auto pod takes live (its Deployment's pods start colocated)
+AUTO_ROLES = ("colocated", "interactive", "prefill")
 COMPONENT_LABEL = "app.kubernetes.io/component"
 CONFIG_HASH = "serving.cadenza.dev/config-hash"
 ALL_ROLES = ("colocated", "interactive", "batch", "auto", "prefill", "decode")
@@ -140,22 +147,26 @@ def _service(pool: Pool, name: str, component: str, selector: dict, owner=None, 
 
 def render_services(pool: Pool, owner=None, narrow: bool = True) -> list[dict]:
     """The headless Service of each gateway route (:meth:`Pool.routes`: ``p-interactive``,
-    ``p-batch``, and ``p-prefill`` in disaggregated mode) and the gateway's Service.
+    ``p-batch``, and ``p-prefill`` in disaggregated mode and in an auto pool that may move
+    replicas into the prefill role, :attr:`Pool.prefill_in_place`) and the gateway's Service.
 
     A route's Service selects its role's pods; where one role serves every route (colocated,
     auto) every engine pod, so a shift changes selectors, never the gateway; in mode auto, the
-    pods the SLO controller has labelled for the route. With ``narrow=False`` the class Services
-    select every engine pod, whatever the mode."""
+    pods the SLO controller has labelled for the route (``serves-<route>``). With
+    ``narrow=False`` the class Services select every engine pod, whatever the mode."""
     routes = pool.routes()
     one_role = len(set(routes.values())) == 1
     services = [_service(pool, f"{pool.name}-{route}", "engine", _route_selector(pool, route, role, one_role, narrow),
                          owner, headless=True) for route, role in routes.items()]
+    if pool.prefill_in_place:  # the pods the controller has moved into the prefill role, whatever the shift
+        services.append(_service(pool, f"{pool.name}-prefill", "engine",
+                                 {**engine_selector(pool), SERVES_PREFILL: "true"}, owner, headless=True))
     gateway = {POOL_LABEL: pool.name, COMPONENT_LABEL: "gateway"}
     return [*services, _service(pool, f"{pool.name}-gateway", "gateway", gateway, owner)]
 
 
 def _route_selector(pool: Pool, route: str, role: str, one_role: bool, narrow: bool) -> dict[str, str]:
-    if route not in ROUTE_LABELS:  # prefill: the prefill pods, whatever the shift
+    if route == "prefill":  # the prefill pods, whatever the shift
         return engine_selector(pool, role)
     if narrow and role == "auto":  # routed by the labels the controller sets on each pod
         return {**engine_selector(pool), ROUTE_LABELS[route]: "true"}
@@ -186,7 +197,8 @@ def render_network_policy(pool: Pool, roles: list[str], owner=None) -> list[dict
     """The NetworkPolicy of the pool's KV transfer endpoints, when one of the engine roles in
     ``roles`` (running or retiring) runs one (:attr:`Role.kv_transfer`); none otherwise.
 
-    It selects the pods of those roles and admits ingress to their KV port (:data:`KV_PORT`, TCP)
+    It selects the pods of those roles (an ``auto`` pod by every role label it may take,
+    :data:`AUTO_ROLES`) and admits ingress to their KV port (:data:`KV_PORT`, TCP)
     only from the pool's own engine pods (a decode replica pulls from a prefill replica; nothing
     else speaks the KV protocol, the gateway included), and to their HTTP port
     (:data:`HTTP_PORT`) from anywhere, as before: a policy that selects a pod denies every
@@ -196,9 +208,12 @@ def render_network_policy(pool: Pool, roles: list[str], owner=None) -> list[dict
 
     Source: https://kubernetes.io/docs/concepts/services-networking/network-policies/
     """
-    kv = sorted({name for name in roles if pool.role_settings(name).kv_transfer})
+    kv = {name for name in roles if pool.role_settings(name).kv_transfer}
     if not kv:
         return []
+    if "auto" in kv:  # auto pods change their role label live: select every role they may take
+        kv = (kv - {"auto"}) | set(AUTO_ROLES)
+    kv = sorted(kv)
     return [{
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": _meta(pool, network_policy_name(pool), "engine", owner),
@@ -336,4 +351,5 @@ def stale_network_policies(pool: Pool, roles: list[str]) -> list[str]:
 def stale_services(pool: Pool) -> list[str]:
     """Services the current mode does not render (to delete after a shift), and ``p``, which
     selected every engine pod before the class Services went headless and nothing used."""
-    return [pool.name] + ([] if pool.mode == "disaggregated" else [f"{pool.name}-prefill"])
+    keep_prefill = pool.mode == "disaggregated" or pool.prefill_in_place
+    return [pool.name] + ([] if keep_prefill else [f"{pool.name}-prefill"])

@@ -16,7 +16,10 @@ from collections.abc import Callable, Mapping
 import kopf
 
 from cadenza.control.advisory import Advisory, advisory_loop
-from cadenza.control.in_place import AdminClient, InPlace, follow, in_place_loop
+from cadenza.control.decide import Decision, Shape
+from cadenza.control.in_place import InPlace, follow, in_place_loop
+from cadenza.control.roles import describe, shape_after, shape_doc
+from cadenza.control.replicas import AdminClient
 from cadenza.control.status import slo_status
 from cadenza.operator import kube
 from cadenza.operator.k8s_roles import PodBackend
@@ -64,14 +67,23 @@ def _control(pool_state: PoolState, body: kopf.Body, meta: kopf.Meta, pool: Pool
     except (kube.Transient, kube.Refused) as exc:
         logger.warning("controller: %s", exc)
         decision = None
-    if decision is not None and decision.act:
-        _event(body, "Normal", decision.action.capitalize(), decision.reason[:1000])
     actuation = loop.actuation
     shape = actuation.last_shape if decision is not None else None
+    if decision is not None and decision.act:
+        _event(body, "Normal", decision.action.capitalize(), event_message(decision, shape))
     out = {**slo_status(loop), "flapping": bool(loop.last and loop.last.flapping)}
     for key, detail in (("lastRetune", actuation.state.last_retune), ("lastShift", actuation.state.last_shift)):
         if detail:
             out[key] = detail
     if shape is not None:
-        out["shape"] = {"colocated": shape.colocated, "interactive": shape.interactive}
+        out["shape"] = shape_doc(shape)
     return out
+
+
+def event_message(decision: Decision, shape: Shape | None) -> str:
+    """The Event of an action: its reason and, for a reshape, the shape before and after
+    (``colocated: n, interactive: m, prefill: p -> ...``); at most 1,000 characters."""
+    if decision.action == "reshape" and shape is not None:
+        moved = f" (shape {describe(shape)} -> {describe(shape_after(shape, decision.move))})"
+        return decision.reason[:1000 - len(moved)] + moved
+    return decision.reason[:1000]

@@ -3,7 +3,9 @@ functions, with the time injected, so every field and condition is tested withou
 
 ``status`` holds ``observedGeneration``, ``mode``, replicas per role and in all (``ready``:
 ``"ready/desired"``, the printer column), the label ``selector`` (the scale subresource), the
-disaggregation threshold of a disaggregated pool, the SLO fields of a pool with SLOs, and the
+disaggregation threshold of a disaggregated pool, the SLO fields of a
+pool with SLOs (an auto pool's ``shape``: ``{colocated: n, interactive: m, prefill: p}``, also
+in the ``Ready`` message), and the
 conditions ``Ready`` / ``Progressing`` / ``Degraded`` (with ``Flapping`` and ``SLOMet`` where SLOs
 are read). A condition keeps its ``lastTransitionTime`` until its status flips.
 
@@ -90,6 +92,7 @@ def build_status(pool: Pool, roles: Sequence[Role], observed: Observed, previous
         The ``status`` fields, as a JSON merge patch (None deletes a key).
     """
     stamp = {"previous": previous, "now": now, "generation": generation}
+    slo = observed.slo
     per_role, desired, ready, updated = {}, 0, 0, 0
     serving, unobserved, problems = True, False, []
     for role in roles:
@@ -114,6 +117,10 @@ def build_status(pool: Pool, roles: Sequence[Role], observed: Observed, previous
         rolling = True
         progress = ("ModeShift", f"mode {pool.mode}: {', '.join(retiring)} serving until role(s) "
                                  f"{', '.join(waiting)} are ready; {ready}/{desired} ready")
+    ready_why = readiness(is_ready, ready, desired, problems)
+    if slo is not None and slo.get("shape"):  # an auto pool: replicas per role the controller keeps
+        shape = ", ".join(f"{role}: {n}" for role, n in slo["shape"].items())
+        ready_why = (ready_why[0], f"{ready_why[1]}; shape {shape}")
     status = {
         "mode": pool.mode,
         "replicas": desired,
@@ -122,7 +129,7 @@ def build_status(pool: Pool, roles: Sequence[Role], observed: Observed, previous
         "selector": render.selector_string(pool),
         "roles": per_role,
         "conditions": [
-            condition("Ready", is_ready, *readiness(is_ready, ready, desired, problems), **stamp),
+            condition("Ready", is_ready, *ready_why, **stamp),
             condition("Progressing", rolling, *progress, **stamp),
             degraded(problems, conflicts, **stamp),
         ],
@@ -134,7 +141,6 @@ def build_status(pool: Pool, roles: Sequence[Role], observed: Observed, previous
     # A merge patch merges maps: a role the mode no longer runs must be removed by name.
     for stale in set(previous.get("roles") or {}) - set(per_role):
         per_role[stale] = None
-    slo = observed.slo
     if slo is not None:
         # whole maps: a key the loop no longer reports (a drain that ended, a class gone quiet)
         # is removed, not kept by the merge patch

@@ -8,8 +8,9 @@ Roles: ``colocated`` mode runs one role, ``colocated``, whose replicas serve eve
 ``dedicated`` runs ``interactive`` replicas (the base engine settings with ``dedicated.engine`` on
 top) and ``batch`` replicas (the base settings) for batch and background traffic. ``auto`` runs one
 workload, ``auto``, whose pods start with the base settings and no routing; the SLO controller
-gives each pod its role (colocated or interactive) in place — labels and live settings — and
-only then routes to it (:mod:`cadenza.control.in_place`). ``disaggregated`` runs ``prefill`` replicas
+gives each pod its role (colocated, interactive or prefill) in place — labels and live settings —
+and only then routes to it (:mod:`cadenza.control.in_place`); unless ``controller.disaggregate``
+is false they all run a KV transfer endpoint, so any may become a prefill replica. ``disaggregated`` runs ``prefill`` replicas
 (``disaggregated.prefillEngine`` on top of the base), which compute long prompts and stream their
 KV, and ``decode`` replicas (``disaggregated.decodeEngine`` on top) serving every class; both
 have a KV transfer endpoint.
@@ -55,11 +56,15 @@ class Role:
         name: ``colocated`` | ``interactive`` | ``batch`` | ``auto`` | ``prefill`` | ``decode``.
         replicas: how many.
         engine: the merged camelCase engine settings.
+        kv_transfer: its replicas run a KV transfer endpoint: ``prefill`` and ``decode``, and
+            ``auto`` when its controller may move replicas into the prefill role
+            (:attr:`Pool.prefill_in_place`).
     """
 
     name: str
     replicas: int
     engine: Mapping[str, Any]
+    kv_transfer: bool = False  # its replicas run a KV transfer endpoint (and need the pool's token to use it)
 
     def serve_args(self, model_args: list[str]) -> list[str]:
         """``cadenza serve`` arguments, except host, port and ``--policy`` (placed by the renderer)."""
@@ -67,11 +72,6 @@ class Role:
 
     def policy(self) -> dict[str, Any]:
         return policy_document(self.engine)
-
-    @property
-    def kv_transfer(self) -> bool:
-        """Its replicas run a KV transfer endpoint (and need the pool's token to use it)."""
-        return self.name in KV_TRANSFER_ROLES
 
     def config_hash(self, model_args: list[str]) -> str:
         """Changes exactly when what this role's replicas run changes (rolls only them)."""
@@ -129,6 +129,9 @@ class Pool:
             roles = [self.role_settings("colocated", replicas)]
         elif self.mode == "auto":
             roles = [self.role_settings("auto", replicas)]
+            if self.prefill_in_place:  # the prefill role its controller may move replicas into
+                self._check_kv_overrides("disaggregated", "prefill")
+                self._check(self.role_settings("prefill"))
         else:
             first, rest, section, key = (("interactive", "batch", "dedicated", "interactiveReplicas")
                                          if self.mode == "dedicated" else
@@ -137,15 +140,7 @@ class Pool:
             if n >= replicas:
                 raise PoolSpecError(f"spec.{section}.{key} ({n}) must be less than spec.replicas ({replicas})")
             for role in KV_TRANSFER_ROLES if self.mode == "disaggregated" else ():
-                overrides = self.spec.get(section, {}).get(_OVERRIDES[role][1], {})
-                where = f"spec.{section}.{_OVERRIDES[role][1]}"
-                if unknown := sorted(set(overrides) - {*ENGINE_KNOBS, *POLICY_KEYS}):
-                    raise PoolSpecError(f"{where}.{unknown[0]}: unknown engine setting (allowed here: "
-                                        f"{', '.join(sorted(KV_ROLE_KEYS))})")
-                if extra := sorted(set(overrides) - KV_ROLE_KEYS):
-                    raise PoolSpecError(f"{where} may not set {', '.join(extra)}: a decode replica takes the "
-                                        "prefill replica's KV blocks as they are (allowed here: "
-                                        f"{', '.join(sorted(KV_ROLE_KEYS))})")
+                self._check_kv_overrides(section, role)
             roles = [self.role_settings(first, n), self.role_settings(rest, replicas - n)]
         for role in roles:
             self._check(role)
@@ -166,7 +161,9 @@ class Pool:
             return {"interactive": "interactive", "batch": "batch"}
         if self.mode == "disaggregated":
             return {"interactive": "decode", "batch": "decode", "prefill": "prefill"}
-        return {"interactive": self.mode, "batch": self.mode}  # colocated, auto: one role serves both
+        # colocated, auto: one role serves both. An auto pool's prefill route starts empty: the
+        # controller puts a replica in it once it has moved one there (:attr:`prefill_in_place`).
+        return {"interactive": self.mode, "batch": self.mode}
 
     def role_settings(self, name: str, replicas: int = 0) -> Role:
         """The settings a role runs with under this spec — the base engine settings with the role's
@@ -176,14 +173,38 @@ class Pool:
         if name in _OVERRIDES:
             section, key = _OVERRIDES[name]
             base = _merged(base, self.spec.get(section, {}).get(key, {}))
-        return Role(name, replicas, base)
+        kv = name in KV_TRANSFER_ROLES or (name == "auto" and self._controller_disaggregates)
+        return Role(name, replicas, base, kv)
+
+    @property
+    def _controller_disaggregates(self) -> bool:
+        return bool((self.spec.get("controller") or {}).get("disaggregate", True))
+
+    @property
+    def prefill_in_place(self) -> bool:
+        """An ``auto`` pool whose SLO controller may move replicas into the prefill role in place
+        (``spec.controller.disaggregate``, default true): every replica then runs a KV transfer
+        endpoint (any may become a prefill replica; every one serving the classes may pull), and
+        the gateways route long prompts to the prefill replicas as in a disaggregated pool."""
+        return self.mode == "auto" and self._controller_disaggregates
 
     @property
     def min_prompt_tokens(self) -> int | None:
-        """The pinned disaggregation threshold (``disaggregated.minPromptTokens``), or None: the
-        gateway takes the one the decode replicas compute."""
+        """The pinned disaggregation threshold (``disaggregated.minPromptTokens``, read in mode
+        auto too), or None: the gateway takes the one the decode replicas compute."""
         value = self.spec.get("disaggregated", {}).get("minPromptTokens")
         return None if value is None else int(value)
+
+    def _check_kv_overrides(self, section: str, role: str) -> None:
+        overrides = self.spec.get(section, {}).get(_OVERRIDES[role][1], {})
+        where = f"spec.{section}.{_OVERRIDES[role][1]}"
+        if unknown := sorted(set(overrides) - {*ENGINE_KNOBS, *POLICY_KEYS}):
+            raise PoolSpecError(f"{where}.{unknown[0]}: unknown engine setting (allowed here: "
+                                f"{', '.join(sorted(KV_ROLE_KEYS))})")
+        if extra := sorted(set(overrides) - KV_ROLE_KEYS):
+            raise PoolSpecError(f"{where} may not set {', '.join(extra)}: a decode replica takes the "
+                                "prefill replica's KV blocks as they are (allowed here: "
+                                f"{', '.join(sorted(KV_ROLE_KEYS))})")
 
     def _check(self, role: Role) -> None:
         try:  # the engine's own rules, a chunk within the budget included, on the merged settings
@@ -193,11 +214,12 @@ class Pool:
 
     def gateway_args(self) -> list[str]:
         """``--slo-targets-ms`` with every SLO target of the pool (the gateway's histograms are dense
-        around them), or nothing without SLOs; in disaggregated mode ``--disagg-min-prompt-tokens``,
-        pinned or ``auto``."""
+        around them), or nothing without SLOs; in disaggregated mode, and in an auto pool that may
+        move replicas into the prefill role (:attr:`prefill_in_place`), ``--disagg-min-prompt-tokens``,
+        pinned (``disaggregated.minPromptTokens``) or ``auto``."""
         targets = sorted({float(v) for slo in (self.spec.get("slo") or {}).values() for v in (slo or {}).values()})
         args = ["--slo-targets-ms", ",".join(f"{t:g}" for t in targets)] if targets else []
-        if self.mode == "disaggregated":
+        if self.mode == "disaggregated" or self.prefill_in_place:
             pinned = self.min_prompt_tokens
             args += ["--disagg-min-prompt-tokens", "auto" if pinned is None else str(pinned)]
         return args

@@ -9,7 +9,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from cadenza.gateway.metrics import GatewayMetrics
 from cadenza.control.decide import Shape
-from cadenza.control.in_place import COLOCATED, DRAIN_SETTLE_S, INTERACTIVE, Replica, State, in_place_loop
+from cadenza.control.in_place import DRAIN_SETTLE_S, in_place_loop
+from cadenza.control.roles import COLOCATED, INTERACTIVE
+from cadenza.control.replicas import Replica, State
 from cadenza.control.loop import ControlLoop
 from cadenza.control.signals import ClassWindow
 from cadenza.control.spec import ControllerSpec
@@ -64,14 +66,15 @@ class FakeBackend:
     def scrape(self):
         return {"gateway-0": self.metrics.prometheus_text().decode()}
 
-    def route(self, replica, role, interactive, batch):
+    def route(self, replica, role, routes):
         # Routing always comes after the replica runs its role's settings.
         want = 32 if role == INTERACTIVE else None
         if want is not None:
             assert self.admin.config[replica.url]["chunk_size"] == want
+        interactive, batch = "interactive" in routes, "batch" in routes
         self.events.append(("route", replica.name, role, interactive, batch))
         self.labels[replica.name] = (role, interactive, batch)
-        replica.routed_interactive, replica.routed_batch = interactive, batch
+        replica.routes = routes
 
 
 def setup(stored=None):
@@ -114,8 +117,8 @@ def test_a_breach_retunes_then_dedicates_after_a_drain_and_records_why():
     assert loop.actuation.state.roles == {"a": COLOCATED, "b": INTERACTIVE}
     assert backend.labels["b"] == (INTERACTIVE, True, False)
     shift = loop.actuation.state.last_shift
-    assert shift["move"] == "dedicate" and shift["from"] == {"colocated": 2, "interactive": 0}
-    assert shift["to"] == {"colocated": 1, "interactive": 1} and shift["signals"]["interactive.itl_p99_ms"] > 50
+    assert shift["move"] == "dedicate" and shift["from"] == {"colocated": 2, "interactive": 0, "prefill": 0}
+    assert shift["to"] == {"colocated": 1, "interactive": 1, "prefill": 0} and shift["signals"]["interactive.itl_p99_ms"] > 50
     retune = loop.actuation.state.last_retune
     assert retune["from"] == {"chunk_size": 64} and retune["to"] == {"chunk_size": 32}
     spans = [s for s in exporter.get_finished_spans() if s.name == "cadenza.controller.act"]
@@ -220,13 +223,13 @@ def test_a_local_replica_that_exits_is_unrouted_until_the_controller_routes_it_a
     written = []
     backend = LocalBackend({"auto-0": "http://a", "auto-1": "http://b"}, "http://g", written.append)
     backend.unroute("auto-1")
-    assert written[-1] == {"interactive": ["http://a"], "batch": ["http://a"]}
+    assert written[-1] == {"interactive": ["http://a"], "batch": ["http://a"], "prefill": []}
     b = next(r for r in backend.replicas() if r.name == "auto-1")
-    assert not b.routed_interactive and not b.routed_batch  # so the next tick applies settings, then routes
+    assert not b.routes  # so the next tick applies settings, then routes
     backend.unroute("auto-1")
     assert len(written) == 1  # nothing to rewrite
-    backend.route(b, COLOCATED, interactive=True, batch=True)
-    assert written[-1] == {"interactive": ["http://a", "http://b"], "batch": ["http://a", "http://b"]}
+    backend.route(b, COLOCATED, frozenset({"interactive", "batch"}))
+    assert written[-1] == {"interactive": ["http://a", "http://b"], "batch": ["http://a", "http://b"], "prefill": []}
 
 
 def test_the_loop_keeps_its_own_schedule_on_its_clock():

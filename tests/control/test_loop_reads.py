@@ -113,8 +113,8 @@ class Pods:
     def scrape(self):
         raise AssertionError("a pool with spec.controller.prometheus is not scraped")
 
-    def route(self, replica, role, interactive, batch):
-        replica.routed_interactive, replica.routed_batch = interactive, batch
+    def route(self, replica, role, routes):
+        replica.routes = routes
 
 
 def one_reading() -> int:

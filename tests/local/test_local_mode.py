@@ -63,6 +63,19 @@ def test_the_plan_follows_the_pool_mode(tmp_path, tiny_llama_dir):
     assert all(r.cmd[r.cmd.index("--kv-transfer-port") + 1] == "0" for r in replicas)  # announced per request
     assert gateway.env["CADENZA_ADMIN_TOKEN"] == replicas[0].env["CADENZA_ADMIN_TOKEN"] == "t0ken"
     assert gateway.cmd[gateway.cmd.index("--disagg-min-prompt-tokens") + 1] == "auto"
+    # auto (issue 31): every replica may become a prefill replica in place; the prefill route starts empty
+    pool["spec"].update(mode="auto", disaggregated={"minPromptTokens": 64})
+    replicas, gateway = plan(pool, tmp_path, "127.0.0.1", 8123, admin_token="t0ken")
+    config = json.loads((tmp_path / "gateway.json").read_text())
+    assert [r.role for r in replicas] == ["auto"] * 3
+    assert config["roles"] == {"interactive": [r.url for r in replicas], "batch": [r.url for r in replicas]}
+    assert all(r.cmd[r.cmd.index("--kv-transfer-port") + 1] == "0" for r in replicas)
+    assert gateway.env["CADENZA_ADMIN_TOKEN"] == "t0ken"
+    assert gateway.cmd[gateway.cmd.index("--disagg-min-prompt-tokens") + 1] == "64"
+    pool["spec"]["controller"] = {"disaggregate": False}
+    replicas, gateway = plan(pool, tmp_path, "127.0.0.1", 8123, admin_token="t0ken")
+    assert "--kv-transfer-port" not in replicas[0].cmd and "--disagg-min-prompt-tokens" not in gateway.cmd
+    assert gateway.env["CADENZA_ADMIN_TOKEN"] == ""
 
 
 @pytest.mark.parametrize("mode", ["colocated", "dedicated", "auto", "disaggregated"])

@@ -477,7 +477,7 @@ class ScriptedEngine:
         import http.server
         import json
 
-        self.config, self.puts, self.batch_running = dict(config), [], 0
+        self.config, self.puts, self.batch_running, self.interactive_running = dict(config), [], 0, 0
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -493,8 +493,8 @@ class ScriptedEngine:
                 if self.path == "/ready":
                     zero = {"running": 0, "waiting": 0}
                     self._send({"status": "ready", "classes": {
-                        "interactive": zero, "batch": {"running": outer.batch_running, "waiting": 0},
-                        "background": zero}})
+                        "interactive": {"running": outer.interactive_running, "waiting": 0},
+                        "batch": {"running": outer.batch_running, "waiting": 0}, "background": zero}})
                 else:
                     assert self.headers["Authorization"].startswith("Bearer ")
                     self._send(outer.config)
@@ -565,8 +565,9 @@ def test_an_auto_pool_moves_a_replica_in_place_and_back_across_an_operator_resta
             assert "serving.cadenza.dev/serves-batch" not in labels
             assert labels["serving.cadenza.dev/serves-interactive"] == "true"
             assert engines[moved].puts[-1]["chunk_size"] == 32 and engines[moved].puts[-1]["max_num_seqs"] == 16
-            pool = wait_for(lambda: (p := get_pool())["status"].get("shape") == {"colocated": 1, "interactive": 1}
-                            and p, what="status.shape")
+            pool = wait_for(lambda: (p := get_pool())["status"].get("shape") == {"colocated": 1, "interactive": 1,
+                                                                                 "prefill": 0} and p,
+                            what="status.shape")
             assert pool["status"]["controller"]["roles"][moved] == "interactive"
             assert condition(pool, "SLOMet")["status"] == "False"
         assert runner.exception is None
@@ -580,7 +581,8 @@ def test_an_auto_pool_moves_a_replica_in_place_and_back_across_an_operator_resta
                      "the pod given back once every class is clear")
             assert pod_labels(moved)["serving.cadenza.dev/serves-batch"] == "true"
             assert engines[moved].config["chunk_size"] == 16  # the colocated knobs, carried across the restart
-            wait_for(lambda: get_pool()["status"].get("shape") == {"colocated": 2, "interactive": 0}, what="merged")
+            wait_for(lambda: get_pool()["status"].get("shape") == {"colocated": 2, "interactive": 0, "prefill": 0},
+                     what="merged")
         assert runner.exception is None
         assert names(api, "v1/pods") == {"chat-gateway-0", *engines}  # no pod created or deleted
     finally:
@@ -589,3 +591,93 @@ def test_an_auto_pool_moves_a_replica_in_place_and_back_across_an_operator_resta
         for e in engines.values():
             e.close()
 
+
+
+def scripted_decide(script: list[str]):
+    """A stand-in for decide() that makes the moves in ``script`` one per tick, then holds: the
+    actuation is what this test checks (driving the real signals to a long-prompt breach is the
+    benchmark's job)."""
+    from dataclasses import replace
+
+    from cadenza.control.decide import Decision
+
+    def decide(signals, shape, knobs, history, spec, now):
+        if script:
+            move = script.pop(0)
+            return Decision("reshape", f"scripted: {move}", True, replace(history, last_action=now, last_reshape=now),
+                            move=move)
+        return Decision("hold", "scripted: holding", False, history)
+
+    return decide
+
+
+def selects(service: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+
+
+@pytest.mark.slow  # a kopf run
+def test_an_auto_pool_moves_a_replica_into_the_prefill_role_and_back_in_place(api, monkeypatch):
+    """Issue 31: disaggregate drains every class from the pod, gives it the prefill settings, then
+    the labels the gateway's <pool>-prefill Service selects; aggregate brings it back; status,
+    Events and the Ready message show the shape; no pod is created or deleted."""
+    script: list[str] = []
+    monkeypatch.setattr("cadenza.control.loop.decide", scripted_decide(script))
+    gateway = ScriptedGateway()
+    engines = {n: ScriptedEngine({"token_budget": 256, "chunk_size": 64, "step_time_target_ms": None})
+               for n in ("chat-auto-a", "chat-auto-b")}
+    spec = dict(mode="auto", slo={"interactive": {"itlP99Ms": 50}},
+                disaggregated={"prefillEngine": {"chunkSize": 256}},
+                controller={"fastWindowSeconds": 5, "windowSeconds": 10, "minSamples": 5, "cooldownSeconds": 0})
+    core = kubernetes.client.CoreV1Api()
+    try:
+        with KopfRunner(OPERATOR, timeout=90) as runner:
+            operator_watching(api)
+            for pod in (gateway_pod(gateway.port), *(engine_pod(n, e.port) for n, e in engines.items())):
+                core.create_namespaced_pod("default", pod)
+                core.patch_namespaced_pod_status(pod["metadata"]["name"], "default", {"status": pod["status"]})
+            custom().create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, pool_body(**spec))
+            wait_for(lambda: all(pod_labels(n).get("serving.cadenza.dev/serves-batch") == "true" for n in engines),
+                     what="both pods routed")
+            prefill_service = wait_for(lambda: api.objects("v1/services").get(("default", "chat-prefill")),
+                                       what="the prefill Service")
+            moved, other = "chat-auto-b", "chat-auto-a"  # the last colocated pod is the one moved
+            engines[moved].interactive_running = 1  # a stream still decoding there
+            script.append("disaggregate")
+            wait_for(lambda: "serving.cadenza.dev/serves-interactive" not in pod_labels(moved),
+                     what="the pod out of every class route")
+            time.sleep(3)  # a few ticks: it waits for the stream
+            labels = pod_labels(moved)
+            assert labels["serving.cadenza.dev/role"] == "colocated" and "serving.cadenza.dev/serves-batch" not in labels
+            assert "serving.cadenza.dev/serves-prefill" not in labels and engines[moved].config["chunk_size"] == 64
+            engines[moved].interactive_running = 0
+            wait_for(lambda: pod_labels(moved).get("serving.cadenza.dev/role") == "prefill", what="a prefill pod")
+            labels = pod_labels(moved)
+            assert labels["serving.cadenza.dev/serves-prefill"] == "true"
+            assert selects(prefill_service, labels) and not selects(prefill_service, pod_labels(other))
+            assert engines[moved].config["chunk_size"] == 256  # disaggregated.prefillEngine, applied before the label
+            assert engines[moved].config["step_time_target_ms"] is None
+            pool = wait_for(lambda: (p := get_pool())["status"].get("shape") == {"colocated": 1, "interactive": 0,
+                                                                                 "prefill": 1} and p,
+                            what="status.shape with a prefill replica")
+            assert pool["status"]["lastShift"]["move"] == "disaggregate"
+            assert pool["status"]["lastShift"]["to"] == {"colocated": 1, "interactive": 0, "prefill": 1}
+            ready = condition(pool, "Ready")["message"]
+            assert ready.endswith("shape colocated: 1, interactive: 0, prefill: 1"), ready
+            wait_for(lambda: any(reason == "Reshape" and message.endswith(
+                "(shape colocated: 2, interactive: 0, prefill: 0 -> colocated: 1, interactive: 0, prefill: 1)")
+                for reason, message in events(api)), what="the Event of the move")
+
+            script.append("aggregate")
+            wait_for(lambda: pod_labels(moved).get("serving.cadenza.dev/role") == "colocated", what="back to colocated")
+            labels = pod_labels(moved)
+            assert labels["serving.cadenza.dev/serves-batch"] == labels["serving.cadenza.dev/serves-interactive"] == "true"
+            assert "serving.cadenza.dev/serves-prefill" not in labels and not selects(prefill_service, labels)
+            assert engines[moved].config["chunk_size"] == 64
+            wait_for(lambda: get_pool()["status"].get("shape") == {"colocated": 2, "interactive": 0, "prefill": 0},
+                     what="status.shape back")
+        assert runner.exception is None
+        assert names(api, "v1/pods") == {"chat-gateway-0", *engines}  # no pod created or deleted
+    finally:
+        gateway.close()
+        for e in engines.values():
+            e.close()

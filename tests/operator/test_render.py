@@ -153,6 +153,41 @@ def test_disaggregated_mode_runs_prefill_and_decode_roles_with_kv_endpoints_and_
     assert "volumes" not in colocated[("Deployment", "chat-gateway")]["spec"]["template"]["spec"]
 
 
+def test_an_auto_pool_that_may_disaggregate_renders_what_a_move_into_prefill_needs():
+    """Issue 31: any auto pod may become a prefill replica in place (labels, live settings): each
+    runs a KV endpoint, the KV NetworkPolicy covers it whatever role label it has, the gateway
+    holds the token and the threshold, and finds the pods labelled serves-prefill."""
+    p = pool(mode="auto", disaggregated={"minPromptTokens": 600})
+    objs = by_name(render_all(p, OWNER))
+    container = engine(objs, "auto")
+    args = container["args"]
+    assert args[args.index("--kv-transfer-port") + 1] == str(KV_PORT)
+    assert args[args.index("--kv-transfer-host") + 1] == "$(POD_IP)"
+    assert {"name": "kv", "containerPort": KV_PORT} in container["ports"]
+    prefill = objs[("Service", "chat-prefill")]["spec"]
+    assert prefill["clusterIP"] == "None" and prefill["selector"] == {
+        "serving.cadenza.dev/pool": "chat", "app.kubernetes.io/component": "engine",
+        "serving.cadenza.dev/serves-prefill": "true"}
+    gateway = objs[("Deployment", "chat-gateway")]["spec"]["template"]["spec"]
+    assert gateway["volumes"][0]["secret"]["secretName"] == "chat-admin"
+    gw_args = gateway["containers"][0]["args"]
+    assert gw_args[gw_args.index("--disagg-min-prompt-tokens") + 1] == "600"
+    assert stale_services(p) == ["chat"]
+    # a pod the controller relabelled (colocated -> prefill) is still covered: only the pool's pods reach its KV port
+    policies = [o for o in objs.values() if o["kind"] == "NetworkPolicy"]
+    template = objs[("Deployment", "chat-auto")]["spec"]["template"]["metadata"]["labels"]
+    stranger = ("prod", {"app": "curl"})
+    for role in ("colocated", "interactive", "prefill"):
+        pod = ("prod", {**template, "serving.cadenza.dev/role": role})
+        assert admits(policies, pod, ("prod", template), KV_PORT)
+        assert not admits(policies, pod, stranger, KV_PORT) and admits(policies, pod, stranger, 8000)
+    # spec.controller.disaggregate: false: none of it
+    off = by_name(render_all(pool(mode="auto", controller={"disaggregate": False}), OWNER))
+    assert "--kv-transfer-port" not in engine(off, "auto")["args"] and ("Service", "chat-prefill") not in off
+    assert "volumes" not in off[("Deployment", "chat-gateway")]["spec"]["template"]["spec"]
+    assert stale_services(pool(mode="auto", controller={"disaggregate": False})) == ["chat", "chat-prefill"]
+
+
 def _selects(selector: dict, labels: dict) -> bool:
     """A LabelSelector (matchLabels, matchExpressions with In) matching ``labels``."""
     return (all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
@@ -203,11 +238,11 @@ def test_only_the_pools_own_pods_reach_the_kv_port_and_http_stays_open():
     assert admits(policies, pods["gateway"], stranger, http)  # the gateway's pods are not selected
 
 
-@pytest.mark.parametrize("mode", ["colocated", "dedicated", "auto"])
-def test_a_pool_without_kv_endpoints_has_no_network_policy(mode):
+@pytest.mark.parametrize("mode, controller", [("colocated", {}), ("dedicated", {}), ("auto", {"disaggregate": False})])
+def test_a_pool_without_kv_endpoints_has_no_network_policy(mode, controller):
     from cadenza.operator.render import stale_network_policies
 
-    p = pool(mode=mode)
+    p = pool(mode=mode, controller=controller)
     assert not [o for o in render_all(p, OWNER) if o["kind"] == "NetworkPolicy"]
     assert stale_network_policies(p, [r.name for r in p.roles()]) == ["chat-kv"]
     # while a shift away from disaggregated waits, the old KV pods stay covered

@@ -146,3 +146,31 @@ def test_what_the_controller_no_longer_reports_leaves_the_status():
     from cadenza.operator.report import patch_is_noop
 
     assert patch_is_noop(after, build_status(pool, pool.roles(), Observed(slo=slo), after, now))
+
+
+def test_an_auto_pool_shows_its_shape_in_status_and_in_the_ready_message():
+    pool = Pool("chat", "prod", {"model": {"name": "tiny", "source": {"path": "/m"}}, "replicas": 3, "mode": "auto",
+                                 "engine": {"tokenBudget": 256, "chunkSize": 64}})
+    ready = {"replicas": 3, "readyReplicas": 3, "updatedReplicas": 3, "conditions": []}
+    slo = {"latency": {"windowSeconds": 300}, "controller": {}, "sloMet": ("True", "SLOMet", "ok"), "flapping": False,
+           "shape": {"colocated": 1, "interactive": 1, "prefill": 1}}
+    status = build_status(pool, pool.roles(), Observed({"chat-auto": ready}, slo=slo), {}, at(1))
+    assert status["shape"] == {"colocated": 1, "interactive": 1, "prefill": 1}
+    ready_condition = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready_condition["message"] == "3/3 engine replicas ready; shape colocated: 1, interactive: 1, prefill: 1"
+
+
+def test_a_reshape_event_names_the_shape_before_and_after():
+    from cadenza.control.decide import Decision, Shape
+    from cadenza.control.history import History
+    from cadenza.operator.slo import event_message
+
+    decision = Decision("reshape", "long prompts interfere: disaggregating one replica", True, History(),
+                        move="disaggregate")
+    assert event_message(decision, Shape(2, 0, 0)) == (
+        "long prompts interfere: disaggregating one replica "
+        "(shape colocated: 2, interactive: 0, prefill: 0 -> colocated: 1, interactive: 0, prefill: 1)")
+    long = Decision("reshape", "x" * 2000, True, History(), move="aggregate")
+    assert len(event_message(long, Shape(1, 0, 1))) == 1000 and event_message(long, Shape(1, 0, 1)).endswith(
+        "prefill: 0)")
+    assert event_message(Decision("retune", "shrink", True, History()), Shape(2)) == "shrink"
