@@ -5,10 +5,15 @@ into a :class:`Snapshot`: the gateways' client-side TTFT and ITL histograms per 
 (:mod:`cadenza.gateway.metrics`), summed over gateways, and the engines' load
 (:mod:`cadenza.node.frontend.telemetry`) — requests waiting per class (``cadenza.requests``,
 state ``waiting``), KV blocks by state (``cadenza.kv.blocks``), preemptions per class
-(``cadenza.requests.preempted``) and the cost models' predicted step time
-(``cadenza.step.predicted_duration``). Each source's own snapshot is kept beside the sums, so
-windows take their deltas per source (:mod:`.scrape`). :func:`gauge_values` reads one gauge's
-samples (the status reads the gateways' disaggregation threshold with it).
+(``cadenza.requests.preempted``), the cost models' predicted step time
+(``cadenza.step.predicted_duration``), and what tells prefill interference apart: tokens computed
+by kind (``cadenza.step.tokens``' sums), the prompt lengths of finished requests
+(``gen_ai.client.token.usage``, ``input``), the prompt tokens whose KV came from a prefill replica
+(``cadenza.kv_transfer.loaded_tokens`` and ``.recomputed_tokens``) and each engine's selective
+threshold (``cadenza.kv_transfer.min_prompt_tokens``); from the gateways, the threshold they apply
+(``cadenza.gateway.disagg.min_prompt_tokens``). Each source's own snapshot is kept beside the
+sums, so windows take their deltas per source (:mod:`.scrape`). :func:`gauge_values` reads one
+gauge's samples (the status reads the gateways' disaggregation threshold with it).
 
 A text that does not parse is left out, as if that source had not answered; a NaN or negative
 engine gauge or counter says nothing and is skipped. Names and labels come from
@@ -34,6 +39,13 @@ ENGINE_KV_BLOCKS = names.KV_BLOCKS.prometheus
 ENGINE_PREEMPTED = names.REQUESTS_PREEMPTED.prometheus
 ENGINE_PREDICTED_STEP = names.STEP_PREDICTED_DURATION.prometheus
 ENGINE_CLASS_LABEL = names.label(names.REQUEST_CLASS)
+ENGINE_STEP_TOKENS = names.STEP_TOKENS.prometheus
+ENGINE_TOKEN_KIND_LABEL = names.label(names.TOKEN_KIND)
+ENGINE_TOKEN_USAGE = names.TOKEN_USAGE.prometheus
+ENGINE_TOKEN_TYPE_LABEL = names.label(names.TOKEN_TYPE)
+ENGINE_MOVED_TOKENS = (names.KV_TRANSFER_LOADED_TOKENS.prometheus, names.KV_TRANSFER_RECOMPUTED_TOKENS.prometheus)
+ENGINE_MIN_PROMPT_TOKENS = names.KV_TRANSFER_MIN_PROMPT_TOKENS.prometheus
+GATEWAY_MIN_PROMPT_TOKENS = names.GATEWAY_DISAGG_MIN_PROMPT_TOKENS.prometheus
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,13 @@ class EngineSnapshot:
         preempted: per class, requests preempted since each engine started (summed, cumulative).
         kv_usage: the fullest engine's (used + reserved) / all KV blocks, 0-1; None without KV series.
         predicted_step: the cost models' predicted step times (seconds, summed); None without it.
+        step_tokens: tokens computed since start, by kind (``prefill``, ``decode``; summed); None
+            without the series.
+        prompts: prompt lengths (tokens) of the requests finished since start (summed), and
+            ``prompt_tokens`` their sum; None without the series.
+        moved_tokens: prompt tokens whose KV was loaded from a prefill replica, or recomputed
+            after a failed load, since start (summed); None without the series.
+        min_prompt_tokens: the selective threshold an engine reports (tokens; the largest).
     """
 
     engines: int
@@ -53,6 +72,11 @@ class EngineSnapshot:
     preempted: Mapping[str, float] = field(default_factory=dict)
     kv_usage: float | None = None
     predicted_step: Histogram | None = None
+    step_tokens: Mapping[str, float] | None = None
+    prompts: Histogram | None = None
+    prompt_tokens: float | None = None
+    moved_tokens: float | None = None
+    min_prompt_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +89,8 @@ class Snapshot:
         ttft: per class, client-side time to first token (seconds).
         itl: per class, gaps between consecutive streamed tokens (seconds).
         engine: the engines' queues, KV, preemptions and predicted step time.
+        min_prompt_tokens: the selective threshold the gateways apply (tokens; the largest; None
+            when no gateway reports one).
         parts: the same, per source (pod or process name), which windows take their deltas from;
             empty when the snapshot is a single source (itself).
     """
@@ -74,6 +100,7 @@ class Snapshot:
     itl: Mapping[str, Histogram] = field(default_factory=dict)
     engine: EngineSnapshot | None = None
     parts: Mapping[str, Snapshot] = field(default_factory=dict)
+    min_prompt_tokens: float | None = None
 
     def sources(self) -> Mapping[str, Snapshot]:
         """Per source name, its own snapshot (``{"": self}`` for a single-source snapshot)."""
@@ -106,7 +133,8 @@ def parse_pool_metrics(texts: Mapping[str, str] | Iterable[str], time: float) ->
             errors.append(f"{name or 'a source'}: {exc}")
             continue  # that source is missing from this scrape, as if it had not answered
         hists = _histograms(families, CLASS_LABEL)
-        parts[name] = Snapshot(time, hists.get(TTFT_METRIC, {}), hists.get(ITL_METRIC, {}), _engine(families))
+        parts[name] = Snapshot(time, hists.get(TTFT_METRIC, {}), hists.get(ITL_METRIC, {}), _engine(families),
+                               min_prompt_tokens=_largest(_gauge(families, GATEWAY_MIN_PROMPT_TOKENS)))
     sums: dict[str, dict[str, Histogram]] = {"ttft": {}, "itl": {}}
     for part in parts.values():
         for key in sums:
@@ -116,7 +144,8 @@ def parse_pool_metrics(texts: Mapping[str, str] | Iterable[str], time: float) ->
     if errors and not parts:
         raise ValueError("no text is in the Prometheus exposition format: " + "; ".join(errors))
     engines = [part.engine for part in parts.values() if part.engine is not None]
-    return Snapshot(time, sums["ttft"], sums["itl"], _sum_engines(engines), parts)
+    threshold = _largest([p.min_prompt_tokens for p in parts.values() if p.min_prompt_tokens is not None])
+    return Snapshot(time, sums["ttft"], sums["itl"], _sum_engines(engines), parts, threshold)
 
 
 def _engine(families) -> EngineSnapshot | None:
@@ -143,7 +172,13 @@ def _engine(families) -> EngineSnapshot | None:
     total = kv.get("used", 0.0) + kv.get("cached", 0.0) + kv.get("free", 0.0)
     usage = min(1.0, (kv.get("used", 0.0) + kv.get("reserved", 0.0)) / total) if total > 0 else None
     predicted = _histograms(families, None).get(ENGINE_PREDICTED_STEP, {}).get("")
-    return EngineSnapshot(1, waiting, preempted, usage, predicted)
+    step_tokens = _sums(families, ENGINE_STEP_TOKENS, ENGINE_TOKEN_KIND_LABEL)
+    prompts = _histograms(families, ENGINE_TOKEN_TYPE_LABEL).get(ENGINE_TOKEN_USAGE, {}).get("input")
+    prompt_tokens = (_sums(families, ENGINE_TOKEN_USAGE, ENGINE_TOKEN_TYPE_LABEL) or {}).get("input")
+    moved = [v for name in ENGINE_MOVED_TOKENS for v in _gauge(families, name + "_total")]
+    return EngineSnapshot(1, waiting, preempted, usage, predicted, step_tokens, prompts,
+                          prompt_tokens if prompts is not None else None, sum(moved) if moved else None,
+                          _largest(_gauge(families, ENGINE_MIN_PROMPT_TOKENS)))
 
 
 def _sum_engines(engines: list[EngineSnapshot]) -> EngineSnapshot | None:
@@ -153,7 +188,7 @@ def _sum_engines(engines: list[EngineSnapshot]) -> EngineSnapshot | None:
     def summed(key: str) -> dict[str, float]:
         out: dict[str, float] = {}
         for e in engines:
-            for cls, value in getattr(e, key).items():
+            for cls, value in (getattr(e, key) or {}).items():
                 out[cls] = out.get(cls, 0.0) + value
         return out
 
@@ -164,8 +199,18 @@ def _sum_engines(engines: list[EngineSnapshot]) -> EngineSnapshot | None:
         predicted = steps[0]
         for h in steps[1:]:
             predicted = predicted + h
+    kinds = [e.step_tokens for e in engines if e.step_tokens is not None]
+    prompts = [e.prompts for e in engines if e.prompts is not None]
+    prompt_sum = None
+    if prompts and all(h.bounds == prompts[0].bounds for h in prompts):
+        prompt_sum = prompts[0]
+        for h in prompts[1:]:
+            prompt_sum = prompt_sum + h
     return EngineSnapshot(len(engines), summed("waiting"), summed("preempted"), max(usages) if usages else None,
-                          predicted)
+                          predicted, summed("step_tokens") if kinds else None, prompt_sum,
+                          _total(e.prompt_tokens for e in engines) if prompt_sum is not None else None,
+                          _total(e.moved_tokens for e in engines),
+                          _largest([e.min_prompt_tokens for e in engines if e.min_prompt_tokens is not None]))
 
 
 def _histograms(families, class_label: str | None) -> dict[str, dict[str, Histogram]]:
@@ -187,6 +232,37 @@ def _histograms(families, class_label: str | None) -> dict[str, dict[str, Histog
     for (name, cls), per in buckets.items():
         out.setdefault(_base_name(name), {})[cls] = Histogram.from_buckets(per)
     return out
+
+
+def _sums(families, name: str, label: str) -> dict[str, float] | None:
+    """Per value of ``label``, the ``_sum`` of histogram ``name`` (other label sets summed); None
+    when the text has no such histogram."""
+    out: dict[str, float] | None = None
+    for family in families:
+        if family.name != name or family.type != "histogram":
+            continue
+        out = {} if out is None else out
+        for sample in family.samples:
+            if sample.name == name + "_sum" and math.isfinite(sample.value) and sample.value >= 0:
+                key = sample.labels.get(label, "")
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def _gauge(families, sample_name: str) -> list[float]:
+    """Every finite, non-negative sample named ``sample_name`` (a gauge, or a counter's ``_total``)."""
+    return [s.value for f in families for s in f.samples
+            if s.name == sample_name and math.isfinite(s.value) and s.value >= 0]
+
+
+def _largest(values) -> float | None:
+    values = list(values)
+    return max(values) if values else None
+
+
+def _total(values) -> float | None:
+    found = [v for v in values if v is not None]
+    return sum(found) if found else None
 
 
 def _base_name(name: str) -> str:

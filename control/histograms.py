@@ -105,3 +105,25 @@ class Histogram:
             lower_bound, lower_count = bound, count
         return lower_count / total  # x is past the last finite bound: the +Inf bucket counts as over
 
+    def mass_share_at_least(self, x: float) -> float | None:
+        """Share (0-1) of the observed values' sum held by observations ``>= x``: for a histogram
+        of prompt lengths, the share of prompt tokens in prompts at least ``x`` long. Each
+        bucket's observations are spread evenly over it (so a bucket holds count x its midpoint,
+        and the part of the bucket holding ``x`` above it is interpolated); the ``+Inf`` bucket's
+        sit at the largest finite bound. An estimate, as fine as the buckets; None when empty."""
+        above = total = 0.0
+        lower_bound, lower_count = 0.0, 0.0
+        for bound, count in zip((*self.bounds, math.inf), self.counts):
+            n = count - lower_count
+            if n > 0:
+                if math.isinf(bound):  # past the last finite bound: counted there, a lower bound of the truth
+                    mass, part = n * lower_bound, n * lower_bound if x <= lower_bound else 0.0
+                else:
+                    mass = n * (lower_bound + bound) / 2
+                    cut = min(bound, max(lower_bound, x))  # the observations from ``cut`` up are >= x
+                    part = n * (bound - cut) / (bound - lower_bound) * (cut + bound) / 2 if bound > lower_bound else (
+                        mass if x <= bound else 0.0)
+                total, above = total + mass, above + part
+            lower_bound, lower_count = bound, count
+        return above / total if total > 0 else None
+

@@ -22,15 +22,24 @@ from cadenza.control.exposition import (
     CLASS_LABEL,
     ENGINE_CLASS_LABEL,
     ENGINE_KV_BLOCKS,
+    ENGINE_MIN_PROMPT_TOKENS,
+    ENGINE_MOVED_TOKENS,
     ENGINE_PREDICTED_STEP,
     ENGINE_PREEMPTED,
     ENGINE_REQUESTS,
+    ENGINE_STEP_TOKENS,
+    ENGINE_TOKEN_KIND_LABEL,
+    ENGINE_TOKEN_TYPE_LABEL,
+    ENGINE_TOKEN_USAGE,
+    GATEWAY_MIN_PROMPT_TOKENS,
     ITL_METRIC,
     TTFT_METRIC,
 )
 from cadenza.control.histograms import Histogram
 from cadenza.control.scrape import ScrapeSource
-from cadenza.control.signals import ClassWindow, window_of
+from cadenza.control.signals import ClassWindow, prefill_figures, window_of
+
+_QUERY_ERRORS = (OSError, HTTPException, ValueError, KeyError, TypeError, IndexError, AttributeError)
 
 
 class PrometheusSource:
@@ -46,7 +55,10 @@ class PrometheusSource:
     With ``engine_selector`` (the label matchers of the pool's engines), the engine figures come
     from the same backend: peak summed queue depth and peak per-engine KV usage over the window
     (subqueries at ``step_s``), ``increase`` of the class's preemptions, and the predicted step
-    time's p99. A failing or empty engine query leaves that figure None.
+    time's p99; pool-wide (:func:`~.signals.prefill_figures`), ``increase`` of the tokens computed
+    by kind, of the prompt-length histogram and its sum, and of the KV tokens loaded from prefill
+    replicas, and the selective threshold now: the gateways' (``selector``) where they apply one,
+    else the largest an engine reports. A failing or empty engine query leaves that figure None.
 
     Args:
         url: the API root (``http://prometheus:9090``; ``/api/v1/query`` is appended).
@@ -106,6 +118,7 @@ class PrometheusSource:
             step = None
         p99 = step.quantile(0.99) if step is not None and step.finite else None
         figures["predicted_step_p99_ms"] = None if p99 is None else p99 * 1e3
+        figures |= self._prefill_figures(sel, window_s, now)
         out = {k: v for k, v in figures.items() if v is not None}
         for key in ("queue_depth", "preemptions"):
             if key in out:
@@ -113,6 +126,30 @@ class PrometheusSource:
         if "kv_usage" in out:
             out["kv_usage"] = min(1.0, out["kv_usage"])
         return out
+
+    def _prefill_figures(self, sel: str, window_s: float, now: float) -> dict:
+        """Prefill share, selective threshold and long-prompt share over the last ``window_s`` seconds."""
+        w = f"{max(1, round(window_s))}s"
+        try:
+            kinds = {r["metric"].get(ENGINE_TOKEN_KIND_LABEL, ""): float(r["value"][1]) for r in self._query(
+                f"sum by ({ENGINE_TOKEN_KIND_LABEL}) (increase({ENGINE_STEP_TOKENS}_sum{{{sel}}}[{w}]))", now)}
+        except _QUERY_ERRORS:
+            kinds = {}
+        kinds = {k: v for k, v in kinds.items() if math.isfinite(v) and v >= 0}
+        prompts_sel = f'{ENGINE_TOKEN_TYPE_LABEL}="input", {sel}'
+        try:
+            prompts = self._histogram(ENGINE_TOKEN_USAGE, prompts_sel, window_s, now)
+        except _QUERY_ERRORS:
+            prompts = None
+        moved = "|".join(f"{name}_total" for name in ENGINE_MOVED_TOKENS)
+        gateways = f"{{{self.selector}}}" if self.selector else ""
+        threshold = self._scalar(f"max({GATEWAY_MIN_PROMPT_TOKENS}{gateways})", now)
+        if threshold is None:
+            threshold = self._scalar(f"max({ENGINE_MIN_PROMPT_TOKENS}{{{sel}}})", now)
+        return prefill_figures(
+            kinds.get("prefill", 0.0) if kinds else None, kinds.get("decode", 0.0) if kinds else None, prompts,
+            self._scalar(f"sum(increase({ENGINE_TOKEN_USAGE}_sum{{{prompts_sel}}}[{w}]))", now),
+            self._scalar(f'sum(increase({{__name__=~"{moved}", {sel}}}[{w}]))', now), threshold)
 
     def window(self, cls: str, window_s: float, now: float, slo: Mapping[str, float], *, min_samples: int,
                stale_s: float) -> ClassWindow:

@@ -8,7 +8,11 @@ Per window, from the engines: the peak queue depth of each class (summed over en
 scrape), the peak KV usage of the fullest engine, the class's preemptions and the p99 of the
 step time the engines' cost models predicted. They explain a breach (queueing, KV pressure,
 long steps) and tell the controller when retuning cannot help; a missing engine series leaves
-its figure None, never zero.
+its figure None, never zero. Pool-wide, for attributing a breach to long prompts
+(:func:`~.signals.prefill_figures`): the share of computed tokens that were prefill, and of the
+prompt tokens of requests finished in the window, the share in prompts at least the selective
+threshold long — the threshold is the newest scrape's, the gateways' where one applies it, else
+the largest an engine reports.
 
 Invariants:
 - A window not yet covered by snapshots, whose newest snapshot is stale, whose series is
@@ -30,7 +34,7 @@ from dataclasses import replace
 
 from cadenza.control.exposition import Snapshot, parse_pool_metrics
 from cadenza.control.histograms import Histogram
-from cadenza.control.signals import ClassWindow, window_of
+from cadenza.control.signals import ClassWindow, prefill_figures, window_of
 
 KEEP_MARGIN_S = 120.0  # snapshots kept beyond the slow window: a scrape interval or two, and slack
 
@@ -142,8 +146,7 @@ def _engine_window(cls: str, window: list[Snapshot], base: Mapping[str, Snapshot
         if last is None or first is None:
             continue
         if cls in last.preempted:
-            before, after = first.preempted.get(cls, 0.0), last.preempted[cls]
-            preempted = (preempted or 0.0) + (after - before if after >= before else after)  # it restarted
+            preempted = (preempted or 0.0) + _delta(first.preempted.get(cls, 0.0), last.preempted[cls])
         if last.predicted_step is not None:
             delta = last.predicted_step.since(first.predicted_step)
             if steps is None:
@@ -155,7 +158,43 @@ def _engine_window(cls: str, window: list[Snapshot], base: Mapping[str, Snapshot
     p99 = steps.quantile(0.99) if steps is not None else None
     if p99 is not None:
         out["predicted_step_p99_ms"] = p99 * 1e3
-    return out
+    return out | _prefill_window(window, base)
+
+
+def _prefill_window(window: list[Snapshot], base: Mapping[str, Snapshot]) -> dict:
+    """The pool's prefill-interference figures over the window: per-engine deltas of the token
+    counts, summed (a source that restarted counts from its reset), and the newest threshold."""
+    kinds: dict[str, float] | None = None
+    prompts: Histogram | None = None
+    prompt_tokens = moved = None
+    for name, snap in base.items():
+        last, first = window[-1].sources()[name].engine, snap.engine
+        if last is None or first is None:
+            continue
+        if last.step_tokens is not None:
+            kinds = kinds or {}
+            for kind, after in last.step_tokens.items():
+                kinds[kind] = kinds.get(kind, 0.0) + _delta((first.step_tokens or {}).get(kind, 0.0), after)
+        if last.prompts is not None and last.prompt_tokens is not None:
+            delta = last.prompts.since(first.prompts)
+            reset = delta is last.prompts and first.prompts is not None  # restarted: count from the reset
+            if prompts is None or prompts.bounds == delta.bounds:
+                prompts = delta if prompts is None else prompts + delta
+                before = 0.0 if reset or first.prompt_tokens is None else first.prompt_tokens
+                prompt_tokens = (prompt_tokens or 0.0) + _delta(before, last.prompt_tokens)
+        if last.moved_tokens is not None:
+            moved = (moved or 0.0) + _delta(first.moved_tokens or 0.0, last.moved_tokens)
+    newest = window[-1]
+    threshold = newest.min_prompt_tokens
+    if threshold is None and newest.engine is not None:
+        threshold = newest.engine.min_prompt_tokens
+    prefill, decode = (None, None) if kinds is None else (kinds.get("prefill", 0.0), kinds.get("decode", 0.0))
+    return prefill_figures(prefill, decode, prompts, prompt_tokens, moved, threshold)
+
+
+def _delta(before: float, after: float) -> float:
+    """What a counter counted between two scrapes (after a reset, what it counted since)."""
+    return after - before if after >= before else after
 
 
 class ScrapeSource:

@@ -149,6 +149,38 @@ def window_of(ttft: Histogram, itl: Histogram | None, slo: Mapping[str, float], 
     )
 
 
+def prefill_figures(prefill_tokens: float | None, decode_tokens: float | None, prompts: Histogram | None,
+                    prompt_tokens: float | None, moved_tokens: float | None, threshold: float | None) -> dict:
+    """The window's prefill-interference figures from the engines' counts over it (shared by both
+    sources): ``prefill_share``, ``min_prompt_tokens`` and ``long_prompt_share`` for
+    :class:`ClassWindow`, each left out when it cannot be said.
+
+    Args:
+        prefill_tokens / decode_tokens: tokens the engines computed in the window, by kind
+            (``cadenza.step.tokens``'s sums).
+        prompts: prompt lengths of the requests the engines finished in the window (tokens;
+            ``gen_ai.client.token.usage``, ``input``), and ``prompt_tokens`` their sum.
+        moved_tokens: prompt tokens whose KV a decode replica loaded from a prefill replica (or
+            recomputed after a failed load) in the window. Such a prompt is counted by the
+            prefill replica and again by the decode replica, so it is taken out once.
+        threshold: the selective rule's threshold now (tokens).
+
+    The long-prompt share comes from the prompt-length histogram's buckets
+    (:meth:`Histogram.mass_share_at_least`): an estimate, as fine as the buckets (the GenAI
+    conventions' token buckets step x4), scaled to the exact token sum.
+    """
+    out: dict = {}
+    if prefill_tokens is not None and decode_tokens is not None and prefill_tokens + decode_tokens > 0:
+        out["prefill_share"] = prefill_tokens / (prefill_tokens + decode_tokens)
+    if threshold is None:
+        return out
+    out["min_prompt_tokens"] = float(threshold)
+    share = prompts.mass_share_at_least(threshold) if prompts is not None and prompts.finite else None
+    moved = moved_tokens or 0.0
+    if share is not None and prompt_tokens is not None and prompt_tokens - moved > 0:
+        out["long_prompt_share"] = min(1.0, max(0.0, (share * prompt_tokens - moved) / (prompt_tokens - moved)))
+    return out
+
 
 def read_signals(source, now: float, slo: Mapping[str, Mapping[str, float]], fast_s: float, slow_s: float,
                  *, min_samples: int, stale_s: float) -> Signals:

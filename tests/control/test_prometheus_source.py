@@ -208,3 +208,41 @@ def _compare_windows(url: str, gateway: str, replica: str, slo: dict) -> None:
     assert theirs.attainment == pytest.approx(mine.attainment, abs=0.05)
     assert theirs.kv_usage is not None and theirs.queue_depth is not None
     assert theirs.predicted_step_p99_ms is not None  # the replica's cost model calibrated on these steps
+
+
+def test_prefill_figures_from_prometheus_match_the_scraped_ones(gateway, engine, prometheus):
+    """The share of prefill tokens, the engines' threshold and the long-prompt share: Prometheus'
+    ``increase()`` over the window against the difference of two direct scrapes."""
+    metrics, port = gateway
+    fake, engine_port = engine
+    source = PrometheusSource(prometheus, 'job="chat-gateway"', engine_selector='job="chat-engine"', step_s=1)
+    scraped = SnapshotHistory(keep_s=120)
+
+    def scrape(now):
+        texts = {name: urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=5).read().decode()
+                 for name, p in (("gateway", port), ("engine", engine_port))}
+        scraped.add(parse_pool_metrics(texts, now))
+
+    metrics.ttft.record(0.1, {"cadenza.traffic_class": "interactive"})
+    fake.serve(prefill=10, decode=10, prompts=(100,), threshold=1024)  # the series are born before the window
+    wait_until(lambda: source._scalar('sum(cadenza_step_tokens_count{job="chat-engine"})', time.time()) == 2,
+               30, "prometheus to scrape the engine's first step", interval=0.5)
+    time.sleep(2)
+    start = time.time()
+    scrape(start)
+    for _ in range(10):  # 10 s: long prompts, and short ones
+        metrics.ttft.record(0.1, {"cadenza.traffic_class": "interactive"})
+        fake.serve(prefill=3000, decode=500, prompts=(3000, 500), threshold=1024)
+        time.sleep(1)
+    time.sleep(2)
+    now = time.time()
+    scrape(now)
+    mine = scraped.window("interactive", now - start, now, SLO, min_samples=1, stale_s=60)
+    assert mine.prefill_share == pytest.approx(3000 / 3500) and mine.min_prompt_tokens == 1024
+    theirs = wait_until(lambda: (w := source.window("interactive", now - start, now, SLO, min_samples=1,
+                                                     stale_s=60)).long_prompt_share is not None and w, 30,
+                        "the prefill figures from prometheus", interval=0.5)
+    print(f"direct {mine}\nprometheus {theirs}")
+    assert theirs.prefill_share == pytest.approx(mine.prefill_share, rel=0.05)  # a ratio: extrapolation cancels
+    assert theirs.min_prompt_tokens == 1024
+    assert theirs.long_prompt_share == pytest.approx(mine.long_prompt_share, rel=0.1)

@@ -24,12 +24,14 @@ from tiny_models import build_tiny_model
 from waiting import wait_until
 
 # Tiny windows so the ladder runs in a minute or two; the ITL target is set per machine (itl_target_ms).
+# Rung 2 only: long batch prompts are what rung 3 would disaggregate (issue 31), so it is off here.
 SPEC = {
     "mode": "auto",
     "engine": {"tokenBudget": 512, "chunkSize": 512, "maxModelLen": 1024},
     "dedicated": {"engine": {"chunkSize": 16}},
     "controller": {"fastWindowSeconds": 5, "windowSeconds": 10, "minSamples": 3, "cooldownSeconds": 0,
-                   "dwellSeconds": 10, "staleSeconds": 30, "bounds": {"chunkSize": {"min": 256, "max": 512}}},
+                   "dwellSeconds": 10, "staleSeconds": 30, "bounds": {"chunkSize": {"min": 256, "max": 512}},
+                   "disaggregate": False},
 }
 BATCH_PROMPT = [5 + i % 300 for i in range(700)]  # token ids: 700 tokens, two chunks at 512, three at 256
 

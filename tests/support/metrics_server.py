@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import http.server
+import itertools
 import threading
+import time
 
 from cadenza.node.core.messages import StepRecord
 from cadenza.node.core.stats import ClassStats, EngineStats
+from cadenza.node.frontend.output_processor import RequestOutput
 from cadenza.node.frontend.telemetry import Telemetry
 from cadenza.gateway.metrics import GatewayMetrics
 
@@ -40,6 +43,7 @@ class FakeEngine:
                                  classes={cls: ClassStats() for cls in ("interactive", "batch")})
         self.telemetry = Telemetry("m", lambda: self.stats, otlp=False)
         self.total = total_blocks
+        self._ids = itertools.count()
 
     def load(self, *, used: int = 0, reserved: int = 0, waiting: dict | None = None,
              preempted: dict | None = None, steps_s: tuple[float, ...] = ()) -> None:
@@ -51,6 +55,21 @@ class FakeEngine:
             stats.classes[cls].preemptions = n
         for seconds in steps_s:
             self.telemetry.on_step(StepRecord(seconds, seconds, 0, 0), 0.0)
+
+    def serve(self, *, prefill: int = 0, decode: int = 0, prompts: tuple[int, ...] = (), loaded: int = 0,
+              threshold: int | None = None) -> None:
+        """A step that computed ``prefill`` and ``decode`` tokens, requests finished with these
+        prompt lengths, ``loaded`` prompt tokens whose KV came from a prefill replica, and the
+        selective threshold the engine reports now (None: none)."""
+        if prefill or decode:
+            self.telemetry.on_step(StepRecord(0.01, 0.01, prefill, decode), 0.0)
+        for n in prompts:
+            rid, now = f"r{next(self._ids)}", time.monotonic()
+            self.telemetry.start_request(rid, "text_completion", {}, max_tokens=1, temperature=None, top_p=None,
+                                         traffic_class="batch", tenant="t", arrival=now)
+            self.telemetry.on_output(RequestOutput(rid, [1], "x", "length", n, 1, time=now))
+        self.stats.remote_kv_tokens += loaded
+        self.stats.kv_transfer_min_prompt_tokens = threshold
 
     def text(self) -> str:
         return self.telemetry.prometheus_text().decode()
