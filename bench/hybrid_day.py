@@ -40,7 +40,7 @@ request in any run. ``--plot`` writes ``docs/img/hybrid_day.png``: each run's wi
 day's rates, with the controller's actions (retune / dedicate / disaggregate / merge / aggregate).
 
 ``--quick``: the tests' tiny random Llama on an 8 s day in 4 s windows judged from one request,
-three of the shapes (dedicated 1+2, disaggregated 1, auto: each kind of run once).
+two of the shapes: disaggregated 1 and auto (``bench/hybrid.py``'s quick run takes the other paths).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ FULL = Sizing()
 QUICK = Sizing(duration_s=8.0, window_s=4.0, min_window_requests=1, peak_rps=3.0, batch_rps=2.0, batch_in_flight=4,
                chat_prompt_cap=128, code_prompt_cap=192, output_cap=12, min_output=4, chunks=(32, 128),
                prefill_chunk=256, min_prompt_tokens=160, max_model_len=1024, model_name="tiny")
-QUICK_SHAPES = ("dedicated:1+2", "disaggregated:1", "auto")
+QUICK_SHAPES = ("disaggregated:1", "auto")  # the paths hybrid's quick run does not take
 
 
 def scaled(trace: list[TraceRequest], prompt_scale: float, prompt_cap: int, output_scale: float, sizing: Sizing

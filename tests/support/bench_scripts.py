@@ -24,7 +24,7 @@ BENCH = ROOT / "bench"
 STARTS_SERVERS = frozenset({"decode_speed", "disagg", "engine_process", "frontend_overhead", "hybrid", "hybrid_day",
                             "sim_validation"})
 # Of those, the ones whose quick run alone would take `make test` past its budget (measured on 2
-# cores: hybrid ~70 s, three `cadenza up` pools; hybrid_day, three pools of three replicas;
+# cores: hybrid ~70 s, three `cadenza up` pools; hybrid_day ~60 s, two pools of three replicas;
 # sim_validation ~27 s; engine_process ~15 s, four processes): marked ``long_benchmark``, skipped
 # unless ``--long-benchmarks`` is given, which `make test-long` does (CI runs it after `make test`).
 LONG = frozenset({"engine_process", "hybrid", "hybrid_day", "sim_validation"})
