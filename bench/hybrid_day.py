@@ -221,6 +221,8 @@ def plot(runs: dict, day: Day, sizing: Sizing, path: Path = FIGURE) -> None:
         twin.plot(t, batch / batch.max(), color="tab:orange", alpha=0.5, lw=1)
         twin.set_ylim(0, 1.05)
         twin.set_yticks([])
+        ax.set_zorder(twin.get_zorder() + 1)  # the windows' bars over the rates
+        ax.patch.set_visible(False)
 
     pool_runs.plot(runs, path, slo=SLO, window_s=sizing.window_s, background=rates,
                    note="; shaded: interactive rate, orange line: batch rate (each over its peak)")

@@ -277,7 +277,7 @@ def plot(runs: dict, path: Path, *, slo: dict, window_s: float, background: Call
         axes[0].legend([Line2D([], [], color=ACTION_COLOURS.get(k, "tab:gray"), ls=":") for k in sorted(kinds)],
                        sorted(kinds), fontsize=6, loc="upper left", ncol=len(kinds))
     axes[-1].set_xlabel("time (s); bar: the worse of TTFT and ITL p99 over its target; green/red/grey: held / "
-                        f"missed / too few requests; dotted: controller actions{note}", fontsize=7)
+                        f"missed / too few requests;\ndotted: controller actions{note}", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
