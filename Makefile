@@ -73,6 +73,7 @@ bench: model
 	$(BIN)/python -m bench.classes
 	$(BIN)/python -m bench.telemetry_overhead
 	$(BIN)/python -m bench.hybrid
+	$(BIN)/python -m bench.hybrid_day
 	$(BIN)/python -m bench.frontend_overhead
 	$(BIN)/python -m bench.engine_process
 	$(BIN)/python -m bench.sim_capacity

@@ -26,21 +26,14 @@ rate, in windows of 4 s judged from one request, bursts of two code prompts ever
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import tempfile
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import aiohttp
-import yaml
-
-from bench.common import CONV_TRACE, ROOT, arguments, machine, pct, prompt_ids, quick_model, report
+from bench import pool_runs
+from bench.common import CONV_TRACE, ROOT, arguments, machine, prompt_ids, quick_model, report
+from bench.pool_runs import Job, summarize
 from cadenza.loadgen.trace import load_trace, scale_trace
 from cadenza.node.embedded import ensure_embedded_model
 
@@ -75,25 +68,6 @@ QUICK = Shape(duration_s=8.0, window_s=4.0, burst_every_s=4.0, burst_size=2, fir
               min_window_requests=1, max_model_len=1024, model_name="tiny")
 
 
-@dataclass
-class Job:
-    at: float
-    cls: str
-    prompt: list[int]
-    max_tokens: int
-
-
-@dataclass
-class Result:
-    cls: str
-    start: float
-    ttft: float | None = None
-    gaps: list[float] = field(default_factory=list)
-    tokens: int = 0
-    end: float = 0.0
-    error: str | None = None
-
-
 def workload(model, shape: Shape = FULL) -> list[Job]:
     conv, _ = scale_trace(load_trace(CONV_TRACE), time_scale=shape.time_scale, length_scale=1 / 8, max_input_len=256,
                           max_output_len=32, duration_s=shape.duration_s)
@@ -125,147 +99,21 @@ def pool_yaml(mode: str, shape: Shape = FULL) -> dict:
             "metadata": {"name": f"bench-{mode}", "namespace": "default"}, "spec": spec}
 
 
-async def one(session: aiohttp.ClientSession, url: str, job: Job, t0: float, model_name: str) -> Result:
-    await asyncio.sleep(max(0.0, t0 + job.at - time.monotonic()))
-    res = Result(job.cls, time.monotonic())
-    body = {"model": model_name, "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    try:
-        async with session.post(f"{url}/v1/completions", json=body, headers={"x-cadenza-class": job.cls}) as resp:
-            if resp.status != 200:
-                res.error = f"HTTP {resp.status}"
-                return res
-            last = None
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                now = time.monotonic()
-                if res.ttft is None:
-                    res.ttft = now - res.start
-                elif last is not None:
-                    res.gaps.append(now - last)
-                last = now
-                res.tokens += 1
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        res.error = repr(exc)
-    res.end = time.monotonic()
-    return res
-
-
-async def drive(url: str, jobs: list[Job], model_name: str) -> tuple[list[Result], float, float]:
-    """Every job's result, the monotonic start and the wall-clock start (to place the controller's
-    actions, which carry RFC 3339 times)."""
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        t0, wall0 = time.monotonic(), time.time()
-        results = await asyncio.gather(*(one(session, url, j, t0, model_name) for j in jobs))
-    return list(results), t0, wall0
-
-
 def run_pool(mode: str, jobs: list[Job], workdir: Path, shape: Shape = FULL) -> dict:
-    port = _free_port()
-    pool_file, state = workdir / f"{mode}.yaml", workdir / f"{mode}.state.json"
-    pool_file.write_text(yaml.safe_dump(pool_yaml(mode, shape)))
-    log = open(workdir / f"{mode}.log", "w")
-    up = subprocess.Popen([sys.executable, "-m", "cadenza.node.cli", "up", str(pool_file), "--port", str(port),
-                           "--state-file", str(state)], stdout=log, stderr=subprocess.STDOUT,
-                          env={**os.environ, "TMPDIR": str(workdir)})
-    try:
-        deadline = time.monotonic() + 300
-        while not state.exists():
-            if up.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"cadenza up ({mode}) did not start: {(workdir / f'{mode}.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-        results, t0, wall0 = asyncio.run(drive(f"http://127.0.0.1:{port}", jobs, shape.model_name))
-        controller = json.loads(state.read_text()).get("controller", {})
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(timeout=120)
-        log.close()
-    return summarize(mode, results, t0, wall0, controller, shape)
-
-
-def summarize(mode: str, results: list[Result], t0: float, wall0: float, controller: dict,
-              shape: Shape = FULL) -> dict:
-    inter = SLO["interactive"]
-    windows = []
-    n = int(shape.duration_s // shape.window_s)
-    for w in range(n):
-        lo, hi = t0 + w * shape.window_s, t0 + (w + 1) * shape.window_s
-        mine = [r for r in results if r.cls == "interactive" and lo <= r.start < hi and r.ttft is not None]
-        ttft = pct([r.ttft for r in mine], 99) * 1e3 if mine else None
-        gaps = [g for r in mine for g in r.gaps]
-        itl = pct(gaps, 99) * 1e3 if gaps else None
-        held = None if len(mine) < shape.min_window_requests else (  # too few to judge: neither held nor missed
-            ttft <= inter["ttftP99Ms"] and (itl is None or itl <= inter["itlP99Ms"]))
-        windows.append({"start_s": w * shape.window_s, "requests": len(mine), "ttft_p99_ms": ttft and round(ttft, 1),
-                        "itl_p99_ms": itl and round(itl, 1), "slo_met": held})
-    judged = [w for w in windows if w["slo_met"] is not None]
-    batch = [r for r in results if r.cls == "batch" and r.error is None]
-    span = (max(r.end for r in batch) - min(r.start for r in batch)) if batch else 0.0
-    good = sum(1 for r in results if r.error is None and r.ttft is not None and r.ttft * 1e3 <= SLO[r.cls]["ttftP99Ms"]
-               and (r.cls != "interactive" or not r.gaps or pct(r.gaps, 99) * 1e3 <= inter["itlP99Ms"]))
-    actions = [d for d in controller.get("decisions", []) if d.get("acted")]
-    return {
-        "mode": mode,
-        "windows": windows,
-        "slo_windows_share": round(sum(w["slo_met"] is True for w in windows) / max(1, len(judged)), 3),
-        "windows_judged": len(judged),
-        "batch_output_tokens_per_s": round(sum(r.tokens for r in batch) / span, 2) if span else 0.0,
-        "batch_ttft_p99_s": round(pct([r.ttft for r in batch if r.ttft is not None], 99), 1) if batch else None,
-        "batch_done_at_s": round(max(r.end for r in batch) - t0, 1) if batch else None,
-        "goodput_req_per_s": round(good / shape.duration_s, 3),
-        "failed": sum(1 for r in results if r.error is not None),
-        "errors": sorted({r.error for r in results if r.error})[:3],
-        "actions": [{"at_s": round(_epoch(a["time"]) - wall0, 1), "action": a["action"], "move": a.get("move"),
-                     "knobs": a.get("knobs"), "reason": a["reason"]} for a in actions],
-        "reshapes": sum(1 for a in actions if a["action"] == "reshape"),
-    }
+    run = pool_runs.run_pool(mode, pool_yaml(mode, shape), jobs, workdir, shape.model_name)
+    return summarize(mode, run, slo=SLO, duration_s=shape.duration_s, window_s=shape.window_s,
+                     min_window_requests=shape.min_window_requests)
 
 
 def plot(runs: dict, path: Path, shape: Shape = FULL) -> None:
     """Per run, each window's worse interactive figure as a share of its target (TTFT p99 / 4 s or
     ITL p99 / 600 ms: over 1 is a miss), coloured by the verdict, with bursts and actions marked."""
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    inter = SLO["interactive"]
-    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.3 * len(runs)), sharex=True)
-    for ax, (mode, run) in zip(axes, runs.items()):
-        xs = [w["start_s"] + shape.window_s / 2 for w in run["windows"]]
-        worst = [max((w["ttft_p99_ms"] or 0) / inter["ttftP99Ms"], (w["itl_p99_ms"] or 0) / inter["itlP99Ms"])
-                 for w in run["windows"]]
-        ax.bar(xs, worst, width=shape.window_s * 0.8,
-               color=[{True: "tab:green", False: "tab:red", None: "tab:gray"}[w["slo_met"]] for w in run["windows"]])
-        ax.axhline(1.0, ls="--", color="k", lw=1)
+    def bursts(ax) -> None:
         for b in range(int(shape.duration_s // shape.burst_every_s)):
             ax.axvline(shape.first_burst_s + b * shape.burst_every_s, color="tab:orange", lw=1, alpha=0.6)
-        for a in run["actions"]:
-            ax.axvline(a["at_s"], color="tab:blue" if a["action"] == "retune" else "tab:purple", lw=1.5, ls=":")
-            label = a["move"] or "retune " + ",".join(f"{k.split('_')[0]}={v:g}" for k, v in (a["knobs"] or {}).items())
-            ax.annotate(label, (a["at_s"], ax.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=6)
-        ax.set_ylabel(f"{mode}\np99 / target")
-        ax.set_title(f"{mode}: interactive SLO held in {run['slo_windows_share']:.0%} of judged windows", fontsize=9)
-    axes[-1].set_xlabel("time (s); bar: the worse of TTFT and ITL p99 over its target; orange: batch bursts; "
-                        "green/red/grey: held / missed / too few requests; dotted: controller actions", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
-
-def _epoch(rfc3339: str) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    pool_runs.plot(runs, path, slo=SLO, window_s=shape.window_s, background=bursts, note="; orange: batch bursts")
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from cadenza.node.core.admission import AdmissionError
 from cadenza.node.core.config import SchedulerConfig
@@ -30,54 +29,14 @@ from cadenza.node.core.scheduler import Scheduler
 from cadenza.gateway.router import NoReplica, Route, Router
 from cadenza.gateway.upstreams import SERVING_ROLES, Upstreams
 from cadenza.loadgen.trace import TraceRequest
+from cadenza.sim.client import ConcurrencyLimit
 from cadenza.sim.disagg import KVLinkModel, Move, SimConnector, ready_at, rule
 from cadenza.sim.replica import RequestTimes, SimReplica, VirtualClock
 from cadenza.sim.roofline import Roofline
-from cadenza.sim.report import LatencySummary, meets_slo, summarize
+from cadenza.sim.report import FleetResult, LatencySummary, Observations, meets_slo, summarize
 
 _STEP_END, _LOADED, _CALLBACK, _ARRIVAL = 0, 1, 2, 3  # at equal times: free slots, loads, act, admit
 PREFILL_SUFFIX = "/prefill"  # a moved prompt's request on its prefill replica
-
-
-@dataclass(frozen=True, slots=True)
-class FleetResult:
-    """A fleet run: the latency report per traffic class, and the counts.
-
-    Attributes:
-        by_class: class -> :class:`LatencySummary` of its requests (``rejected``: dropped ones),
-            against the class's SLO.
-        dropped: requests no replica took (the gateway's 429, every tried replica's 429, or a
-            replica's 400 or 413, which is not retried).
-        steps: steps run per replica.
-        span_s: virtual seconds from the first arrival to the last finish.
-        kv_usage: ``mean`` (KV blocks in use over the replicas' capacity, averaged over the span)
-            and ``peak`` (the highest any replica reached at a step's end).
-        preemptions: requests preempted, by the victim's class.
-        kv_transfer: with a ``prefill`` role, ``moved`` (prompts prefilled elsewhere), ``bytes``
-            (their KV), ``fallbacks`` (moves no prefill replica took), ``kept_queued`` (prompts
-            long enough for an idle prefill replica but not after the queue of the one they would
-            have gone to) and ``min_prompt_tokens`` (the threshold with an idle prefill replica
-            last computed; None: nothing was worth moving).
-    """
-
-    by_class: dict[str, LatencySummary]
-    dropped: int
-    steps: dict[str, int]
-    span_s: float = 0.0
-    kv_usage: dict[str, float] = field(default_factory=dict)
-    preemptions: dict[str, int] = field(default_factory=dict)
-    kv_transfer: dict[str, float | None] = field(default_factory=dict)
-
-
-@dataclass
-class Observations:
-    """One class's latency observations in time order: TTFTs at their first token's time, and
-    inter-token gaps at their later token's time (seconds)."""
-
-    ttft_t: list[float] = field(default_factory=list)
-    ttft_s: list[float] = field(default_factory=list)
-    itl_t: list[float] = field(default_factory=list)
-    itl_s: list[float] = field(default_factory=list)
 
 
 class Fleet:
@@ -118,6 +77,7 @@ class Fleet:
         self.kv_transfer: dict[str, float | None] = {"moved": 0, "bytes": 0, "fallbacks": 0, "kept_queued": 0,
                                                      "min_prompt_tokens": min_prompt_tokens}
         self.upstreams = Upstreams({role: list(group) for role, group in roles.items()}, clock=self.clock)
+        self._had_prefill = bool(self.upstreams.of_role("prefill"))  # at any time: the result reports kv_transfer
         self.router = Router(self.upstreams, max_outstanding, "auto" if min_prompt_tokens is None else min_prompt_tokens)
         self.classes: dict[str, str] = {}  # request id -> traffic class it was sent as
         self.labels: dict[str, str] = {}  # request id -> the class it is reported under (the trace's)
@@ -128,6 +88,8 @@ class Fleet:
         self._seq = 0
         self._work = 0  # arrivals not yet handled + steps in flight: the run ends at zero
         self.observations: dict[str, Observations] = {}  # class -> latency observations
+        self.prompts_t: list[float] = []  # when each request a replica took came, in time order
+        self.prompts_n: list[int] = []  # ... and its prompt's tokens
 
     # -- the event heap ---------------------------------------------------------------------
 
@@ -156,6 +118,7 @@ class Fleet:
     def set_roles(self, roles: Mapping[str, Sequence[str]]) -> None:
         """Route by these roles from now on; requests in flight finish where they are."""
         self.upstreams.replace({role: list(group) for role, group in roles.items()})
+        self._had_prefill = self._had_prefill or bool(self.upstreams.of_role("prefill"))
 
     def reconfigure(self, names: Sequence[str], changes: Mapping[str, object]) -> None:
         """Apply live knobs (``chunk_size``, ``token_budget``, ``step_time_target_ms``, ...) to
@@ -197,6 +160,8 @@ class Fleet:
                         self._cancel_prefill(route, remote.request_id)
                     return self._drop(label, t)
         self._routes[rid] = route
+        self.prompts_t.append(t)
+        self.prompts_n.append(req.input_len)
         if remote is not None:
             self._moves[rid] = Move(decode.url, req.input_len, t)
             self._routes[remote.request_id] = route
@@ -212,12 +177,14 @@ class Fleet:
         return False
 
     def run(self, trace: Sequence[TraceRequest], classes: Sequence[str] | None = None,
-            on_done: Callable[[int], None] | None = None) -> FleetResult:
+            on_done: Callable[[int], None] | None = None, client: ConcurrencyLimit | None = None) -> FleetResult:
         """Replay ``trace`` (arrivals in seconds, lengths in tokens) to its end; ``on_done(n)``
         is told of every ``n`` requests that finished or were dropped (a progress bar's update).
         Each request is sent as class ``classes[i]``, else the trace's, else ``interactive``, and
         reported under the trace's class (else the one it was sent as); its tenant is the trace's,
-        else ``default``.
+        else ``default``. With a ``client``, a request of a class it limits reaches the gateway
+        when the client sends it (its arrival for every latency), and one it never sends is in
+        no count but its :meth:`~cadenza.sim.client.ConcurrencyLimit.unsent`.
 
         Raises:
             ValueError: ``classes`` of the wrong length.
@@ -245,6 +212,8 @@ class Fleet:
                     if req.is_finished:
                         self.router.finish(self._routes.pop(req.request_id))
                         done += 1
+                        if client is not None:
+                            self._send_next(client, self.classes[req.request_id], t)
                 if done and on_done is not None:
                     on_done(done)
                 self._kick(what)
@@ -259,14 +228,32 @@ class Fleet:
                     self._kick(name)
             else:
                 self._work -= 1
-                if not self._arrive(what, trace[what], classes[what]) and on_done is not None:
-                    on_done(1)
+                if client is not None and not client.offer(what, classes[what], t):
+                    continue  # it waits at the client
+                if not self._arrive(what, trace[what], classes[what]):
+                    if client is not None:
+                        self._send_next(client, classes[what], t)
+                    if on_done is not None:
+                        on_done(1)
         stuck = [n for n, r in self.replicas.items() if r.has_work]
         if stuck:
             raise RuntimeError(f"replicas {stuck} stopped making progress with requests left (a scheduler bug)")
         return self.result(dict.fromkeys(r.traffic_class or c for r, c in zip(trace, classes)))
 
+    def _send_next(self, client: ConcurrencyLimit, cls: str, t: float) -> None:
+        """A request of ``cls`` ended: the one the client sends in its place arrives now."""
+        index = client.ended(cls, t)
+        if index is not None:
+            self._push(t, _ARRIVAL, index)
+
     # -- disaggregated prefill ------------------------------------------------------------------
+
+    def threshold(self) -> int | None:
+        """The selective rule's threshold now, as the gateway takes it for an idle prefill
+        replica (pinned, or the largest the serving replicas' rules give), whether or not the
+        pool has prefill replicas; None: nothing is worth moving, or no replica has calibrated."""
+        self._report_rules()
+        return self.router.threshold()
 
     def _report_rules(self) -> None:
         """Each serving replica's selective rule as its answers would report it now (one whose
@@ -366,7 +353,7 @@ class Fleet:
         for r in replicas:
             for cls, n in r.scheduler.stats.preemptions_by_class.items():
                 preemptions[cls] = preemptions.get(cls, 0) + n
-        kv_transfer = dict(self.kv_transfer) if self.upstreams.of_role("prefill") else {}
+        kv_transfer = dict(self.kv_transfer) if self._had_prefill else {}
         return FleetResult(by_class, sum(self.dropped.values()), {n: r.steps for n, r in self.replicas.items()},
                            span, kv, preemptions, kv_transfer)
 

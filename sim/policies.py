@@ -137,6 +137,7 @@ def run_policy(policy: Policy, trace: Sequence[TraceRequest], roofline: Roofline
                   link=policy.link, min_prompt_tokens=layout.min_prompt_tokens)
     controller = None
     if layout.controller is not None:
-        controller = sim_controller(layout.controller, fleet, **controller_args)
+        controller = sim_controller(layout.controller, fleet, **{"prefill_knobs": layout.prefill_knobs,
+                                                                 **controller_args})
     classes = ["interactive"] * len(trace) if policy.one_class else None  # reported by the trace's all the same
     return PolicyRun(policy.name, fleet.run(trace, classes, on_done=on_done), fleet, controller)

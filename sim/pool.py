@@ -16,7 +16,7 @@ from typing import Any
 
 from cadenza.node.core.config import SchedulerConfig, resolve_max_model_len
 from cadenza.node.core.knobs import BY_CRD
-from cadenza.control.spec import ControllerSpec
+from cadenza.control.spec import ControllerSpec, spec_knobs
 from cadenza.pool.engine_args import engine_config
 from cadenza.pool.spec import Pool
 from cadenza.sim.roofline import Roofline
@@ -35,6 +35,8 @@ class FleetLayout:
             ``kvCacheGiB``); None: what fits the device.
         slo: class -> targets (``spec.slo``: ``ttftP99Ms``, ``itlP99Ms``).
         min_prompt_tokens: a disaggregated pool's pinned threshold (None: computed).
+        prefill_knobs: the live knobs an ``auto`` pool's replica takes in the prefill role (its
+            ``spec.engine`` with ``spec.disaggregated.prefillEngine`` on top; None: not ``auto``).
     """
 
     roles: dict[str, list[str]]
@@ -44,6 +46,7 @@ class FleetLayout:
     num_blocks: int | None = None
     slo: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     min_prompt_tokens: int | None = None
+    prefill_knobs: dict[str, float | None] | None = None
 
 
 def fleet_layout(pool: Mapping[str, Any], roofline: Roofline, model_max_len: int = 131072) -> FleetLayout:
@@ -80,4 +83,5 @@ def fleet_layout(pool: Mapping[str, Any], roofline: Roofline, model_max_len: int
     controller = ControllerSpec.from_pool_spec(spec) if p.mode == "auto" else None
     slo = {cls: {k: float(v) for k, v in targets.items() if v} for cls, targets in (spec.get("slo") or {}).items()
            if targets}
-    return FleetLayout(roles, configs, controller, block_size, num_blocks, slo, p.min_prompt_tokens)
+    prefill_knobs = spec_knobs({"engine": p.role_settings("prefill").engine}) if controller is not None else None
+    return FleetLayout(roles, configs, controller, block_size, num_blocks, slo, p.min_prompt_tokens, prefill_knobs)

@@ -1,12 +1,14 @@
 """The latency report of simulated requests: TTFT, ITL and TPOT percentiles from their timelines,
 and SLO attainment and goodput as ``cadenza bench`` counts them (:mod:`cadenza.loadgen.report`:
 a request meets its class's SLO when its TTFT is within ``ttftP99Ms`` and its own p99 ITL within
-``itlP99Ms``, vLLM's ``--goodput`` rule; a dropped request meets none)."""
+``itlP99Ms``, vLLM's ``--goodput`` rule; a dropped request meets none); what a fleet run
+reports (:class:`FleetResult`), and the latency observations it records as the gateway's
+histograms would (:class:`Observations`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -69,3 +71,44 @@ def summarize(times: Sequence[RequestTimes], rejected: int = 0, slo: Mapping[str
     return LatencySummary(len(done), rejected, _percentiles([t.ttft_s for t in done]), _percentiles(gaps),
                           _percentiles(tpot), tokens / span if span > 0 else 0.0, met,
                           met / total if total else None, met / span_s if span_s else None)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetResult:
+    """A fleet run: the latency report per traffic class, and the counts.
+
+    Attributes:
+        by_class: class -> :class:`LatencySummary` of its requests (``rejected``: dropped ones),
+            against the class's SLO.
+        dropped: requests no replica took (the gateway's 429, every tried replica's 429, or a
+            replica's 400 or 413, which is not retried).
+        steps: steps run per replica.
+        span_s: virtual seconds from the first arrival to the last finish.
+        kv_usage: ``mean`` (KV blocks in use over the replicas' capacity, averaged over the span)
+            and ``peak`` (the highest any replica reached at a step's end).
+        preemptions: requests preempted, by the victim's class.
+        kv_transfer: with a ``prefill`` role, ``moved`` (prompts prefilled elsewhere), ``bytes``
+            (their KV), ``fallbacks`` (moves no prefill replica took), ``kept_queued`` (prompts
+            long enough for an idle prefill replica but not after the queue of the one they would
+            have gone to) and ``min_prompt_tokens`` (the threshold with an idle prefill replica
+            last computed; None: nothing was worth moving).
+    """
+
+    by_class: dict[str, LatencySummary]
+    dropped: int
+    steps: dict[str, int]
+    span_s: float = 0.0
+    kv_usage: dict[str, float] = field(default_factory=dict)
+    preemptions: dict[str, int] = field(default_factory=dict)
+    kv_transfer: dict[str, float | None] = field(default_factory=dict)
+
+
+@dataclass
+class Observations:
+    """One class's latency observations in time order: TTFTs at their first token's time, and
+    inter-token gaps at their later token's time (seconds)."""
+
+    ttft_t: list[float] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+    itl_t: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)

@@ -7,10 +7,13 @@ import pytest
 
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.loadgen.trace import TraceRequest
-from cadenza.control.decide import decide
-from cadenza.control.signals import read_signals
+from cadenza.control.decide import Decision, Shape, decide
+from cadenza.control.history import AGGREGATE, DISAGGREGATE, History
+from cadenza.control.loop import Evaluation
+from cadenza.control.signals import Signals, read_signals
 from cadenza.control.spec import ControllerSpec
-from cadenza.sim.control import FleetSource, sim_controller
+from cadenza.sim.control import FleetActuation, FleetSource, sim_controller
+from cadenza.sim.disagg import KVLinkModel, rule
 from cadenza.sim.fleet import Fleet
 from cadenza.sim.hardware import PROFILES
 from cadenza.sim.model_dims import load_model_dims
@@ -26,6 +29,16 @@ def mixed_trace(seconds: float) -> tuple[list[TraceRequest], list[str]]:
     trace = [TraceRequest(0.1 * i, 200, 100) for i in range(int(seconds * 10))]
     trace += [TraceRequest(0.5 * i + 0.05, 6000, 10) for i in range(int(seconds * 2))]
     return trace, ["interactive"] * int(seconds * 10) + ["batch"] * int(seconds * 2)
+
+
+def varied_trace(seconds: float) -> tuple[list[TraceRequest], list[str]]:
+    """:func:`mixed_trace` with prompts of many lengths (chat 100-470 tokens, batch 1,000-6,600),
+    so the engines' cost models fit their prefill terms apart and the selective rule finds a
+    threshold between the two."""
+    n, m = int(seconds * 10), int(seconds * 2)
+    trace = [TraceRequest(0.1 * i, 100 + 37 * (i % 11), 100) for i in range(n)]
+    trace += [TraceRequest(0.5 * i + 0.05, 1000 + 700 * (i % 9), 10) for i in range(m)]
+    return trace, ["interactive"] * n + ["batch"] * m
 
 
 def pool_spec(**controller) -> ControllerSpec:
@@ -94,3 +107,93 @@ def test_a_window_holds_the_first_tokens_of_its_span_ending_a_scrape_delay_ago(d
     first_tokens = [t.token_s[0] for t in simulated.timelines("interactive") if t.token_s]
     assert fast.window_s == pytest.approx(5.0)
     assert fast.requests == sum(1 for t in first_tokens if end - 5.0 < t <= end) > 20
+
+
+def test_the_windows_carry_the_pools_prefill_share_threshold_and_long_prompt_share():
+    # no prefill replica: the threshold is still what the serving replicas' rules give on the link
+    simulated = Fleet({"interactive": ["a", "b"], "batch": ["a", "b"]}, {"a": CONFIG, "b": CONFIG}, MODEL,
+                      link=KVLinkModel(5e10, 10e-6))
+    spec = pool_spec()
+    source = FleetSource(simulated, spec, scrape_delay_s=5)
+    seen = {}
+
+    def record(f: Fleet) -> None:
+        source.record(f.clock.now)
+        stats = [r.scheduler.stats for r in f.replicas.values()]
+        rules = [rule(r.scheduler.cost_model, f.link, f.bytes_per_token) for r in f.replicas.values()]
+        seen[f.clock.now] = (sum(s.prefill_tokens_admitted for s in stats),
+                             sum(s.prefill_tokens_admitted + s.decode_tokens for s in stats),
+                             max(r.min_prompt_tokens(r.queue_s(0, 0.0)) for r in rules))
+
+    for t in (10.0, 15.0, 20.0):
+        simulated.at(t, record)
+    trace, classes = varied_trace(20)
+    simulated.run(trace, classes)
+    fast = read_signals(source, 20.0, spec.slo, spec.fast_window_s, spec.slow_window_s, min_samples=spec.min_samples,
+                        stale_s=spec.stale_s).fast
+    (p0, t0, _), (p1, t1, _), (_, _, threshold) = seen[10.0], seen[15.0], seen[20.0]
+    assert 470 < threshold < 6600  # some batch prompts would move to a prefill replica, chat's would not
+    prompts = [r.input_len for r in trace if 10.0 < r.arrival_s <= 15.0]
+    for cls in ("interactive", "batch"):  # pool-wide figures, on every class's window
+        w = fast[cls]
+        assert w.prefill_share == pytest.approx((p1 - p0) / (t1 - t0)) and 0 < w.prefill_share < 1
+        assert w.min_prompt_tokens == threshold
+        assert w.long_prompt_share == pytest.approx(sum(n for n in prompts if n >= threshold) / sum(prompts))
+        assert 0 < w.long_prompt_share < 1
+
+
+def _reshape(actuation: FleetActuation, move: str):
+    """Have ``actuation`` carry out a reshape decided now (a decision made by hand)."""
+    def act(f: Fleet) -> None:
+        decision = Decision("reshape", f"test: {move}", True, History(), move=move)
+        actuation.act(Evaluation(f.clock.now, Signals({}, {}), Shape(0), {}, History(), pool_spec(), decision))
+    return act
+
+
+def test_disaggregate_drains_a_colocated_replica_into_prefill_and_aggregate_brings_it_back():
+    simulated = Fleet({"interactive": ["a", "b", "c"], "batch": ["a", "b", "c"]}, {n: CONFIG for n in "abc"}, MODEL,
+                      link=KVLinkModel(5e10, 10e-6))
+    prefill_knobs = {"chunk_size": 4096, "token_budget": 4096, "step_time_target_ms": None}
+    actuation = FleetActuation(simulated, reshape_delay_s=2.0, prefill_knobs=prefill_knobs)
+    simulated.reconfigure(["a", "b", "c"], {"chunk_size": 512})  # retuned knobs: what c must come back to
+    seen: dict[float, tuple] = {}
+
+    def look(f: Fleet) -> None:
+        seen[f.clock.now] = (actuation.shape(f)[0], f.roles(), actuation.prepare(f.clock.now))
+
+    simulated.at(10.0, _reshape(actuation, DISAGGREGATE))
+    simulated.at(30.0, _reshape(actuation, AGGREGATE))
+    for t in (11.0, 12.01, 25.0, 31.0, 32.01):
+        simulated.at(t, look)
+    trace, classes = varied_trace(40)
+    result = simulated.run(trace, classes)
+    assert result.dropped == 0 and result.by_class["batch"].requests == len(trace) // 6
+    assert seen[11.0][0] == Shape(3) and seen[11.0][2] is None  # decided, not yet routed: nothing to decide
+    shape, roles, prepared = seen[25.0]
+    assert shape == Shape(2, 0, 1) and roles["prefill"] == ["c"] and "c" not in roles["batch"] + roles["interactive"]
+    assert prepared is not None and prepared[0] == Shape(2, 0, 1)
+    assert seen[31.0][0] == Shape(2, 0, 1) and seen[32.01][0] == Shape(3) and "prefill" not in seen[32.01][1]
+    # from 12 s c took no request of its own until it came back; the long prompts then moved to it
+    on_c = {rid: t for rid, t in simulated.replicas["c"].times.items() if not rid.endswith("/prefill")}
+    assert on_c and not [t for t in on_c.values() if 12.0 <= t.arrival_s < 32.0]
+    moved = [rid for rid in simulated.replicas["c"].times if rid.endswith("/prefill")]
+    assert len(moved) == result.kv_transfer["moved"] >= 10
+    assert all(classes[int(rid[1:].removesuffix("/prefill"))] == "batch" for rid in moved)
+    # in the prefill role with its knobs; back with the colocated replicas' knobs
+    assert simulated.replicas["c"].scheduler.config == simulated.replicas["a"].scheduler.config
+    assert [(a.action, a.move, a.acted) for a in actuation.actions] == [("reshape", DISAGGREGATE, True),
+                                                                        ("reshape", AGGREGATE, True)]
+
+
+def test_a_replica_in_the_prefill_role_runs_the_prefill_knobs_and_the_last_colocated_one_stays():
+    simulated = Fleet({"interactive": ["a", "b"], "batch": ["a", "b"]}, {n: CONFIG for n in "ab"}, MODEL)
+    actuation = FleetActuation(simulated, reshape_delay_s=1.0,
+                               prefill_knobs={"chunk_size": 4096, "token_budget": 4096, "step_time_target_ms": None})
+    simulated.at(1.0, _reshape(actuation, DISAGGREGATE))
+    # the last colocated replica is never moved out: the pool cannot make that move, and drops it
+    simulated.at(5.0, _reshape(actuation, DISAGGREGATE))
+    simulated.run(*mixed_trace(10))
+    config = simulated.replicas["b"].scheduler.config
+    assert simulated.roles() == {"interactive": ["a"], "batch": ["a"], "prefill": ["b"]}
+    assert (config.chunk_size, config.token_budget) == (4096, 4096) and actuation.moving is None
+    assert [a.move for a in actuation.actions] == [DISAGGREGATE, DISAGGREGATE]

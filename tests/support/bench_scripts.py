@@ -21,12 +21,13 @@ BENCH = ROOT / "bench"
 # The benchmarks whose quick run starts `cadenza serve` or `cadenza up` processes: 10-70 s each
 # (every process imports torch and loads a model), so marked slow and run from their own test
 # file, which xdist hands to a worker beside the file of the others.
-STARTS_SERVERS = frozenset({"decode_speed", "disagg", "engine_process", "frontend_overhead", "hybrid", "sim_validation"})
+STARTS_SERVERS = frozenset({"decode_speed", "disagg", "engine_process", "frontend_overhead", "hybrid", "hybrid_day",
+                            "sim_validation"})
 # Of those, the ones whose quick run alone would take `make test` past its budget (measured on 2
-# cores: hybrid ~70 s, three `cadenza up` pools; sim_validation ~27 s; engine_process ~15 s, four
-# processes): marked ``long_benchmark``, skipped unless ``--long-benchmarks`` is given, which
-# `make test-long` does (CI runs it after `make test`).
-LONG = frozenset({"engine_process", "hybrid", "sim_validation"})
+# cores: hybrid ~70 s, three `cadenza up` pools; hybrid_day ~60 s, two pools of three replicas;
+# sim_validation ~27 s; engine_process ~15 s, four processes): marked ``long_benchmark``, skipped
+# unless ``--long-benchmarks`` is given, which `make test-long` does (CI runs it after `make test`).
+LONG = frozenset({"engine_process", "hybrid", "hybrid_day", "sim_validation"})
 
 
 def _is_script(path: Path) -> bool:
