@@ -34,7 +34,9 @@ Moves (:mod:`cadenza.control.roles`), in the order that drops and slows nothing:
 A replica lost in the interactive or prefill role is replaced in it by the next new one (the shape
 the controller chose is kept: its decisions count on it); while the pool does not let the
 controller disaggregate (``spec.controller.disaggregate: false``), a prefill replica goes back to
-colocated at the next tick.
+colocated at the next tick. Interactive always keeps a replica that decodes: when the others are
+lost (a scale-down, an eviction), a drain into prefill is called off, or a prefill replica goes
+back to colocated.
 
 No replica is started or stopped and no model reloaded. The state that must outlive the process
 (:class:`~cadenza.control.replicas.State`: the knobs, the roles, a move in progress; the loop keeps
@@ -54,7 +56,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
 from cadenza.control.decide import Decision, Shape
-from cadenza.control.history import SPLITS, History, rfc3339
+from cadenza.control.history import DISAGGREGATE, SPLITS, History, rfc3339
 from cadenza.control.loop import ControlLoop, Evaluation
 from cadenza.control.roles import (COLOCATED, INTERACTIVE, MOVE, PREFILL, ROUTES, Drain, busy, describe, shape_after,
                                    shape_doc, shape_of)
@@ -168,7 +170,9 @@ class InPlace:
     def _assign_roles(self, replicas: list[Replica]) -> None:
         """Forget replicas that are gone; a new one takes the place of a lost interactive or
         prefill replica (the shape is kept), else starts colocated. Without
-        ``spec.controller.disaggregate`` a prefill replica is colocated again."""
+        ``spec.controller.disaggregate`` a prefill replica is colocated again and a drain into
+        prefill is called off. When no other replica would decode (the others lost), a drain into
+        prefill is called off, else a prefill replica is colocated again."""
         names = {r.name for r in replicas}
         before = dict(self.state.roles)
         if not self.pool.prefill_in_place and PREFILL in before.values():
@@ -182,8 +186,21 @@ class InPlace:
             if replica.name not in roles:
                 roles[replica.name] = lost.pop(0) if lost else COLOCATED
         self.state.roles = roles
-        if self.state.draining and self.state.draining.replica not in names:
-            self.state.draining = None
+        drain = self.state.draining
+        if drain and (drain.replica not in names or drain.move == DISAGGREGATE and not self.pool.prefill_in_place):
+            drain = self.state.draining = None
+        # Interactive keeps a replica that decodes, also when the others are lost (a scale-down,
+        # an eviction): a drain into prefill is called off, else a prefill replica decodes again.
+        leaving = drain.replica if drain and drain.move == DISAGGREGATE else None
+        if roles and not any(role in (COLOCATED, INTERACTIVE) and name != leaving for name, role in roles.items()):
+            if leaving is not None:
+                self.state.draining = None
+                logger.warning("controller %s: %s stays colocated: no other replica decodes", self.pool.name,
+                               drain.replica)
+            elif PREFILL in roles.values():
+                name = next(n for n, role in roles.items() if role == PREFILL)
+                roles[name] = COLOCATED
+                logger.warning("controller %s: %s back to colocated: no other replica decodes", self.pool.name, name)
 
     def settings(self, role: str) -> dict[str, Any]:
         """The live settings of a role: interactive's from the spec (``dedicated.engine`` on top of

@@ -248,3 +248,48 @@ def test_the_local_backend_writes_the_prefill_role_of_the_gateway_file():
     backend.route(b, PREFILL, frozenset({"prefill"}))
     assert written[-1] == {"interactive": ["http://a"], "batch": ["http://a"], "prefill": ["http://b"]}
     assert backend.roles["auto-1"] == PREFILL and b.routes == frozenset({"prefill"})
+
+
+def test_a_prefill_replica_goes_back_to_colocated_when_no_replica_that_decodes_is_left():
+    # Two replicas, a colocated and b prefill; a is deleted (a scale-down, an eviction): b alone
+    # prefills for nobody and nothing serves interactive or batch — it must decode again.
+    state = State(knobs={"token_budget": 256, "chunk_size": 64, "step_time_target_ms": 40},
+                  roles={"a": COLOCATED, "b": PREFILL})
+    actuation, backend, admin, _ = setup(state=state, names=("b",))
+    backend.pods["b"].routes = frozenset({"prefill"})
+    assert actuation.prepare(1000.0)[0] == Shape(1, 0, 0)
+    assert actuation.state.roles == {"b": COLOCATED}
+    assert backend.pods["b"].routes == frozenset({"interactive", "batch"})
+    assert admin.config["http://b"]["chunk_size"] == 64  # the colocated settings, before the routes
+
+
+def test_a_disaggregate_drain_is_called_off_when_the_other_replicas_that_decode_are_lost():
+    # b drains into prefill while a serves; a is deleted: b must not become the pool's only,
+    # prefill-only replica — it stays colocated and is routed again.
+    state = State(knobs={"token_budget": 256, "chunk_size": 64, "step_time_target_ms": 40},
+                  roles={"a": COLOCATED, "b": COLOCATED}, draining=Drain("b", 1000.0, DISAGGREGATE))
+    actuation, backend, admin, _ = setup(state=state, names=("b",))
+    assert actuation.prepare(1000.0 + DRAIN_SETTLE_S) == (Shape(1, 0, 0), actuation.state.knobs)
+    assert actuation.state.draining is None and actuation.state.roles == {"b": COLOCATED}
+    assert backend.pods["b"].routes == frozenset({"interactive", "batch"})
+    assert admin.config["http://b"]["chunk_size"] == 64
+
+
+def test_a_stored_disaggregate_drain_is_called_off_once_the_pool_turns_disaggregate_off():
+    spec = {**SPEC, "controller": {**SPEC["controller"], "disaggregate": False}}
+    state = State(knobs={"token_budget": 256, "chunk_size": 64, "step_time_target_ms": 40},
+                  roles={"a": COLOCATED, "b": COLOCATED, "c": COLOCATED}, draining=Drain("c", 1000.0, DISAGGREGATE))
+    actuation, backend, admin, _ = setup(spec, state)
+    assert actuation.prepare(1000.0 + DRAIN_SETTLE_S) == (Shape(3, 0, 0), actuation.state.knobs)
+    assert actuation.state.draining is None and actuation.state.roles["c"] == COLOCATED
+    assert backend.pods["c"].routes == frozenset({"interactive", "batch"})
+    assert all(name != "c" or "prefill" not in routes for name, _role, routes in backend.routes)
+
+
+def test_a_dedicate_drain_of_the_last_colocated_replica_leaves_the_prefill_replica_alone():
+    # (1, 0, 1) with batch idle: decide() may dedicate a; it still decodes, so b stays prefill.
+    state = State(knobs={"token_budget": 256, "chunk_size": 64, "step_time_target_ms": 40},
+                  roles={"a": COLOCATED, "b": PREFILL}, draining=Drain("a", 1000.0, DEDICATE))
+    actuation, backend, admin, _ = setup(state=state, names=("a", "b"))
+    actuation.prepare(1000.0 + DRAIN_SETTLE_S)
+    assert actuation.state.roles == {"a": INTERACTIVE, "b": PREFILL}
