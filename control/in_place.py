@@ -262,6 +262,10 @@ class InPlace:
             logger.warning("controller %s: no ready %s replica to %s", self.pool.name, move.source, move.name)
             return
         replica = candidates[-1]
+        if decision.move in SPLITS and (waiting := self._unready_stay(replica, move.name, replicas)):
+            logger.warning("controller %s: not moving %s to %s while %s, which decide() counted on to serve, "
+                           "is not ready", self.pool.name, replica.name, move.target, waiting)
+            return
         if decision.move in SPLITS:  # out of the routes it leaves first; it changes once drained
             self.state.draining = Drain(replica.name, now, move.name)
             self.backend.route(replica, COLOCATED, move.draining_routes)
@@ -273,6 +277,23 @@ class InPlace:
             self.state.roles[replica.name] = COLOCATED
             self.backend.route(replica, COLOCATED, ROUTES[COLOCATED])
             logger.info("controller %s: %s back to colocated (%s)", self.pool.name, replica.name, move.name)
+
+    def _unready_stay(self, replica: Replica, move: str, replicas: list[Replica]) -> str | None:
+        """A replica the split of ``replica`` counts on to keep serving that is not ready, or None.
+
+        :func:`~cadenza.control.decide.decide` counts every replica in its shape, ready or not:
+        the other replicas of the source role it counted on (for batch and background), and for a
+        move into prefill a replica that decodes, must be serving, or the split takes the pool's
+        last serving replica out of its routes."""
+        roles = self.state.roles
+        others = [r for r in replicas if r is not replica and roles[r.name] == MOVE[move].source]
+        if others and not any(r.ready for r in others):
+            return others[0].name
+        if move == DISAGGREGATE:
+            decoding = [r for r in replicas if r is not replica and roles[r.name] in (COLOCATED, INTERACTIVE)]
+            if not any(r.ready for r in decoding):
+                return decoding[0].name if decoding else "a replica that decodes"
+        return None
 
     def _advance_drain(self, replicas: list[Replica], now: float) -> None:
         name, since, move_name = self.state.draining

@@ -293,3 +293,26 @@ def test_a_dedicate_drain_of_the_last_colocated_replica_leaves_the_prefill_repli
     actuation, backend, admin, _ = setup(state=state, names=("a", "b"))
     actuation.prepare(1000.0 + DRAIN_SETTLE_S)
     assert actuation.state.roles == {"a": INTERACTIVE, "b": PREFILL}
+
+
+@pytest.mark.parametrize("move", [DISAGGREGATE, DEDICATE])
+def test_a_split_waits_while_the_replica_that_would_stay_colocated_is_not_ready(move):
+    # decide() counts every replica in the shape: (2, 0, 0) lets it split one. With a restarting
+    # (not ready), moving the ready b would take the pool's only serving replica out of its routes.
+    actuation, backend, admin, _ = setup(names=("a", "b"))
+    backend.pods["a"].ready = False
+    decide_to(actuation, 1000.0, move)
+    assert actuation.state.draining is None and actuation.state.roles == {"a": COLOCATED, "b": COLOCATED}
+    assert backend.pods["b"].routes == frozenset({"interactive", "batch"})
+    backend.pods["a"].ready = True  # back: the next decision may move one
+    decide_to(actuation, 1700.0, move)
+    assert actuation.state.draining is not None
+
+
+def test_a_dedicate_that_decide_allowed_of_the_last_colocated_replica_is_carried_out():
+    # (1, 1, 0), batch idle: decide() moves the last colocated replica; nothing else was counted on.
+    state = State(knobs={"token_budget": 256, "chunk_size": 64, "step_time_target_ms": 40},
+                  roles={"a": COLOCATED, "b": INTERACTIVE})
+    actuation, backend, admin, _ = setup(state=state, names=("a", "b"))
+    decide_to(actuation, 1000.0, DEDICATE)
+    assert actuation.state.draining == Drain("a", 1000.0, DEDICATE)
