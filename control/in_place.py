@@ -325,7 +325,8 @@ def prefill_settings(pool: Pool) -> dict[str, Any]:
     ``disaggregated.prefillEngine`` on top — except where ``prefillEngine`` is silent: the chunk
     size and token budget are then the top of the controller's bounds (``spec.controller.bounds``,
     the largest the pool lets the controller use; the chunk size's defaults to ``spec.engine``'s,
-    and the chunk never exceeds the budget), and no step-time target — a prefill replica streams
+    and the chunk never exceeds the budget: a budget under the chunk ``prefillEngine`` names is
+    raised to it), and no step-time target — a prefill replica streams
     no token, so nothing caps its chunks for ITL, and the larger its chunks the sooner each long
     prompt's KV is ready.
 
@@ -336,7 +337,8 @@ def prefill_settings(pool: Pool) -> dict[str, Any]:
     doc = live_document(pool.role_settings(PREFILL).engine)
     bounds = knob_bounds(pool.spec)
     if "tokenBudget" not in own and "token_budget" in bounds:
-        doc["token_budget"] = int(bounds["token_budget"][1])
+        # the top of the bounds, but never under a chunk prefillEngine names (the engine refuses it)
+        doc["token_budget"] = max(int(bounds["token_budget"][1]), int(own.get("chunkSize") or 0))
     if "chunkSize" not in own:
         doc["chunk_size"] = min(int(bounds["chunk_size"][1]), doc["token_budget"])
     if "stepTimeTargetMs" not in own:

@@ -316,3 +316,13 @@ def test_a_dedicate_that_decide_allowed_of_the_last_colocated_replica_is_carried
     actuation, backend, admin, _ = setup(state=state, names=("a", "b"))
     decide_to(actuation, 1000.0, DEDICATE)
     assert actuation.state.draining == Drain("a", 1000.0, DEDICATE)
+
+
+def test_the_prefill_budget_is_never_under_the_chunk_prefill_engine_names():
+    # spec.engine's budget of 2048 holds the named chunk (the pool validates); the bounds' top
+    # budget of 1024 does not, and the engine would refuse every PUT: the drain could never finish.
+    spec = {**SPEC, "engine": {"tokenBudget": 2048, "chunkSize": 512},
+            "disaggregated": {"prefillEngine": {"chunkSize": 2048}},
+            "controller": {"bounds": {"tokenBudget": {"min": 256, "max": 1024}}}}
+    doc = prefill_settings(Pool("p", "ns", spec))
+    assert doc["chunk_size"] == 2048 and doc["token_budget"] >= doc["chunk_size"]
