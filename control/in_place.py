@@ -349,7 +349,8 @@ def prefill_settings(pool: Pool) -> dict[str, Any]:
 def figures(signals: Signals, spec: ControllerSpec) -> dict[str, Any]:
     """The slow-window figures a decision read, for its record: per class with an SLO and a known
     window, ``CLS.ttft_p99_ms`` / ``itl_p99_ms`` (ms) / ``queue_depth`` / ``preemptions``, and the
-    pool's ``kv_usage`` (0-1) and ``predicted_step_p99_ms``."""
+    pool's ``kv_usage`` (0-1) and ``predicted_step_p99_ms``, and what rung 3 attributes
+    interference by: ``prefill_share`` and ``long_prompt_share`` (0-1) and ``min_prompt_tokens``."""
     out: dict[str, Any] = {}
     for cls, window in signals.slow.items():
         if cls in spec.slo and window.known:
@@ -360,6 +361,9 @@ def figures(signals: Signals, spec: ControllerSpec) -> dict[str, Any]:
                 out["kv_usage"] = None if window.kv_usage is None else round(window.kv_usage, 3)
                 out["predicted_step_p99_ms"] = (None if window.predicted_step_p99_ms is None
                                                 else round(window.predicted_step_p99_ms, 1))
+                for key in ("prefill_share", "long_prompt_share", "min_prompt_tokens"):
+                    value = getattr(window, key)
+                    out[key] = None if value is None else round(value, 3 if key.endswith("share") else 0)
     return out
 
 

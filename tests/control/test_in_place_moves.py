@@ -326,3 +326,13 @@ def test_the_prefill_budget_is_never_under_the_chunk_prefill_engine_names():
             "controller": {"bounds": {"tokenBudget": {"min": 256, "max": 1024}}}}
     doc = prefill_settings(Pool("p", "ns", spec))
     assert doc["chunk_size"] == 2048 and doc["token_budget"] >= doc["chunk_size"]
+
+
+def test_a_moves_record_carries_the_figures_rung_3_attributed_it_by():
+    from cadenza.control.in_place import figures
+    from cadenza.control.signals import ClassWindow
+
+    slow = ClassWindow(True, requests=50, itl_p99_ms=180.0, prefill_share=0.8123, long_prompt_share=0.45,
+                       min_prompt_tokens=2048.0)
+    out = figures(Signals({}, {"interactive": slow}), ControllerSpec.from_pool_spec(SPEC))
+    assert out["prefill_share"] == 0.812 and out["long_prompt_share"] == 0.45 and out["min_prompt_tokens"] == 2048
