@@ -21,7 +21,9 @@ The ladder, cheapest first:
    ``spec.controller.disaggregate``); :mod:`.moves` attributes it from the pool's prefill share,
    long-prompt share and selective threshold, and the reason says which and why, with the
    figures. Unknown figures attribute nothing: rung 2, as the reason says. Still breaching with
-   replicas already moved, the same choice is made again. When every class has been clear
+   replicas already moved, the same choice is made again — except that a breach from load that
+   no split may answer gives an idle prefill replica (its long prompts gone) back to colocated
+   (:func:`~.moves.idle_prefill`). When every class has been clear
    (below ``(1 - hysteresis)`` x target in the slow window, and not over it in the fast one)
    for ``dwellSeconds``, one replica comes back to colocated (``aggregate`` or ``merge``, in
    :func:`~.moves.give_back`'s order: a prefill replica first once long prompts are gone).
@@ -55,8 +57,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cadenza.control.history import MAX_LOG, SPLITS, History, rfc3339
-from cadenza.control.moves import blocked, give_back, split
+from cadenza.control.history import AGGREGATE, DEDICATE, MAX_LOG, SPLITS, History, rfc3339
+from cadenza.control.moves import blocked, give_back, idle_prefill, split
 from cadenza.control.signals import ClassWindow, Signals
 from cadenza.control.spec import ControllerSpec
 from cadenza.node.core.policy import CLASSES
@@ -150,6 +152,9 @@ def decide(signals: Signals, shape: Shape, knobs: Mapping[str, float | None], hi
                         f"reshaping after {spec.slow_window_s:.0f} s", bound_since=since, clear_since=None)
         move, why = split(slow, kv_bound, spec.disaggregate)
         if (stop := blocked(shape, move, signals)) is not None:
+            if move == DEDICATE and (idle := idle_prefill(shape, slow, h)) is not None:
+                return _reshape(hold, AGGREGATE, f"interactive {figures}; {why}, but {stop}; {idle}",
+                                bound_since=since, clear_since=None)
             return hold(f"interactive {figures}; {why}, but {stop}", bound_since=since, clear_since=None)
         return _reshape(hold, move, f"interactive {figures}; {where} for {now - since:.0f} s; {why}",
                         bound_since=since, clear_since=None)

@@ -101,6 +101,23 @@ def give_back(shape, window: ClassWindow | None, hysteresis: float) -> tuple[str
     raise ValueError(f"nothing to give back in {shape}")
 
 
+def idle_prefill(shape, window: ClassWindow | None, hysteresis: float) -> str | None:
+    """Why a prefill replica should come back to decoding while interactive breaches from load
+    and no split may be made (None: it should not).
+
+    A prefill replica whose long prompts are gone (``long_prompt_share`` known and under
+    ``LONG_PROMPTS x (1 - hysteresis)``) prefills little while the decode replicas are overloaded;
+    given back to colocated, it serves. Without this, a (1, 0, 1) pool breaching from load would
+    hold for ever: dedicating its last colocated replica is blocked, and a give-back waits for
+    every class to be clear.
+    """
+    share = None if window is None else window.long_prompt_share
+    below = LONG_PROMPTS * (1 - hysteresis)
+    if not shape.prefill or share is None or share >= below:
+        return None
+    return f"{share:.0%} of prompt tokens in long prompts, under {below:.0%}: giving one prefill replica back to colocated"
+
+
 def blocked(shape, move: str, signals: Signals) -> str | None:
     """Why the split ``move`` would leave a class without a replica (None: it may be made);
     ``shape`` is the pool's :class:`~cadenza.control.decide.Shape`.

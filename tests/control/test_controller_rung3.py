@@ -164,10 +164,23 @@ def test_two_replica_pool_keeps_its_colocated_replica_for_batch():
     assert "last colocated replica serves batch/background" in pool.decisions[-1][1].reason
 
 
-def test_one_colocated_and_one_prefill_hold_under_load_too():
+def test_one_colocated_and_one_prefill_hold_under_load_while_long_prompts_stay():
+    pool = Pool(spec(cooldownSeconds=0), Shape(1, 0, 1), at_bound=True)
+    pool.run(900, signals(itl=250, **{**LOAD, "long_prompt_share": 0.5}))
+    assert pool.shape == Shape(1, 0, 1) and not pool.moves()
+    assert "the last colocated replica serves batch" in pool.decisions[-1][1].reason
+
+
+def test_an_idle_prefill_replica_comes_back_when_load_breaches_and_nothing_else_can_move():
+    # (1, 0, 1) with the long prompts gone and interactive breaching from load: dedicating the
+    # last colocated replica is blocked, a give-back waits for every class to be clear — so the
+    # prefill replica, prefilling little, comes back to decode; then, load still breaching, the
+    # ladder dedicates as usual.
     pool = Pool(spec(cooldownSeconds=0), Shape(1, 0, 1), at_bound=True)
     pool.run(900, signals(itl=250, **LOAD))
-    assert pool.shape == Shape(1, 0, 1) and not pool.moves()
+    assert [d.move for _, d in pool.moves()] == [AGGREGATE, DEDICATE]
+    assert pool.shape == Shape(1, 1, 0)
+    assert "giving one prefill replica back to colocated" in pool.moves()[0][1].reason
 
 
 def test_interactive_keeps_a_replica_that_decodes_even_when_batch_is_idle():
