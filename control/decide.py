@@ -15,12 +15,17 @@ The ladder, cheapest first:
    When the breach is KV-bound (an engine's KV at least :data:`KV_FULL` full while interactive
    queues or is preempted, from the engines' signals), smaller chunks free no memory: rung 1
    counts as exhausted.
-2. **Reshape**: move ONE replica colocated -> interactive when interactive breaches and rung 1 has
-   sat at its bound for a slow window; move one back when every class has been clear (below
-   ``(1 - hysteresis)`` x target in the slow window, and not over it in the fast one) for
-   ``dwellSeconds``. At least one colocated
-   replica stays while batch or background has (or may have) traffic; the replica count is not
-   the controller's (``spec.replicas`` / an HPA own it).
+2. **Dedicate** and 3. **disaggregate**: when interactive breaches and rung 1 has been exhausted
+   for a slow window, move ONE colocated replica, in place: to ``interactive`` when the
+   interference is from load (rung 2), to ``prefill`` when it is from long prompts (rung 3,
+   ``spec.controller.disaggregate``); :mod:`.moves` attributes it from the pool's prefill share,
+   long-prompt share and selective threshold, and the reason says which and why, with the
+   figures. Unknown figures attribute nothing: rung 2, as the reason says. Still breaching with
+   replicas already moved, the same choice is made again. When every class has been clear
+   (below ``(1 - hysteresis)`` x target in the slow window, and not over it in the fast one)
+   for ``dwellSeconds``, one replica comes back to colocated (``aggregate`` or ``merge``, in
+   :func:`~.moves.give_back`'s order: a prefill replica first once long prompts are gone).
+   The replica count is not the controller's (``spec.replicas`` / an HPA own it).
 
 Invariants:
 - A breach needs both the fast and the slow window over target. An unknown window (too few
@@ -28,14 +33,19 @@ Invariants:
 - One action at a time: after any action, nothing more until a whole fast window has been
   observed after it. A breach within ``hysteresis`` of the target retunes at most once per slow
   window, so noise around the target yields at most one action per slow window.
-- After a reshape, no other reshape for ``cooldownSeconds`` (the time is in the history, so a
-  restarted operator honours it). A reshape that would be the second reversal of direction inside
-  ``flapWindowSeconds`` is not made: reshaping freezes for that long (``Flapping``) and the
-  controller continues in advisory.
+- No class is left without a replica (:func:`~.moves.blocked`): a colocated replica stays while
+  batch or background has (or may have) traffic, and interactive keeps one that decodes.
+- After a reshape (any rung), no other for ``cooldownSeconds`` (the time is in the history, so
+  a restarted operator honours it). A reversal is a change between a split (``dedicate``,
+  ``disaggregate``) and a give-back (``merge``, ``aggregate``), whichever rungs: a reshape that
+  would be the second reversal inside ``flapWindowSeconds`` is not made; reshaping freezes for
+  that long (``Flapping``) and the controller continues in advisory.
 - ``advisory: true`` computes and records every decision and acts on none.
 
 Sources: SLO-driven chunk sizing after Niyama (QoS-aware dynamic chunking on one shared pool);
-hysteresis, dwell, cooldown as in the Kubernetes HPA's stabilization window.
+splitting prefill from decode after DistServe and Splitwise, at run time after Arrow, TokenScale
+and HyGen (:mod:`.moves`); hysteresis, dwell, cooldown as in the Kubernetes HPA's stabilization
+window.
 """
 
 from __future__ import annotations
@@ -45,7 +55,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cadenza.control.history import DEDICATE, MAX_LOG, MERGE, History, rfc3339
+from cadenza.control.history import MAX_LOG, SPLITS, History, rfc3339
+from cadenza.control.moves import blocked, give_back, split
 from cadenza.control.signals import ClassWindow, Signals
 from cadenza.control.spec import ControllerSpec
 from cadenza.node.core.policy import CLASSES
@@ -72,7 +83,9 @@ class Decision:
         reason: one sentence naming the class and the figures that decided.
         act: carry it out (False for ``hold``, in advisory, and while reshaping is frozen).
         knobs: for ``retune``, the engine knobs to apply (admin API names).
-        move: for ``reshape``, ``dedicate`` (colocated -> interactive) or ``merge`` (back).
+        move: for ``reshape``, one of :data:`~cadenza.control.history.MOVES`: ``dedicate``
+            (colocated -> interactive) or ``merge`` (back); ``disaggregate`` (colocated ->
+            prefill) or ``aggregate`` (back).
         slo_met: per class with a target, True / False / None (unknown), from the slow window.
         flapping: reshaping is frozen.
         history: to store for the next evaluation.
@@ -135,27 +148,28 @@ def decide(signals: Signals, shape: Shape, knobs: Mapping[str, float | None], hi
         if now - since < spec.slow_window_s:
             return hold(f"interactive {figures} with {where} for {now - since:.0f} s: "
                         f"reshaping after {spec.slow_window_s:.0f} s", bound_since=since, clear_since=None)
-        if not _may_lose_colocated(shape, signals):
-            return hold(f"interactive {figures}, but the last colocated replica serves batch/background",
+        move, why = split(slow, kv_bound, spec.disaggregate)
+        if (stop := blocked(shape, move, signals)) is not None:
+            return hold(f"interactive {figures}; {why}, but {stop}", bound_since=since, clear_since=None)
+        return _reshape(hold, move, f"interactive {figures}; {where} for {now - since:.0f} s; {why}",
                         bound_since=since, clear_since=None)
-        return _reshape(hold, DEDICATE, f"interactive {figures}; {where} for {now - since:.0f} s: "
-                        "dedicating one replica to interactive", bound_since=since, clear_since=None)
 
     # Interactive is not breaching: maybe give back, maybe grow prefill again.
     windows = {cls: signals.slow.get(cls) for cls in spec.slo}
-    if shape.interactive > 0:
+    if shape.interactive > 0 or shape.prefill > 0:
         # Clear in the slow window, and not already breaching again in the fast one.
         unclear = [cls for cls, w in windows.items() if not _known(w) or w.over(spec.slo[cls], 1 - h)
                    or (_known(f := signals.fast.get(cls)) and f.over(spec.slo[cls], 1 - h))]
         if unclear:
-            return _grow_or_hold(hold, signals, knobs, spec, f"not merging back: {', '.join(unclear)} not clear "
+            return _grow_or_hold(hold, signals, knobs, spec, f"not giving back: {', '.join(unclear)} not clear "
                                  f"(under {1 - h:.0%} of target)", clear_since=None)
         since = history.clear_since if history.clear_since is not None else now
         if now - since < spec.dwell_s:
-            return hold(f"every class clear for {now - since:.0f} s: merging back after {spec.dwell_s:.0f} s",
+            return hold(f"every class clear for {now - since:.0f} s: giving back after {spec.dwell_s:.0f} s",
                         bound_since=None, clear_since=since)
-        return _reshape(hold, MERGE, f"every class clear for {now - since:.0f} s: giving one interactive replica "
-                        "back to colocated", bound_since=None, clear_since=since)
+        move, why = give_back(shape, slow, h)
+        return _reshape(hold, move, f"every class clear for {now - since:.0f} s; {why}", bound_since=None,
+                        clear_since=since)
     return _grow_or_hold(hold, signals, knobs, spec, "interactive within its SLO", clear_since=None)
 
 
@@ -271,20 +285,11 @@ def _met(window: ClassWindow | None, slo: Mapping[str, float]) -> bool | None:
     return not window.over(slo)
 
 
-def _may_lose_colocated(shape: Shape, signals: Signals) -> bool:
-    """One colocated replica may become interactive: another stays, or batch and background are
-    known to have no traffic in the slow window."""
-    if shape.colocated >= 2:
-        return True
-    if shape.colocated < 1:
-        return False
-    return all(_known(w := signals.slow.get(cls)) and w.requests == 0 for cls in ("batch", "background"))
-
-
 def _reversals(reshapes: tuple[tuple[float, str], ...], move: str) -> int:
-    """Changes of direction in ``reshapes`` followed by ``move``."""
-    moves = [m for _, m in reshapes] + [move]
-    return sum(1 for a, b in zip(moves, moves[1:]) if a != b)
+    """Changes of direction in ``reshapes`` followed by ``move``: from a split (``dedicate``,
+    ``disaggregate``) to a give-back (``merge``, ``aggregate``) or back, whichever rungs."""
+    splits = [m in SPLITS for _, m in reshapes] + [move in SPLITS]
+    return sum(1 for a, b in zip(splits, splits[1:]) if a != b)
 
 
 def _expire(history: History, spec: ControllerSpec, now: float) -> History:

@@ -42,6 +42,13 @@ KV_BLOCKS = Metric("cadenza.kv.blocks", "{block}")  # gauge by cadenza.kv.state:
 REQUESTS_PREEMPTED = Metric("cadenza.requests.preempted", "{request}")  # counter by REQUEST_CLASS
 STEP_PREDICTED_DURATION = Metric("cadenza.step.predicted_duration", "s")  # histogram
 REQUEST_CLASS = "cadenza.request.class"
+STEP_TOKENS = Metric("cadenza.step.tokens", "{token}")  # histogram by TOKEN_KIND: prefill, decode
+TOKEN_KIND = "cadenza.token.kind"
+TOKEN_USAGE = Metric("gen_ai.client.token.usage", "{token}")  # histogram by TOKEN_TYPE: input, output
+TOKEN_TYPE = "gen_ai.token.type"
+KV_TRANSFER_LOADED_TOKENS = Metric("cadenza.kv_transfer.loaded_tokens", "{token}")  # counter
+KV_TRANSFER_RECOMPUTED_TOKENS = Metric("cadenza.kv_transfer.recomputed_tokens", "{token}")  # counter
+KV_TRANSFER_MIN_PROMPT_TOKENS = Metric("cadenza.kv_transfer.min_prompt_tokens", "{token}")  # gauge
 
 # The gateway's series.
 GATEWAY_TTFT = Metric("cadenza.gateway.time_to_first_token", "s")  # histogram by TRAFFIC_CLASS

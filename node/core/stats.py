@@ -121,7 +121,8 @@ class EngineStats:
     # the replica's KV transfer endpoint (all 0 / None without one): both sides' traffic, failures
     # by kind (pulls made here: TransferError kinds; pulls served: the error codes sent), and the
     # disaggregation rule it computes (:meth:`KVLink.rule`: a header value) and its threshold
-    # with an idle prefill replica
+    # with an idle prefill replica (the threshold also without an endpoint, over the assumed link:
+    # :meth:`EngineCore.min_prompt_tokens`)
     kv_transfer_published: int = 0  # prompts held for a decode replica
     kv_transfer_sent_bytes: int = 0
     kv_transfer_received_bytes: int = 0

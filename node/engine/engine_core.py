@@ -17,16 +17,17 @@ from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
+from cadenza.node.core import disagg_rule
 from cadenza.node.core.block_manager import KVBlockManager
 from cadenza.node.core.config import EngineConfig, SchedulerConfig, resolve_max_model_len
 from cadenza.node.core.knobs import config_view, reconfigured
-from cadenza.node.engine.kv_link import KVLink
+from cadenza.node.engine.kv_link import ASSUMED_LINK_BYTES_PER_S, KVLink
 from cadenza.node.core.messages import AddRequest, EngineReady, KVEndpoint, RequestDelta, StepRecord
 from cadenza.node.core.request import Request, RequestStatus
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.core.stats import EngineStats
 from cadenza.node.credentials import require_kv_token
-from cadenza.node.kv_transfer.protocol import Fingerprint
+from cadenza.node.kv_transfer.protocol import DTYPE_BYTES, Fingerprint
 from cadenza.node.model_digest import model_digest
 from cadenza.node.runner.model_runner import ModelRunner
 from cadenza.node.runner.models.config import ModelConfig
@@ -240,4 +241,19 @@ class EngineCore:
             stats.kv_transfer_bandwidth = None if bandwidth is None else round(bandwidth)
             if (rule := link.rule(self.scheduler.cost_model)) is not None:
                 stats.kv_transfer_rule, stats.kv_transfer_min_prompt_tokens = rule.header(), rule.min_prompt_tokens()
+        else:  # no KV link (a colocated replica): the threshold still tells the controller what would move
+            stats.kv_transfer_min_prompt_tokens = self.min_prompt_tokens()
         return stats
+
+    def min_prompt_tokens(self) -> int | None:
+        """The selective rule's threshold of a replica without a KV link (tokens): the shortest
+        prompt worth prefilling on an idle prefill replica for this one, were it joined to one over
+        the assumed pod network (:data:`~cadenza.node.engine.kv_link.ASSUMED_LINK_BYTES_PER_S`:
+        nothing has measured a link here). None before the cost model is calibrated, or when no
+        prompt is worth moving."""
+        dtype_bytes = DTYPE_BYTES.get(str(self.runner.dtype).removeprefix("torch."))
+        if dtype_bytes is None:
+            return None
+        found = disagg_rule.rule(self.scheduler.cost_model, self.model_config.kv_bytes_per_token(dtype_bytes),
+                                 ASSUMED_LINK_BYTES_PER_S)
+        return None if found is None else found.min_prompt_tokens()

@@ -147,7 +147,7 @@ class Telemetry:
                       explicit_bucket_boundaries_advisory=TPOT_BUCKETS)
         self.duration = h("gen_ai.server.request.duration", "s", "Generative AI server request duration",
                           explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
-        self.token_usage = h("gen_ai.client.token.usage", "{token}", "Input and output tokens used",
+        self.token_usage = h(names.TOKEN_USAGE.name, names.TOKEN_USAGE.unit, "Input and output tokens used",
                              explicit_bucket_boundaries_advisory=TOKEN_BUCKETS)
         self.itl = h("cadenza.request.inter_token_latency", "s", "Every gap between consecutive output tokens",
                      explicit_bucket_boundaries_advisory=TPOT_BUCKETS)
@@ -158,7 +158,7 @@ class Telemetry:
         self.step_predicted = h(names.STEP_PREDICTED_DURATION.name, names.STEP_PREDICTED_DURATION.unit,
                                 "The cost model's model time of each step, predicted when it was scheduled",
                                 explicit_bucket_boundaries_advisory=STEP_BUCKETS)
-        self.step_tokens = h("cadenza.step.tokens", "{token}", "Tokens computed in one step, by kind",
+        self.step_tokens = h(names.STEP_TOKENS.name, names.STEP_TOKENS.unit, "Tokens computed in one step, by kind",
                              explicit_bucket_boundaries_advisory=STEP_TOKEN_BUCKETS)
         counters = {
             "cadenza.scheduler.prefill_tokens": ("{token}", "Prefill tokens admitted to steps or deferred",
@@ -177,12 +177,12 @@ class Telemetry:
                                                     "prefix_cache_queried_tokens"),
             "cadenza.kv_transfer.loads": ("{request}", "Prompts whose KV was pulled from a prefill replica",
                                           "remote_kv_loads"),
-            "cadenza.kv_transfer.loaded_tokens": ("{token}", "Prompt tokens whose KV arrived verified",
-                                                  "remote_kv_tokens"),
+            names.KV_TRANSFER_LOADED_TOKENS.name: ("{token}", "Prompt tokens whose KV arrived verified",
+                                                   "remote_kv_tokens"),
             "cadenza.kv_transfer.failed_loads": ("{request}", "Pulls that failed from some block on",
                                                  "remote_kv_failed_loads"),
-            "cadenza.kv_transfer.recomputed_tokens": ("{token}", "Tokens of failed pulls computed here instead",
-                                                      "remote_kv_recomputed_tokens"),
+            names.KV_TRANSFER_RECOMPUTED_TOKENS.name: ("{token}", "Tokens of failed pulls computed here instead",
+                                                       "remote_kv_recomputed_tokens"),
             "cadenza.kv_transfer.released_holds": ("{request}", "Prompts queued here past the maximum hold: "
                                                    "their source released, computed here", "remote_kv_released_holds"),
             "cadenza.kv_transfer.published": ("{request}", "Prompts whose KV was held for a decode replica",
@@ -204,8 +204,8 @@ class Telemetry:
                                   "Mean relative error of the step-time cost model")
         m.create_observable_gauge("cadenza.kv_transfer.bandwidth", [self._optional("kv_transfer_bandwidth")],
                                   "By/s", "Bandwidth this replica's KV pulls measured")
-        m.create_observable_gauge("cadenza.kv_transfer.min_prompt_tokens",
-                                  [self._optional("kv_transfer_min_prompt_tokens")], "{token}",
+        m.create_observable_gauge(names.KV_TRANSFER_MIN_PROMPT_TOKENS.name,
+                                  [self._optional("kv_transfer_min_prompt_tokens")], names.KV_TRANSFER_MIN_PROMPT_TOKENS.unit,
                                   "The shortest prompt this replica computes worth prefilling elsewhere")
 
     def _reader(self, key) -> Callable[[CallbackOptions], list[Observation]]:
@@ -296,8 +296,8 @@ class Telemetry:
         self.duration.record(out.time - t.mono_start, attrs)
         if out.num_output_tokens > 1 and t.first is not None:
             self.tpot.record((out.time - t.first) / (out.num_output_tokens - 1), attrs)
-        self.token_usage.record(out.num_prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
-        self.token_usage.record(out.num_output_tokens, {**attrs, "gen_ai.token.type": "output"})
+        self.token_usage.record(out.num_prompt_tokens, {**attrs, names.TOKEN_TYPE: "input"})
+        self.token_usage.record(out.num_output_tokens, {**attrs, names.TOKEN_TYPE: "output"})
         if t.span is not None:
             span = t.span
             span.set_attributes({
@@ -340,9 +340,9 @@ class Telemetry:
         if step.predicted_seconds is not None:
             self.step_predicted.record(step.predicted_seconds)
         if step.num_prefill_tokens:
-            self.step_tokens.record(step.num_prefill_tokens, {"cadenza.token.kind": "prefill"})
+            self.step_tokens.record(step.num_prefill_tokens, {names.TOKEN_KIND: "prefill"})
         if step.num_decode_tokens:
-            self.step_tokens.record(step.num_decode_tokens, {"cadenza.token.kind": "decode"})
+            self.step_tokens.record(step.num_decode_tokens, {names.TOKEN_KIND: "decode"})
         tracked = self._tracked
         for request_id, cls, phase, waited in step.admitted:
             self.queue_delay.record(waited, {names.REQUEST_CLASS: cls, "cadenza.queue.phase": phase})

@@ -274,6 +274,26 @@ def test_an_engine_without_an_endpoint_refuses_to_publish_and_computes_remote_pr
         plain, AddRequest("b", prompt, greedy(3)))
 
 
+def test_an_engine_without_an_endpoint_reports_its_threshold_once_calibrated(tiny_llama_dir):
+    """A colocated replica of an auto pool has no KV link, yet the controller reads its selective
+    threshold to know what a prefill replica would take: over the assumed link, from its own model."""
+    from cadenza.node.core import disagg_rule
+    from cadenza.node.core.cost_model import StepFeatures
+    from cadenza.node.engine.kv_link import ASSUMED_LINK_BYTES_PER_S
+
+    plain = EngineCore.from_model(tiny_llama_dir, max_model_len=256, attention_backend="torch")
+    assert plain.kv_link is None and plain.stats().kv_transfer_min_prompt_tokens is None  # not calibrated
+    cost = plain.scheduler.cost_model
+    for i in range(16):  # 2 ms a step, 20 us a prefill token, 10 ns a prefill attention pair
+        n, decode = 16 * (i % 5 + 1), i % 3
+        cost.observe(StepFeatures(n, decode, 100 * decode, n * n / 2), 0.002 + 2e-5 * n + 1e-8 * n * n / 2)
+    stats = plain.stats()
+    kv_bytes = plain.model_config.kv_bytes_per_token(4)  # fp32
+    expected = disagg_rule.rule(cost, kv_bytes, ASSUMED_LINK_BYTES_PER_S).min_prompt_tokens()
+    assert stats.kv_transfer_min_prompt_tokens == expected and expected > 1
+    assert stats.kv_transfer_rule is None  # no endpoint: the gateway is sent no rule to move prompts by
+
+
 def test_kv_of_other_weights_is_refused_before_any_block_moves_and_never_cached(tiny_llama_dir, other_weights_dir,
                                                                                caplog):
     """A model-revision rollout keeps the served name and the shapes: the weights must still differ.
