@@ -79,6 +79,7 @@ bench: model
 	$(BIN)/python -m bench.sim_capacity
 	$(BIN)/python -m bench.sim_validation
 	$(BIN)/python -m bench.sim_hybrid
+	$(BIN)/python -m bench.sim_hybrid_day
 	$(BIN)/python -m bench.tenant_map
 	$(BIN)/python -m bench.decode_speed
 	$(BIN)/python -m bench.kv_transfer

@@ -213,16 +213,19 @@ class FleetActuation:
 
     def _move(self, fleet: Fleet, move: str | None) -> None:
         """Route the move's replica for its new role (a replica leaving for prefill: first to
-        nothing, then :meth:`_drain`); a move the pool cannot make now is dropped."""
+        nothing, then :meth:`_drain`). A move the pool cannot make now is dropped: a split
+        without a colocated replica, one that would leave interactive no replica that decodes, a
+        give-back with nothing to give back (decide() never asks for those; it may ask to move
+        the last colocated replica when batch and background have no traffic)."""
         roles = fleet.roles()
         _shape, colocated, dedicated = self.shape(fleet)
         prefill, done = roles.get("prefill", []), True
-        if move == DEDICATE and len(colocated) > 1:
+        if move == DEDICATE and colocated:
             fleet.set_roles({**roles, "batch": [n for n in roles["batch"] if n != colocated[-1]]})
         elif move == MERGE and dedicated:
             self._colocated_knobs(fleet, colocated, [dedicated[-1]])
             fleet.set_roles({**roles, "batch": [*roles["batch"], dedicated[-1]]})
-        elif move == DISAGGREGATE and len(colocated) > 1:
+        elif move == DISAGGREGATE and len(colocated) + len(dedicated) > 1 and colocated:
             moved = colocated[-1]
             fleet.set_roles({role: [n for n in names if n != moved] for role, names in roles.items()})
             done = False

@@ -28,6 +28,7 @@ from cadenza.node.core.scheduler import Scheduler
 from cadenza.loadgen.trace import TraceRequest
 from cadenza.sim.baselines import PrefillFirstScheduler
 from cadenza.control.loop import ControlLoop
+from cadenza.sim.client import ConcurrencyLimit
 from cadenza.sim.control import Action, sim_controller
 from cadenza.sim.disagg import KVLinkModel
 from cadenza.sim.fleet import Fleet, FleetResult
@@ -124,9 +125,10 @@ def policies(pool: Mapping[str, Any], roofline: Roofline, names: Sequence[str] =
 
 
 def run_policy(policy: Policy, trace: Sequence[TraceRequest], roofline: Roofline,
-               on_done=None, **controller_args: float) -> PolicyRun:
-    """Replay ``trace`` under ``policy`` (``controller_args``: :func:`~cadenza.sim.control.sim_controller`'s
-    interval and delays).
+               on_done=None, client: ConcurrencyLimit | None = None, **controller_args: float) -> PolicyRun:
+    """Replay ``trace`` under ``policy`` (``client``: what holds requests back before the gateway,
+    :class:`~cadenza.sim.client.ConcurrencyLimit`; ``controller_args``:
+    :func:`~cadenza.sim.control.sim_controller`'s interval and delays).
 
     Raises:
         RuntimeError: a replica stopped making progress.
@@ -140,4 +142,4 @@ def run_policy(policy: Policy, trace: Sequence[TraceRequest], roofline: Roofline
         controller = sim_controller(layout.controller, fleet, **{"prefill_knobs": layout.prefill_knobs,
                                                                  **controller_args})
     classes = ["interactive"] * len(trace) if policy.one_class else None  # reported by the trace's all the same
-    return PolicyRun(policy.name, fleet.run(trace, classes, on_done=on_done), fleet, controller)
+    return PolicyRun(policy.name, fleet.run(trace, classes, on_done=on_done, client=client), fleet, controller)

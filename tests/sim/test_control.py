@@ -3,12 +3,14 @@ acting through the fleet after its delays."""
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import pytest
 
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.loadgen.trace import TraceRequest
 from cadenza.control.decide import Decision, Shape, decide
-from cadenza.control.history import AGGREGATE, DISAGGREGATE, History
+from cadenza.control.history import AGGREGATE, DEDICATE, DISAGGREGATE, MERGE, History
 from cadenza.control.loop import Evaluation
 from cadenza.control.signals import Signals, read_signals
 from cadenza.control.spec import ControllerSpec
@@ -31,13 +33,13 @@ def mixed_trace(seconds: float) -> tuple[list[TraceRequest], list[str]]:
     return trace, ["interactive"] * int(seconds * 10) + ["batch"] * int(seconds * 2)
 
 
-def varied_trace(seconds: float) -> tuple[list[TraceRequest], list[str]]:
+def varied_trace(seconds: float, batch_every_s: float = 0.5) -> tuple[list[TraceRequest], list[str]]:
     """:func:`mixed_trace` with prompts of many lengths (chat 100-470 tokens, batch 1,000-6,600),
     so the engines' cost models fit their prefill terms apart and the selective rule finds a
     threshold between the two."""
-    n, m = int(seconds * 10), int(seconds * 2)
+    n, m = int(seconds * 10), int(seconds / batch_every_s)
     trace = [TraceRequest(0.1 * i, 100 + 37 * (i % 11), 100) for i in range(n)]
-    trace += [TraceRequest(0.5 * i + 0.05, 1000 + 700 * (i % 9), 10) for i in range(m)]
+    trace += [TraceRequest(batch_every_s * i + 0.05, 1000 + 700 * (i % 9), 10) for i in range(m)]
     return trace, ["interactive"] * n + ["batch"] * m
 
 
@@ -89,11 +91,44 @@ def test_with_prefill_at_its_bound_a_replica_is_dedicated_to_interactive_after_a
                                 scrape_delay_s=5, reshape_delay_s=10)
     run(simulated, seconds=90)
     reshapes = [a for a in controller.actuation.actions if a.action == "reshape" and a.acted]
-    assert reshapes and reshapes[0].move == "dedicate"
+    assert reshapes and reshapes[0].move == "dedicate" and _acts_as_decided(controller)[0] == "dedicate"
     assert reshapes[0].time_s >= 20  # the breach must hold at the bound for a slow window first
     assert simulated.roles() == {"interactive": ["a", "b"], "batch": ["a"]}
     batch_on_b = [t for rid, t in simulated.replicas["b"].times.items() if simulated.classes[rid] == "batch"]
     assert all(t.arrival_s < reshapes[0].time_s + controller.actuation.reshape_delay_s for t in batch_on_b)
+
+
+MOVED = {DEDICATE: (-1, 1, 0), MERGE: (1, -1, 0), DISAGGREGATE: (-1, 0, 1), AGGREGATE: (1, 0, -1)}
+
+
+def _acts_as_decided(controller) -> list[str]:
+    """Every evaluation the simulated loop made is decide()'s on the same inputs, and every
+    reshape it acted on is the shape of the next one; the moves made, in order."""
+    decisions, moves = controller.actuation.decisions, []
+    for now, signals, shape, knobs, before, spec, decision in decisions:
+        assert decide(signals, shape, knobs, before, spec, now) == decision
+    for (_t, _s, shape, *_, decision), later in zip(decisions, decisions[1:]):
+        if decision.act and decision.action == "reshape":
+            moves.append(decision.move)
+            delta = MOVED[decision.move]
+            assert later.shape == Shape(*(a + b for a, b in zip(astuple(shape), delta)))
+        elif decision.action != "retune":
+            assert later.shape == shape
+    return moves
+
+
+def test_long_prompts_breaching_with_rung_1_exhausted_move_a_replica_to_prefill_as_decide_says():
+    simulated = Fleet({"interactive": ["a", "b", "c"], "batch": ["a", "b", "c"]}, {n: CONFIG for n in "abc"}, MODEL,
+                      link=KVLinkModel(5e10, 10e-6))
+    spec = pool_spec(bounds={"chunkSize": {"min": 2048, "max": 2048}}, dwellSeconds=20)
+    controller = sim_controller(spec, simulated, interval_s=5, scrape_delay_s=5, reshape_delay_s=5)
+    trace, classes = varied_trace(120, batch_every_s=0.2)  # a long prompt's steps in most streams' p99
+    simulated.run(trace, classes)
+    moves = _acts_as_decided(controller)
+    assert moves and moves[0] == DISAGGREGATE
+    first = next(a for a in controller.actuation.actions if a.move == DISAGGREGATE)
+    assert "long prompts" in first.reason and first.time_s >= 20  # a slow window at the bound first
+    assert simulated.kv_transfer["moved"] > 0  # the prefill replica took long prompts
 
 
 @pytest.mark.parametrize("delay", [0.0, 7.5])
@@ -190,7 +225,7 @@ def test_a_replica_in_the_prefill_role_runs_the_prefill_knobs_and_the_last_coloc
     actuation = FleetActuation(simulated, reshape_delay_s=1.0,
                                prefill_knobs={"chunk_size": 4096, "token_budget": 4096, "step_time_target_ms": None})
     simulated.at(1.0, _reshape(actuation, DISAGGREGATE))
-    # the last colocated replica is never moved out: the pool cannot make that move, and drops it
+    # the last replica that decodes never moves to prefill: the pool cannot make that move, and drops it
     simulated.at(5.0, _reshape(actuation, DISAGGREGATE))
     simulated.run(*mixed_trace(10))
     config = simulated.replicas["b"].scheduler.config
