@@ -5,19 +5,25 @@ move and give the sentence that justifies it, from the pool-wide figures of the 
 class's slow window (:class:`~cadenza.control.signals.ClassWindow`).
 
 - **Split** (interactive breaches, rung 1 exhausted), :func:`split`: the interference is from
-  **long prompts** when prefill tokens are at least :data:`PREFILL_DOMINANT` of the tokens the
+  **long prompts** when interactive's ITL is over its target (prefill chunks lengthen the decode
+  steps its streams wait on), prefill tokens are at least :data:`PREFILL_DOMINANT` of the tokens the
   engines computed (``prefill_share``) and at least :data:`LONG_PROMPTS` of the prompt tokens are in
   prompts the selective rule would move (``long_prompt_share``, prompts >= ``min_prompt_tokens``):
   then move one colocated replica into the ``prefill`` role (``disaggregate``), so those prompts
   leave the decode replicas' steps. Otherwise it is from **load** (queueing, KV, many short
-  prompts): dedicate one colocated replica to interactive (``dedicate``). A KV-bound breach is
+  prompts): dedicate one colocated replica to interactive (``dedicate``). A breach of TTFT alone,
+  ITL within target, is load whatever the shares say: interactive is scheduled first, so its
+  prompts wait for its own queue, not behind other classes' chunks — and a standing batch backlog
+  of long prompts makes the pool-wide shares look like interference at every interactive peak. A KV-bound breach is
   load (a prefill replica frees no decode memory); so is one with ``spec.controller.disaggregate``
   false. A figure that is unknown (None) means the interference cannot be attributed: dedicate,
   as before rung 3 existed, and say so.
 - **Give back** (every class clear for the dwell), :func:`give_back`: undo a ``prefill`` replica
   first when the long prompts that justified it are gone (``long_prompt_share`` known and below
   ``LONG_PROMPTS x (1 - hysteresis)``); else an ``interactive`` one (``merge``); else a
-  ``prefill`` one (``aggregate``). A split whose cause is still there is undone last.
+  ``prefill`` one whose cause cannot be seen (share unknown). A prefill replica whose long prompts
+  are still there is kept: given back, the interference it removed returns, and the pool cycles
+  (disaggregate, clear for the dwell, aggregate, breach, disaggregate) at the cooldown's pace.
 - **Never leave a class without a replica**, :func:`blocked`: a split takes a colocated replica;
   one stays while batch or background has (or may have) traffic, and interactive keeps a replica
   that decodes (colocated or interactive: a prefill replica only prefills).
@@ -35,6 +41,8 @@ load shift. Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from cadenza.control.history import AGGREGATE, DEDICATE, DISAGGREGATE, MERGE
 from cadenza.control.signals import ClassWindow, Signals
 
@@ -42,12 +50,14 @@ PREFILL_DOMINANT = 0.5  # prefill share (0-1) of the computed tokens at which pr
 LONG_PROMPTS = 0.3  # long-prompt share (0-1) of the prompt tokens worth a prefill replica
 
 
-def split(window: ClassWindow, kv_bound: bool, disaggregate: bool) -> tuple[str, str]:
+def split(window: ClassWindow, target: Mapping[str, float], kv_bound: bool, disaggregate: bool
+          ) -> tuple[str, str]:
     """The split that answers an interactive breach rung 1 could not hold, and why.
 
     Args:
-        window: interactive's slow window (its pool-wide ``prefill_share``, ``long_prompt_share``
-            and ``min_prompt_tokens``; None when unknown).
+        window: interactive's slow window (its ITL p99 and pool-wide ``prefill_share``,
+            ``long_prompt_share`` and ``min_prompt_tokens``; None when unknown).
+        target: interactive's SLO (``itlP99Ms``, ``ttftP99Ms``; ms).
         kv_bound: the breach is KV-bound (the fullest engine's KV full while interactive queues).
         disaggregate: rung 3 is allowed (``spec.controller.disaggregate``).
 
@@ -57,6 +67,10 @@ def split(window: ClassWindow, kv_bound: bool, disaggregate: bool) -> tuple[str,
     dedicate = "dedicating one replica to interactive"
     if kv_bound:
         return DEDICATE, f"interference from load (KV full: a prefill replica frees no decode memory): {dedicate}"
+    if not any(over.startswith("ITL") for over in window.over(target)):
+        load = window.load()
+        return DEDICATE, (f"interference from load (ITL within target: interactive waits in its own queue"
+                          f"{', ' + load if load else ''}): {dedicate}")
     unknown = [name for name, value in (("prefill share", window.prefill_share),
                                         ("long-prompt share", window.long_prompt_share),
                                         ("selective threshold", window.min_prompt_tokens)) if value is None]
@@ -75,7 +89,7 @@ def split(window: ClassWindow, kv_bound: bool, disaggregate: bool) -> tuple[str,
                       f"{PREFILL_DOMINANT:.0%} or {LONG_PROMPTS:.0%}): {dedicate}")
 
 
-def give_back(shape, window: ClassWindow | None, hysteresis: float) -> tuple[str, str]:
+def give_back(shape, window: ClassWindow | None, hysteresis: float) -> tuple[str | None, str]:
     """Which split to undo when every class has been clear for the dwell, and why.
 
     Args:
@@ -85,19 +99,24 @@ def give_back(shape, window: ClassWindow | None, hysteresis: float) -> tuple[str
         hysteresis: ``spec.controller.hysteresis`` (0-1).
 
     Returns:
-        ``(move, why)``: ``aggregate`` or ``merge``, and a clause with the figures.
+        ``(move, why)``: ``aggregate`` or ``merge``, or None to keep the shape (its only split is
+        prefill replicas whose long prompts are still there), and a clause with the figures.
 
     Raises:
         ValueError: a shape with nothing to give back.
     """
     share = None if window is None else window.long_prompt_share
     below = LONG_PROMPTS * (1 - hysteresis)
-    if shape.prefill and (share is not None and share < below or not shape.interactive):
-        why = (f"{share:.0%} of prompt tokens in long prompts, under {below:.0%}" if share is not None and share < below
-               else "no interactive replica to merge")
-        return AGGREGATE, f"{why}: giving one prefill replica back to colocated"
+    if shape.prefill and share is not None and share < below:
+        return AGGREGATE, (f"{share:.0%} of prompt tokens in long prompts, under {below:.0%}: "
+                           "giving one prefill replica back to colocated")
     if shape.interactive:
         return MERGE, "giving one interactive replica back to colocated"
+    if shape.prefill and share is None:
+        return AGGREGATE, "long-prompt share unknown: giving one prefill replica back to colocated"
+    if shape.prefill:
+        return None, (f"{share:.0%} of prompt tokens still in long prompts (not under {below:.0%}): "
+                      "keeping the prefill replica")
     raise ValueError(f"nothing to give back in {shape}")
 
 

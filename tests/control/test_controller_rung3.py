@@ -148,10 +148,29 @@ def test_still_breaching_long_prompts_disaggregate_again_and_load_dedicates():
 
 
 def test_split_thresholds_are_inclusive():
-    at = ClassWindow(True, prefill_share=PREFILL_DOMINANT, long_prompt_share=LONG_PROMPTS, min_prompt_tokens=512)
-    assert split(at, kv_bound=False, disaggregate=True)[0] == DISAGGREGATE
+    at = ClassWindow(True, itl_p99_ms=250, prefill_share=PREFILL_DOMINANT, long_prompt_share=LONG_PROMPTS,
+                     min_prompt_tokens=512)
+    target = SLO["interactive"]
+    assert split(at, target, kv_bound=False, disaggregate=True)[0] == DISAGGREGATE
     below = replace(at, long_prompt_share=LONG_PROMPTS - 0.01)
-    assert split(below, kv_bound=False, disaggregate=True)[0] == DEDICATE
+    assert split(below, target, kv_bound=False, disaggregate=True)[0] == DEDICATE
+
+
+def test_a_ttft_breach_at_an_interactive_peak_is_load_whatever_a_batch_backlog_does_to_the_shares():
+    # The simulator's day, 2,415 s: interactive queued at its peak (TTFT 5.5 s, queue 70, ITL fine)
+    # beside a standing backlog of long batch prompts, whose pool-wide shares read as long-prompt
+    # interference. Taking a decoding replica away then would deepen the queue: it is load.
+    peak = dict(LONG, queue_depth=70)
+    pool = Pool(spec(), at_bound=True)
+    pool.run(330, Signals(*({"interactive": window(itl=50, ttft=5500, **peak),
+                             "batch": window(ttft=5000, itl=300, **peak),
+                             "background": window(**peak)} for _ in range(2))))
+    (_, d), = pool.moves()
+    assert d.move == DEDICATE and pool.shape == Shape(2, 1, 0)
+    assert "interference from load (ITL within target" in d.reason and "queue 70" in d.reason
+    # The same shares with ITL over its target (prefill chunks in the decode steps): long prompts.
+    both = ClassWindow(True, ttft_p99_ms=5500, itl_p99_ms=250, **peak)
+    assert split(both, SLO["interactive"], kv_bound=False, disaggregate=True)[0] == DISAGGREGATE
 
 
 # -- no class left without a replica --------------------------------------------------------------
@@ -206,7 +225,8 @@ def test_no_colocated_replica_left_holds():
     (Shape(1, 1, 1), GONE, AGGREGATE),  # long prompts gone: the prefill replica first
     (Shape(1, 1, 1), STAY, MERGE),  # long prompts still there: the interactive one first
     (Shape(1, 1, 1), {}, MERGE),  # unknown: the prefill replica's cause may be there
-    (Shape(2, 0, 1), STAY, AGGREGATE),  # nothing else to give back
+    (Shape(2, 0, 1), GONE, AGGREGATE),  # nothing else to give back, its long prompts gone
+    (Shape(2, 0, 1), {}, AGGREGATE),  # nothing else, its cause unknown: back to the default shape
     (Shape(2, 1, 0), GONE, MERGE),
 ])
 def test_give_back_order(shape, figures, first):
@@ -216,6 +236,20 @@ def test_give_back_order(shape, figures, first):
     moves = [d.move for _, d in pool.moves()]
     assert moves[:1] == [first], moves
     assert pool.moves()[0][0] - pool.decisions[0][0] >= 300  # after the dwell
+
+
+def test_a_prefill_replica_is_kept_while_its_long_prompts_stay_and_given_back_once_they_go():
+    # Given back while its long prompts stay, the interference it removed would return: the pool
+    # would cycle disaggregate -> clear -> aggregate -> breach -> disaggregate.
+    pool = Pool(spec(cooldownSeconds=0), Shape(2, 0, 1))
+    pool.run(1200, signals(itl=40, batch_ttft=3000, **STAY))
+    assert pool.shape == Shape(2, 0, 1) and not pool.moves()
+    last = pool.decisions[-1][1]
+    assert last.action == "hold" and "50% of prompt tokens still in long prompts" in last.reason
+    assert "keeping the prefill replica" in last.reason
+    pool.run(600, signals(itl=40, batch_ttft=3000, **GONE))
+    assert [d.move for _, d in pool.moves()] == [AGGREGATE] and pool.shape == Shape(3)
+    assert give_back(Shape(2, 0, 1), ClassWindow(True, long_prompt_share=0.5), hysteresis=0.1)[0] is None
 
 
 def test_give_back_keeps_the_hysteresis_band_on_the_long_prompt_share():
