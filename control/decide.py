@@ -18,9 +18,9 @@ The ladder, cheapest first:
 2. **Dedicate** and 3. **disaggregate**: when interactive breaches and rung 1 has been exhausted
    for a slow window, move ONE colocated replica, in place: to ``interactive`` when the
    interference is from load (rung 2), to ``prefill`` when it is from long prompts (rung 3,
-   ``spec.controller.disaggregate``; an ITL breach only); :mod:`.moves` attributes it from the
-   pool's prefill share, long-prompt share and selective threshold, and the reason says which
-   and why, with the figures. Unknown figures attribute nothing: rung 2, as the reason says. Still breaching with
+   ``spec.controller.disaggregate``); :mod:`.moves` attributes it from the pool's prefill share,
+   long-prompt share and selective threshold, and the reason says which and why, with the
+   figures. Unknown figures attribute nothing: rung 2, as the reason says. Still breaching with
    replicas already moved, the same choice is made again — except that a breach from load that
    no split may answer gives an idle prefill replica (its long prompts gone) back to colocated
    (:func:`~.moves.idle_prefill`). When every class has been clear
@@ -151,7 +151,7 @@ def decide(signals: Signals, shape: Shape, knobs: Mapping[str, float | None], hi
         if now - since < spec.slow_window_s:
             return hold(f"interactive {figures} with {where} for {now - since:.0f} s: "
                         f"reshaping after {spec.slow_window_s:.0f} s", bound_since=since, clear_since=None)
-        move, why = split(slow, target, kv_bound, spec.disaggregate)
+        move, why = split(slow, kv_bound, spec.disaggregate)
         if (stop := blocked(shape, move, signals)) is not None:
             if move == DEDICATE and (idle := idle_prefill(shape, slow, h)) is not None:
                 return _reshape(hold, AGGREGATE, f"interactive {figures}; {why}, but {stop}; {idle}",

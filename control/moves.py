@@ -5,16 +5,15 @@ move and give the sentence that justifies it, from the pool-wide figures of the 
 class's slow window (:class:`~cadenza.control.signals.ClassWindow`).
 
 - **Split** (interactive breaches, rung 1 exhausted), :func:`split`: the interference is from
-  **long prompts** when interactive's ITL is over its target (prefill chunks lengthen the decode
-  steps its streams wait on), prefill tokens are at least :data:`PREFILL_DOMINANT` of the tokens the
+  **long prompts** when prefill tokens are at least :data:`PREFILL_DOMINANT` of the tokens the
   engines computed (``prefill_share``) and at least :data:`LONG_PROMPTS` of the prompt tokens are in
   prompts the selective rule would move (``long_prompt_share``, prompts >= ``min_prompt_tokens``):
   then move one colocated replica into the ``prefill`` role (``disaggregate``), so those prompts
   leave the decode replicas' steps. Otherwise it is from **load** (queueing, KV, many short
-  prompts): dedicate one colocated replica to interactive (``dedicate``). A breach of TTFT alone,
-  ITL within target, is load whatever the shares say: interactive is scheduled first, so its
-  prompts wait for its own queue, not behind other classes' chunks — and a standing batch backlog
-  of long prompts makes the pool-wide shares look like interference at every interactive peak. A KV-bound breach is
+  prompts): dedicate one colocated replica to interactive (``dedicate``). TTFT breaches count
+  too: a prefill replica at its bulk budget also prefills interactive's own long prompts, which a
+  small colocated budget starves (reading a TTFT-only breach as load measured worse in the
+  simulator's day: docs/benchmarks.md, issue 31). A KV-bound breach is
   load (a prefill replica frees no decode memory); so is one with ``spec.controller.disaggregate``
   false. A figure that is unknown (None) means the interference cannot be attributed: dedicate,
   as before rung 3 existed, and say so.
@@ -41,8 +40,6 @@ load shift. Pure: no clock, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from cadenza.control.history import AGGREGATE, DEDICATE, DISAGGREGATE, MERGE
 from cadenza.control.signals import ClassWindow, Signals
 
@@ -50,14 +47,12 @@ PREFILL_DOMINANT = 0.5  # prefill share (0-1) of the computed tokens at which pr
 LONG_PROMPTS = 0.3  # long-prompt share (0-1) of the prompt tokens worth a prefill replica
 
 
-def split(window: ClassWindow, target: Mapping[str, float], kv_bound: bool, disaggregate: bool
-          ) -> tuple[str, str]:
+def split(window: ClassWindow, kv_bound: bool, disaggregate: bool) -> tuple[str, str]:
     """The split that answers an interactive breach rung 1 could not hold, and why.
 
     Args:
-        window: interactive's slow window (its ITL p99 and pool-wide ``prefill_share``,
-            ``long_prompt_share`` and ``min_prompt_tokens``; None when unknown).
-        target: interactive's SLO (``itlP99Ms``, ``ttftP99Ms``; ms).
+        window: interactive's slow window (its pool-wide ``prefill_share``, ``long_prompt_share``
+            and ``min_prompt_tokens``; None when unknown).
         kv_bound: the breach is KV-bound (the fullest engine's KV full while interactive queues).
         disaggregate: rung 3 is allowed (``spec.controller.disaggregate``).
 
@@ -67,10 +62,6 @@ def split(window: ClassWindow, target: Mapping[str, float], kv_bound: bool, disa
     dedicate = "dedicating one replica to interactive"
     if kv_bound:
         return DEDICATE, f"interference from load (KV full: a prefill replica frees no decode memory): {dedicate}"
-    if not any(over.startswith("ITL") for over in window.over(target)):
-        load = window.load()
-        return DEDICATE, (f"interference from load (ITL within target: interactive waits in its own queue"
-                          f"{', ' + load if load else ''}): {dedicate}")
     unknown = [name for name, value in (("prefill share", window.prefill_share),
                                         ("long-prompt share", window.long_prompt_share),
                                         ("selective threshold", window.min_prompt_tokens)) if value is None]
