@@ -58,7 +58,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cadenza.control.history import AGGREGATE, DEDICATE, MAX_LOG, SPLITS, History, rfc3339
+from cadenza.control.history import AGGREGATE, DEDICATE, DISAGGREGATE, MAX_LOG, MERGE, SPLITS, History, rfc3339
 from cadenza.control.moves import blocked, give_back, idle_prefill, split
 from cadenza.control.signals import ClassWindow, Signals
 from cadenza.control.spec import ControllerSpec
@@ -75,6 +75,14 @@ class Shape:
     colocated: int
     interactive: int = 0
     prefill: int = 0
+
+    def after(self, move: str) -> Shape:
+        """The shape once ``move`` (one of :data:`~cadenza.control.history.MOVES`) is made: one
+        replica from colocated to interactive (``dedicate``) or prefill (``disaggregate``), or back
+        (``merge``, ``aggregate``). Raises KeyError for another name; counts are not checked."""
+        to = {DEDICATE: "interactive", MERGE: "interactive", DISAGGREGATE: "prefill", AGGREGATE: "prefill"}[move]
+        step = 1 if move in SPLITS else -1
+        return replace(self, colocated=self.colocated - step, **{to: getattr(self, to) + step})
 
 
 @dataclass(frozen=True)

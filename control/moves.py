@@ -97,17 +97,15 @@ def give_back(shape, window: ClassWindow | None, hysteresis: float) -> tuple[str
         ValueError: a shape with nothing to give back.
     """
     share = None if window is None else window.long_prompt_share
-    below = LONG_PROMPTS * (1 - hysteresis)
-    if shape.prefill and share is not None and share < below:
-        return AGGREGATE, (f"{share:.0%} of prompt tokens in long prompts, under {below:.0%}: "
-                           "giving one prefill replica back to colocated")
+    if shape.prefill and (gone := _long_prompts_gone(window, hysteresis)) is not None:
+        return AGGREGATE, gone
     if shape.interactive:
         return MERGE, "giving one interactive replica back to colocated"
     if shape.prefill and share is None:
         return AGGREGATE, "long-prompt share unknown: giving one prefill replica back to colocated"
     if shape.prefill:
-        return None, (f"{share:.0%} of prompt tokens still in long prompts (not under {below:.0%}): "
-                      "keeping the prefill replica")
+        return None, (f"{share:.0%} of prompt tokens still in long prompts (not under "
+                      f"{LONG_PROMPTS * (1 - hysteresis):.0%}): keeping the prefill replica")
     raise ValueError(f"nothing to give back in {shape}")
 
 
@@ -121,9 +119,15 @@ def idle_prefill(shape, window: ClassWindow | None, hysteresis: float) -> str | 
     hold for ever: dedicating its last colocated replica is blocked, and a give-back waits for
     every class to be clear.
     """
+    return _long_prompts_gone(window, hysteresis) if shape.prefill else None
+
+
+def _long_prompts_gone(window: ClassWindow | None, hysteresis: float) -> str | None:
+    """Why a prefill replica may come back, its long prompts gone (``long_prompt_share`` known and
+    under ``LONG_PROMPTS x (1 - hysteresis)``); None while they stay or cannot be seen."""
     share = None if window is None else window.long_prompt_share
     below = LONG_PROMPTS * (1 - hysteresis)
-    if not shape.prefill or share is None or share >= below:
+    if share is None or share >= below:
         return None
     return f"{share:.0%} of prompt tokens in long prompts, under {below:.0%}: giving one prefill replica back to colocated"
 

@@ -20,9 +20,6 @@ LONG = dict(prefill_share=0.8, long_prompt_share=0.5, min_prompt_tokens=2048.0) 
 LOAD = dict(prefill_share=0.3, long_prompt_share=0.1, min_prompt_tokens=2048.0, queue_depth=5)  # short, many
 GONE = dict(prefill_share=0.3, long_prompt_share=0.1, min_prompt_tokens=2048.0)  # long prompts have gone
 STAY = dict(prefill_share=0.8, long_prompt_share=0.5, min_prompt_tokens=2048.0)  # long prompts still there
-MOVED = {DEDICATE: (-1, 1, 0), MERGE: (1, -1, 0), DISAGGREGATE: (-1, 0, 1), AGGREGATE: (1, 0, -1)}
-
-
 def spec(**controller) -> ControllerSpec:
     return ControllerSpec.from_pool_spec({"slo": SLO, "engine": {"chunkSize": 256, "tokenBudget": 512},
                                           "controller": controller})
@@ -61,8 +58,7 @@ class Pool:
         if d.act and d.action == "retune":
             self.knobs = {**self.knobs, **d.knobs}
         if d.act and d.action == "reshape":
-            dc, di, dp = MOVED[d.move]
-            self.shape = Shape(self.shape.colocated + dc, self.shape.interactive + di, self.shape.prefill + dp)
+            self.shape = self.shape.after(d.move)
             assert min(self.shape.colocated, self.shape.interactive, self.shape.prefill) >= 0, self.shape
         self.now += EVERY_S
         return d

@@ -3,14 +3,12 @@ acting through the fleet after its delays."""
 
 from __future__ import annotations
 
-from dataclasses import astuple
-
 import pytest
 
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.loadgen.trace import TraceRequest
 from cadenza.control.decide import Decision, Shape, decide
-from cadenza.control.history import AGGREGATE, DEDICATE, DISAGGREGATE, MERGE, History
+from cadenza.control.history import AGGREGATE, DISAGGREGATE, History
 from cadenza.control.loop import Evaluation
 from cadenza.control.signals import Signals, read_signals
 from cadenza.control.spec import ControllerSpec
@@ -98,9 +96,6 @@ def test_with_prefill_at_its_bound_a_replica_is_dedicated_to_interactive_after_a
     assert all(t.arrival_s < reshapes[0].time_s + controller.actuation.reshape_delay_s for t in batch_on_b)
 
 
-MOVED = {DEDICATE: (-1, 1, 0), MERGE: (1, -1, 0), DISAGGREGATE: (-1, 0, 1), AGGREGATE: (1, 0, -1)}
-
-
 def _acts_as_decided(controller) -> list[str]:
     """Every evaluation the simulated loop made is decide()'s on the same inputs, and every
     reshape it acted on is the shape of the next one; the moves made, in order."""
@@ -110,8 +105,7 @@ def _acts_as_decided(controller) -> list[str]:
     for (_t, _s, shape, *_, decision), later in zip(decisions, decisions[1:]):
         if decision.act and decision.action == "reshape":
             moves.append(decision.move)
-            delta = MOVED[decision.move]
-            assert later.shape == Shape(*(a + b for a, b in zip(astuple(shape), delta)))
+            assert later.shape == shape.after(decision.move)
         elif decision.action != "retune":
             assert later.shape == shape
     return moves
