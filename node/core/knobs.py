@@ -21,6 +21,7 @@ from typing import Any
 from cadenza.node.core.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    MAX_TENSOR_PARALLEL_SIZE,
     CacheConfig,
     ConfigError,
     TEXT_SPECIAL_TOKENS,
@@ -116,6 +117,10 @@ KNOBS: tuple[Knob, ...] = (
          "(--no-cuda-graphs: every kernel launched from Python each step). CUDA with the triton backend only; ignored on "
          "the CPU.",
          cli="--cuda-graphs", crd="cudaGraphs"),
+    Knob("tensor_parallel_size", "engine", int, 1,
+         "Devices one replica's model is split across (tensor parallelism: one worker process per device after the "
+         "first; NCCL on GPUs, shared memory on the CPU). Must divide the model's attention heads.",
+         cli="--tensor-parallel-size", crd="tensorParallelSize", minimum=1, maximum=MAX_TENSOR_PARALLEL_SIZE),
     Knob("step_time_target_ms", "policy", float, None,
          "Shrink prefill chunks so predicted steps stay within this while interactive streams decode.",
          cli="--step-time-target-ms", crd="stepTimeTargetMs", live=True, minimum=1, nullable=True),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cadenza.node.core import disagg_rule
 from cadenza.node.core.block_manager import KVBlockManager
-from cadenza.node.core.config import EngineConfig, SchedulerConfig, resolve_max_model_len
+from cadenza.node.core.config import EngineConfig, SchedulerConfig, check_tensor_parallel, resolve_max_model_len
 from cadenza.node.core.knobs import config_view, reconfigured
 from cadenza.node.engine.kv_link import ASSUMED_LINK_BYTES_PER_S, KVLink
 from cadenza.node.core.messages import AddRequest, EngineReady, KVEndpoint, RequestDelta, StepRecord
@@ -29,6 +29,8 @@ from cadenza.node.core.stats import EngineStats
 from cadenza.node.credentials import require_kv_token
 from cadenza.node.kv_transfer.protocol import DTYPE_BYTES, Fingerprint
 from cadenza.node.model_digest import model_digest
+from cadenza.node.engine.tp_workers import Workers
+from cadenza.node.runner.collectives import TensorParallelError
 from cadenza.node.runner.model_runner import ModelRunner
 from cadenza.node.runner.models.config import ModelConfig
 
@@ -59,22 +61,52 @@ class EngineCore:
         if self.model_config.sliding_window:
             model_max = min(model_max, self.model_config.sliding_window)
         resolve_max_model_len(config.scheduler.max_model_len, model_max, model_max)  # refuse before loading
-        rope_len = config.scheduler.max_model_len or model_max
-        self.runner = ModelRunner(config, self.model_config, max_model_len=min(rope_len, model_max),
-                                  weights_seed=weights_seed)
-        capacity = self.runner.num_kv_blocks * config.cache.block_size
-        max_model_len = resolve_max_model_len(config.scheduler.max_model_len, model_max, capacity)
-        self.config = config.replace(scheduler=dataclasses.replace(config.scheduler, max_model_len=max_model_len))
-        self.block_manager = KVBlockManager(
-            self.runner.num_kv_blocks, config.cache.block_size, prefix_caching=config.scheduler.prefix_caching
-        )
-        self.kv_link = None if config.kv_transfer_port is None else KVLink(
-            self._fingerprint(), self.runner, self.block_manager, config.kv_transfer_host, config.kv_transfer_port,
-            config.kv_lease_s, config.kv_max_hold_s)
+        rope_len = min(config.scheduler.max_model_len or model_max, model_max)
+        self.workers = None
+        if config.tensor_parallel_size > 1:
+            mc = self.model_config  # refuse before starting a process
+            check_tensor_parallel(config.tensor_parallel_size, mc.num_attention_heads, mc.num_key_value_heads,
+                                  mc.intermediate_size, config.model_name)
+            self.workers = self._start_workers(config, rope_len, weights_seed)
+        try:
+            self.runner = ModelRunner(config, self.model_config, max_model_len=rope_len, weights_seed=weights_seed,
+                                      collectives=None if self.workers is None else self.workers.collectives)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.kill()
+            raise
+        if self.workers is not None:
+            self.workers.started()
+        self.kv_link = None
+        try:
+            capacity = self.runner.num_kv_blocks * config.cache.block_size
+            max_model_len = resolve_max_model_len(config.scheduler.max_model_len, model_max, capacity)
+            self.config = config.replace(scheduler=dataclasses.replace(config.scheduler, max_model_len=max_model_len))
+            self.block_manager = KVBlockManager(
+                self.runner.num_kv_blocks, config.cache.block_size, prefix_caching=config.scheduler.prefix_caching
+            )
+            self.kv_link = None if config.kv_transfer_port is None else KVLink(
+                self._fingerprint(), self.runner, self.block_manager, config.kv_transfer_host, config.kv_transfer_port,
+                config.kv_lease_s, config.kv_max_hold_s)
+        except BaseException:
+            self.close()  # no worker outlives a core that failed to start
+            raise
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, connector=self.kv_link)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(extra_eos_token_ids)
         self.last_step_tokens = 0  # tokens the last step computed (0: nothing was schedulable)
         self.step_time_s: deque[float] = deque(maxlen=1024)  # measured model time of recent steps
+
+    def _start_workers(self, config: EngineConfig, rope_len: int, weights_seed: int | None) -> Workers:
+        """Ranks 1 .. N-1 (:mod:`cadenza.node.engine.tp_workers`). On the CPU the ranks share this
+        process's torch threads (at least one each); on GPUs each worker keeps as many."""
+        import torch
+
+        threads = torch.get_num_threads()
+        if not config.device.startswith("cuda"):
+            self._threads_before = threads
+            threads = max(1, threads // config.tensor_parallel_size)
+            torch.set_num_threads(threads)
+        return Workers(config, rope_len, weights_seed, threads)
 
     def _fingerprint(self) -> Fingerprint:
         """This engine's KV layout and the digest of its model's files (hashed once per file:
@@ -83,12 +115,26 @@ class EngineCore:
         return Fingerprint(self.config.model_name, str(self.runner.dtype).removeprefix("torch."),
                            self.config.cache.block_size, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                            weights=model_digest(self.config.model) if self._weights_seed is None
-                           else f"drawn from seed {self._weights_seed}")
+                           else f"drawn from seed {self._weights_seed}",
+                           tensor_parallel_size=self.config.tensor_parallel_size)
 
     def close(self) -> None:
-        """Stop the KV transfer endpoint, if any (the rest goes with the process)."""
+        """Stop the KV transfer endpoint and the tensor-parallel workers, if any (the rest goes
+        with the process)."""
         if self.kv_link is not None:
             self.kv_link.close()
+        if self.workers is not None:
+            workers, self.workers = self.workers, None
+            if workers.failure is None:
+                try:
+                    self.runner.stop_workers()
+                except TensorParallelError:
+                    pass
+            workers.close()
+            if (threads := getattr(self, "_threads_before", None)) is not None:
+                import torch
+
+                torch.set_num_threads(threads)
 
     @classmethod
     def from_model(cls, model: str | Path, **knobs: object) -> "EngineCore":
@@ -156,7 +202,13 @@ class EngineCore:
 
     def poll(self) -> bool:
         """Apply what the KV transfer produced (received blocks, finished loads, ended leases);
-        True while it still has work in flight. ``step`` does this first; an idle loop calls it."""
+        True while it still has work in flight. ``step`` does this first; an idle loop calls it.
+
+        Raises:
+            TensorParallelError: a tensor-parallel worker died (the replica cannot step again).
+        """
+        if self.workers is not None and self.workers.failure is not None:
+            raise TensorParallelError(self.workers.failure)
         if self.kv_link is None:
             return False
         self.kv_link.drain(self.scheduler)
@@ -181,7 +233,10 @@ class EngineCore:
         if out.is_empty:
             return [], None
         started = time.perf_counter()
-        tokens = self.runner.execute(out)
+        try:
+            tokens = self.runner.execute(out)
+        except TensorParallelError as exc:  # name the rank that died, where the watcher saw it
+            raise TensorParallelError(self.workers.failure or str(exc)) from exc
         elapsed = time.perf_counter() - started
         if self.kv_link is not None:
             self.kv_link.after_forward(out)  # before the step is applied: a finished request frees its blocks

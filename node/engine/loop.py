@@ -6,7 +6,9 @@ queue). Messages are applied between steps, so an aborted request's KV blocks ar
 next step is scheduled and it gets no further token. Whatever one message raises answers its
 sender (a :class:`~cadenza.node.core.messages.RequestFailure` or an error
 :class:`~cadenza.node.core.messages.ReconfigureResult`) and never ends the loop; a failed step
-fails the requests in flight, not the engine.
+fails the requests in flight, not the engine — unless a tensor-parallel rank is gone
+(:class:`~cadenza.node.runner.collectives.TensorParallelError`): then the loop ends with it and the
+caller reports the engine dead.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from cadenza.node.core.messages import (
     StepOutputs,
 )
 from cadenza.node.core.stats import EngineStats
+from cadenza.node.runner.collectives import TensorParallelError
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,8 @@ class CoreLoop:
             try:
                 deltas, record = core.step()
                 stalled = core.last_step_tokens == 0
+            except TensorParallelError:
+                raise  # a rank is gone: the replica cannot step again (the caller reports it dead)
             except Exception as exc:  # keep serving: fail what was live, not the engine
                 logger.exception("engine step failed; aborting the requests in flight")
                 live = core.live_request_ids()

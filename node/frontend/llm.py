@@ -39,6 +39,16 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.observer = None  # sees each step's record (a Telemetry), when set
 
+    def close(self) -> None:
+        """Stop the core's KV endpoint and tensor-parallel workers, if any (also at exit)."""
+        self.core.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @classmethod
     def from_model(cls, model: str | Path, load_tokenizer: bool = True, **knobs: object) -> "Engine":
         """``Engine.from_model(path, token_budget=64, ...)`` (any field of the configuration)."""

@@ -4,6 +4,13 @@ All torch work of the engine happens here. A step's rows are flattened into one 
 ``input_ids``, ``positions``, ``slot_mapping`` of ``T`` tokens; ``query_start_loc``,
 ``seq_lens``, ``block_tables`` of ``S`` rows — the model runs once, and logits are computed only
 for the last token of each row that samples.
+
+Tensor parallelism (:mod:`.tp_shards`, :mod:`.collectives`): every rank has a runner over its
+shard and its own KV cache (its KV heads, the same number of blocks everywhere). Rank 0's runner
+lives in the engine core: it builds each step's arrays, broadcasts them (a header of sizes, then
+the two input buffers), runs its shard and samples from the gathered logits. The other ranks'
+runners sit in :meth:`ModelRunner.serve_worker`, running the steps they receive until told to stop.
+Block tables, scheduling and prefix caching exist once, on rank 0: a worker sees only arrays.
 """
 
 from __future__ import annotations
@@ -20,13 +27,26 @@ from cadenza.node.runner.models.config import ModelConfig
 from cadenza.node.runner.models.llama import load_model
 from cadenza.node.runner.sampler import sample, sampling_tensors
 from cadenza.node.core.step import SchedulerOutput
+from cadenza.node.runner.collectives import Collectives
 from cadenza.node.runner.cuda_graphs import DEFAULT_MEMORY_BUDGET, StepGraphs, graph_shapes
 from cadenza.node.runner.step_inputs import InputBuffers, Layout, StepRows, step_rows
+from cadenza.node.runner.tp_shards import ShardPlan
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
+OP_STEP, OP_STOP = 1, 2  # what rank 0 broadcasts: a step's header, or the end
+_NO_LAYOUT = Layout(0, 0, 0, 0)
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of tensor-parallel ``rank`` for the configured ``device``: the CPU for every rank,
+    else the ``rank``-th GPU from the configured one (``cuda`` is ``cuda:0``)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return dev
+    return torch.device(dev.type, (dev.index or 0) + rank)
 
 
 class ModelRunner:
@@ -39,25 +59,41 @@ class ModelRunner:
         weights_seed: draw the weights from this seed instead of loading them
             (:func:`~cadenza.node.runner.models.llama.random_weights`; benchmarks of a model's
             shapes without its files). None: load ``config.model``'s safetensors.
+        collectives: this rank's collectives when ``config.tensor_parallel_size > 1`` (rank 0 in
+            the engine core, the others in :meth:`serve_worker`); None at size 1.
+
+    Raises:
+        ConfigError: a tensor-parallel size the model does not split over, or collectives of
+            another size; a KV cache that cannot be allocated.
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 weights_seed: int | None = None) -> None:
-        self.device = torch.device(config.device)
+                 weights_seed: int | None = None, collectives: Collectives | None = None) -> None:
+        size = config.tensor_parallel_size
+        if (collectives.size if collectives is not None else 1) != size:
+            raise ConfigError("tensor_parallel_size", f"{size} ranks configured, collectives of "
+                                                      f"{collectives.size if collectives else 1} given")
+        self.collectives = collectives if size > 1 else None
+        self.rank = collectives.rank if self.collectives is not None else 0
+        self.plan = ShardPlan.of(model_config, self.rank, size)
+        self.device = rank_device(config.device, self.rank)
         self.dtype = _DTYPES[config.dtype] if config.dtype != "auto" else (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model_config = model_config
         self.block_size = config.cache.block_size
         self.backend = select_backend(config.attention_backend, self.device, self.dtype)
         self.model = load_model(config.model, model_config, self.backend, max_model_len, self.dtype, self.device,
-                                weights_seed)
+                                weights_seed, self.plan, self.collectives)
         self.max_model_len = max_model_len
         self._capture = config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
-        self.num_kv_blocks = self._num_kv_blocks(config.cache)
+        if self._capture and size > 1:  # a worker replays only what rank 0 broadcasts: eager steps
+            logger.info("CUDA graphs are not captured at tensor-parallel size %d: every step runs eagerly", size)
+            self._capture = False
+        self.num_kv_blocks = self._agree(self._num_kv_blocks(config.cache))
         # One block more than the block manager hands out: the scratch block padding tokens write to.
         self.scratch_block = self.num_kv_blocks
         shape = (model_config.num_hidden_layers, 2, self.num_kv_blocks + 1, self.block_size,
-                 model_config.num_key_value_heads, model_config.head_dim)
+                 self.plan.num_kv_heads, model_config.head_dim)
         try:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
@@ -72,8 +108,9 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         self.last_step_graphed = False  # whether the last step replayed a graph
         logger.info(
-            "model loaded: %s, %d layers, %s on %s; KV cache %d blocks x %d tokens (%.1f MiB), attention=%s",
+            "model loaded: %s, %d layers, %s on %s%s; KV cache %d blocks x %d tokens (%.1f MiB), attention=%s",
             model_config.architecture, model_config.num_hidden_layers, self.dtype, self.device,
+            f" (tensor-parallel rank {self.rank} of {size})" if size > 1 else "",
             self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
             self.backend.name,
         )
@@ -85,7 +122,9 @@ class ModelRunner:
     def _num_kv_blocks(self, cache: CacheConfig) -> int:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * self.block_size
+        mc = self.model_config  # this rank's KV heads only
+        per_block = 2 * mc.num_hidden_layers * self.plan.num_kv_heads * mc.head_dim * (
+            torch.finfo(self.dtype).bits // 8) * self.block_size
         if cache.kv_cache_bytes is not None:
             budget = cache.kv_cache_bytes
         elif self.device.type == "cuda":  # the graphs' memory pool comes out of the free memory first
@@ -93,7 +132,19 @@ class ModelRunner:
             budget = int(max(0, free - (DEFAULT_MEMORY_BUDGET if self._capture else 0)) * cache.kv_cache_fraction)
         else:
             budget = _CPU_DEFAULT_KV_BYTES
+        if cache.kv_cache_bytes is not None or self.device.type == "cpu":
+            budget //= self.plan.size  # a replica's bytes, shared by its ranks (a GPU's fraction is its own)
         return max(1, budget // per_block)
+
+    def _agree(self, num_blocks: int) -> int:
+        """The fewest KV blocks any rank can hold (each GPU's free memory differs): rank 0's block
+        manager hands out block ids every rank must have."""
+        if self.collectives is None:
+            return num_blocks
+        mine = torch.tensor([num_blocks], dtype=torch.int64)
+        counts = self.collectives.host.gather(mine)
+        agreed = torch.tensor([min(int(c) for c in counts) if counts is not None else 0], dtype=torch.int64)
+        return int(self.collectives.host.broadcast(agreed))
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> list[int]:
@@ -111,7 +162,7 @@ class ModelRunner:
             hidden = self._run_eager(rows)
         if not rows.sampled:
             return []
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)  # gathered here from every rank
         params = [req.sampling for req in rows.sampled_requests]
         seeds = [0 if sp.greedy else self._seed(req.request_id, sp.seed)
                  for req, sp in zip(rows.sampled_requests, params)]
@@ -124,7 +175,46 @@ class ModelRunner:
         run op by op."""
         layout = Layout(rows.num_tokens, len(rows.sampled), rows.num_rows, max(map(len, rows.tables)))
         views = self.inputs.prepare(rows, layout, self.block_size, self.scratch_block)
-        return self._forward(views, rows.max_query_len, int((rows.starts + rows.counts).max()))
+        max_seq_len = int((rows.starts + rows.counts).max())
+        if self.collectives is not None:  # the workers run the same step on their shards
+            self._send(OP_STEP, layout, rows.max_query_len, max_seq_len)
+        return self._forward(views, rows.max_query_len, max_seq_len)
+
+    def _send(self, op: int, layout: Layout = _NO_LAYOUT, max_query_len: int = 0, max_seq_len: int = 0):
+        """Rank 0: broadcast a step's header and its two filled input buffers (or the end)."""
+        bcast = self.collectives.broadcast
+        bcast(torch.tensor([op, *layout, max_query_len, max_seq_len, 0], dtype=torch.int64))
+        if op == OP_STEP:
+            bcast(self.inputs.host64[: layout.int64_size])
+            bcast(self.inputs.host32[: layout.int32_size])
+
+    @torch.inference_mode()
+    def serve_worker(self) -> None:
+        """A tensor-parallel worker (rank > 0): run every step rank 0 broadcasts, on this rank's
+        shard, until it broadcasts the end.
+
+        Raises:
+            TensorParallelError: a rank is gone (the worker's process then exits).
+        """
+        if self.rank == 0:
+            raise RuntimeError("rank 0 drives the steps (execute); serve_worker is for the other ranks")
+        header = torch.zeros(8, dtype=torch.int64)
+        bcast = self.collectives.broadcast
+        while True:
+            op, tokens, logits, rows, width, max_query_len, max_seq_len, _ = bcast(header).tolist()
+            if op == OP_STOP:
+                return
+            layout = Layout(tokens, logits, rows, width)
+            views = self.inputs.load(layout, lambda host64, host32, n64=layout.int64_size, n32=layout.int32_size: (
+                bcast(host64[:n64]), bcast(host32[:n32])))
+            hidden = self._forward(views, max_query_len, max_seq_len)
+            if logits:
+                self.model.compute_logits(hidden)  # this rank's vocabulary slice, gathered on rank 0
+
+    def stop_workers(self) -> None:
+        """Rank 0: tell the workers to leave :meth:`serve_worker` (their processes then exit)."""
+        if self.collectives is not None and self.rank == 0:
+            self._send(OP_STOP)
 
     def _forward(self, views: tuple, max_query_len: int, max_seq_len: int) -> torch.Tensor:
         """The model on a step's device views (:meth:`.step_inputs.InputBuffers.views`): the final

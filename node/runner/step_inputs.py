@@ -227,6 +227,17 @@ class InputBuffers:
         Raises:
             ValueError: as :func:`fill`; or a step over the capacity of fixed buffers.
         """
+        return self.load(layout, lambda host64, host32: fill(rows, layout, host64.numpy(), host32.numpy(), block_size,
+                                                             scratch_block))
+
+    def load(self, layout: Layout, write) -> tuple:
+        """Let ``write(host64, host32)`` fill the host buffers (at least ``layout``'s sizes) for a
+        step laid out as ``layout``, then start their copies; the device views, as :meth:`prepare`.
+        A tensor-parallel worker writes the arrays rank 0 broadcast (:mod:`.collectives`).
+
+        Raises:
+            ValueError: a step over the capacity of fixed buffers.
+        """
         if layout.int64_size > self.host64.numel() or layout.int32_size > self.host32.numel():
             if not self.growable:
                 raise ValueError(f"{layout} is over the capacity of fixed input buffers")
@@ -234,7 +245,7 @@ class InputBuffers:
             self._allocate(max(layout.int64_size, 2 * self.host64.numel()),
                            max(layout.int32_size, 2 * self.host32.numel()))
         self._wait_copied()  # the last step's copies read the host buffers: never overwrite them early
-        fill(rows, layout, self.host64.numpy(), self.host32.numpy(), block_size, scratch_block)
+        write(self.host64, self.host32)
         if self.dev64 is not self.host64:
             n64, n32 = layout.int64_size, layout.int32_size
             self.dev64[:n64].copy_(self.host64[:n64], non_blocking=True)
