@@ -20,6 +20,7 @@ from cadenza.node.core.config import (
     EngineConfig,
     SchedulerConfig,
     check_chunk_within_budget,
+    check_tensor_parallel,
     listen_problem,
     port_argument,
 )
@@ -213,9 +214,11 @@ def _serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     require_kv_token(config.kv_transfer_port)  # now, not once the model has loaded
     try:
-        check_model_folder(config.model)  # fail now, not in the engine core, on a bad folder
+        shape = check_model_folder(config.model)  # fail now, not in the engine core, on a bad folder
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"{exc}{_model_hint(args.model)}") from None
+    check_tensor_parallel(config.tensor_parallel_size, shape.num_attention_heads, shape.num_key_value_heads,
+                          shape.intermediate_size, config.model_name)
     if config.device.startswith("cuda"):
         import torch
 

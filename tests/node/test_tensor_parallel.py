@@ -1,0 +1,251 @@
+"""Tensor parallelism (issue 32): the shards, the collectives, and greedy parity with one rank.
+
+Greedy outputs at tensor-parallel size 2 (KV heads split) and 4 (KV heads replicated: the tiny
+model has 4 query and 2 KV heads) equal size 1's, in fp32 on the CPU, over the engine's parity grid
+(token budgets and chunk sizes, prefix caching on and off, preemption by recompute), over the
+default shared-memory collectives and over gloo. A killed worker fails the replica at once, and
+sizes the model cannot split are refused before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from cadenza.node.core.config import ConfigError, EngineConfig
+from cadenza.node.core.request import SamplingParams
+from cadenza.node.frontend.llm import Engine
+from cadenza.node.runner.collectives import SLOT_BYTES, ShmGroup, TensorParallelError, create_arena
+from cadenza.node.runner.models.config import ModelConfig
+from cadenza.node.runner.tp_shards import ShardPlan
+
+pytestmark = pytest.mark.slow  # engines with worker processes
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 384, (n,), generator=g).tolist() for n in lengths]
+
+
+PROMPTS = prompts_of([1, 3, 16, 17, 64, 100, 257], seed=0)
+SHARED = [PROMPTS[5][:80] + p for p in prompts_of([5, 9, 30], seed=1)]  # one long common prefix
+
+
+# -- the shard plan ---------------------------------------------------------------------------------
+
+
+def _cfg(heads=32, kv=8, inter=14336, vocab=128256) -> ModelConfig:
+    return ModelConfig("LlamaForCausalLM", vocab, heads * 128, inter, 2, heads, kv, 128, 1e-5, 5e5, 8192, False)
+
+
+def test_heads_split_over_ranks_and_kv_heads_replicate_when_fewer_than_ranks():
+    cfg = _cfg()
+    plan = ShardPlan.of(cfg, rank=1, size=4)
+    assert (plan.num_heads, plan.num_kv_heads, plan.kv_head_start, plan.intermediate_size) == (8, 2, 2, 3584)
+    assert plan.slice_of("layers.0.self_attn.q_proj.weight") == (0, 1024, 2048)
+    assert plan.slice_of("layers.0.self_attn.k_proj.weight") == (0, 256, 512)
+    assert plan.slice_of("layers.0.self_attn.o_proj.weight") == (1, 1024, 2048)
+    assert plan.slice_of("layers.0.mlp.down_proj.weight") == (1, 3584, 7168)
+    assert plan.slice_of("layers.0.mlp.up_proj.weight") == (0, 3584, 7168)
+    assert plan.slice_of("layers.0.input_layernorm.weight") is None
+    # 8 ranks of 8 KV heads: one each; 16 ranks: each KV head on the two ranks whose queries read it
+    assert [ShardPlan.of(cfg, r, 16).kv_head_start for r in range(16)] == [r // 2 for r in range(16)]
+    assert all(ShardPlan.of(cfg, r, 16).num_kv_heads == 1 for r in range(16))
+
+
+def test_the_vocabulary_is_padded_to_a_multiple_of_the_ranks():
+    cfg = _cfg(vocab=10)
+    plans = [ShardPlan.of(cfg, r, 4) for r in range(4)]
+    assert [p.vocab_per_rank for p in plans] == [3] * 4
+    assert [p.slice_of("embed_tokens.weight") for p in plans] == [(0, 0, 3), (0, 3, 6), (0, 6, 9), (0, 9, 10)]
+
+
+@pytest.mark.parametrize(("size", "reason"), [
+    (3, "does not divide LlamaForCausalLM's 32 attention heads"),
+    (64, "does not divide LlamaForCausalLM's 32 attention heads"),
+])
+def test_sizes_the_heads_do_not_split_over_are_refused(size, reason):
+    with pytest.raises(ConfigError, match=reason):
+        ShardPlan.of(_cfg(), 0, size)
+    with pytest.raises(ConfigError, match="neither divides LlamaForCausalLM's 6 KV heads"):
+        ShardPlan.of(_cfg(heads=24, kv=6), 0, 4)
+    with pytest.raises(ConfigError, match="intermediate size 100"):
+        ShardPlan.of(_cfg(inter=100), 0, 8)
+
+
+# -- the shared-memory collectives ------------------------------------------------------------------
+
+
+def _ranks(tmp_path, size: int, work) -> list:
+    """Run ``work(group)`` on ``size`` ranks (threads mapping one shared file): their results."""
+    create_arena(tmp_path / "arena", size)
+    groups = [ShmGroup(tmp_path / "arena", r, size) for r in range(size)]
+    results, errors = [None] * size, []
+
+    def run(r):
+        try:
+            results[r] = work(groups[r])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for g in groups:
+        g.close()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_shared_memory_all_reduce_gather_and_broadcast_agree_with_torch(tmp_path):
+    big = SLOT_BYTES // 4 + 1000  # more floats than a slot holds: goes in two pieces
+
+    def work(g):
+        r = g.rank
+        x = torch.arange(big, dtype=torch.float32) * (r + 1)
+        g.all_reduce(x)
+        parts = g.gather(torch.full((3,), float(r)))
+        b = torch.arange(5, dtype=torch.int64) if r == 0 else torch.zeros(5, dtype=torch.int64)
+        g.broadcast(b)
+        return x, parts, b
+
+    results = _ranks(tmp_path, 3, work)
+    expected = torch.arange(big, dtype=torch.float32) * 6
+    for r, (x, parts, b) in enumerate(results):
+        assert torch.equal(x, expected) and torch.equal(b, torch.arange(5))
+        assert (parts is None) == (r != 0)
+    assert [p.tolist() for p in results[0][1]] == [[0.0] * 3, [1.0] * 3, [2.0] * 3]
+
+
+def test_an_aborted_group_fails_every_wait_instead_of_hanging(tmp_path):
+    create_arena(tmp_path / "arena", 2)
+    g0, g1 = ShmGroup(tmp_path / "arena", 0, 2), ShmGroup(tmp_path / "arena", 1, 2)
+    threading.Timer(0.2, g1.abort).start()  # rank 1 never joins the op; the engine's watcher aborts
+    with pytest.raises(TensorParallelError, match="aborted"):
+        g0.all_reduce(torch.ones(4))
+    g0.close(), g1.close()
+
+
+def test_a_wait_on_a_rank_whose_process_is_gone_fails(tmp_path):
+    create_arena(tmp_path / "arena", 2)
+    g0 = ShmGroup(tmp_path / "arena", 0, 2)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child exits at once
+        os._exit(0)
+    os.waitpid(child, 0)
+    g0.watch(1, child)  # rank 1 "started" and died before it joined
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1"):
+        g0.all_reduce(torch.ones(4))
+    assert time.monotonic() - started < 5
+    g0.close()
+
+
+# -- the engine ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir):
+    """Size 1 and size 2 engines over the tiny model, re-configured live across the grid."""
+    built = {tp: Engine.from_model(tiny_llama_dir, max_model_len=320, tensor_parallel_size=tp) for tp in (1, 2)}
+    yield built
+    for engine in built.values():
+        engine.close()
+
+
+@pytest.mark.parametrize(("token_budget", "chunk_size", "prefix_caching"), [
+    (16, 1, True), (16, 7, False), (64, 7, True), (64, None, False), (512, 64, True), (512, None, True),
+])
+def test_greedy_tokens_at_size_2_equal_size_1_over_the_parity_grid(engines, token_budget, chunk_size, prefix_caching):
+    knobs = {"token_budget": token_budget, "chunk_size": chunk_size, "prefix_caching": prefix_caching}
+    outs = {}
+    for tp, engine in engines.items():
+        engine.core.reconfigure(knobs)
+        outs[tp] = engine.generate(PROMPTS, GREEDY) + engine.generate(SHARED, GREEDY)  # then from the cache
+        assert engine.block_manager.num_used_blocks == 0
+    assert outs[2] == outs[1]
+    if prefix_caching:
+        assert engines[2].core.stats().prefix_cache_hit_tokens > 0  # the shared prefix was reused at size 2
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["cache", "no-cache"])
+def test_greedy_tokens_at_size_2_and_4_survive_preemption(tiny_llama_dir, prefix_caching):
+    prompts = prompts_of([5, 9, 14, 20, 33, 40, 47, 60], seed=3)
+    growing = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outs = {}
+    for tp in (1, 2, 4):  # 20 blocks of 16 tokens (320) for 8 requests growing to ~70 tokens each
+        with Engine.from_model(tiny_llama_dir, max_model_len=320, num_kv_blocks=20, tensor_parallel_size=tp,
+                               token_budget=64, chunk_size=16, prefix_caching=prefix_caching) as engine:
+            outs[tp] = engine.generate(prompts, growing)
+            assert engine.core.stats().num_preemptions > 0
+    assert outs[2] == outs[1] and outs[4] == outs[1]
+
+
+def test_size_4_replicates_kv_heads_and_size_2_over_gloo_both_equal_size_1(tiny_llama_dir, engines, monkeypatch):
+    engines[1].core.reconfigure({"token_budget": 64, "chunk_size": 16, "prefix_caching": True})
+    expected = engines[1].generate(PROMPTS, GREEDY)
+    with Engine.from_model(tiny_llama_dir, max_model_len=320, tensor_parallel_size=4, token_budget=64,
+                           chunk_size=16) as engine:
+        assert engine.runner.plan.num_kv_heads == 1  # 2 KV heads over 4 ranks: each on two
+        assert engine.generate(PROMPTS, GREEDY) == expected
+    monkeypatch.setenv("CADENZA_TP_COLLECTIVES", "gloo")
+    with Engine.from_model(tiny_llama_dir, max_model_len=320, tensor_parallel_size=2, token_budget=64,
+                           chunk_size=16) as engine:
+        assert engine.generate(PROMPTS[:4], GREEDY) == expected[:4]
+
+
+def test_a_killed_worker_fails_the_replica_at_once_and_leaves_nothing_behind(tiny_llama_dir):
+    engine = Engine.from_model(tiny_llama_dir, max_model_len=1024, tensor_parallel_size=2)
+    workers = engine.core.workers
+    [pid] = workers.pids.values()
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=250, temperature=0, ignore_eos=True))
+    engine.step()
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) died \(signal 9\)"):
+        for _ in range(10_000):
+            engine.step()
+    assert time.monotonic() - killed < 5
+    engine.close()
+    assert not workers.folder.exists()
+
+
+def test_an_idle_replica_notices_a_dead_worker_at_its_next_poll(tiny_llama_dir):
+    with Engine.from_model(tiny_llama_dir, max_model_len=320, tensor_parallel_size=2) as engine:
+        [pid] = engine.core.workers.pids.values()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while engine.core.workers.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(TensorParallelError, match="died"):
+            engine.core.poll()
+
+
+def test_closing_stops_the_workers_and_removes_their_folder(tiny_llama_dir):
+    engine = Engine.from_model(tiny_llama_dir, max_model_len=320, tensor_parallel_size=2)
+    procs = list(engine.core.workers._procs.values())
+    assert not engine.core.workers.folder.exists()  # removed once every rank had started
+    engine.close()
+    assert all(p.poll() == 0 for p in procs)  # told to stop, they exited cleanly
+
+
+def test_sizes_the_model_cannot_split_are_refused_before_any_process_starts(tiny_llama_dir):
+    with pytest.raises(ConfigError, match=r"3 does not divide tiny-llama\d*'s 4 attention heads"):
+        Engine.from_model(tiny_llama_dir, tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="must be <= 16"):
+        EngineConfig(model="m", tensor_parallel_size=32)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        EngineConfig(model="m", tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match="KV transfer .* not built yet"):
+        EngineConfig(model="m", tensor_parallel_size=2, kv_transfer_port=0)
