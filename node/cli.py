@@ -20,11 +20,11 @@ from cadenza.node.core.config import (
     EngineConfig,
     SchedulerConfig,
     check_chunk_within_budget,
-    check_tensor_parallel,
     listen_problem,
     port_argument,
 )
 from cadenza.node.core.knobs import KNOBS, Knob
+from cadenza.node.core.parallel import check_tensor_parallel
 from cadenza.node.core.policy import CLASSES, Policy
 from cadenza.node import hub
 from cadenza.node.credentials import require_kv_token

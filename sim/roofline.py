@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cadenza.node.core.config import CUDA_GRAPH_MAX_ROWS
+from cadenza.node.core.parallel import check_tensor_parallel
 from cadenza.sim.hardware import HardwareProfile
 from cadenza.sim.model_dims import ModelDims
 
@@ -141,14 +142,12 @@ class Roofline:
         tp: tensor-parallel degree (devices per replica).
 
     Raises:
-        ValueError: ``tp`` below 1, or heads that do not split over ``tp``.
+        ConfigError: a ``tp`` the engine would refuse for this model
+            (:func:`~cadenza.node.core.parallel.check_tensor_parallel`; a ValueError).
     """
 
     def __init__(self, dims: ModelDims, hw: HardwareProfile, tp: int = 1) -> None:
-        if tp < 1:
-            raise ValueError(f"tp: must be >= 1, got {tp}")
-        if dims.num_heads % tp or (dims.num_kv_heads % tp and tp % dims.num_kv_heads):
-            raise ValueError(f"tp={tp}: {dims.name}'s {dims.num_heads} heads / {dims.num_kv_heads} KV heads do not split")
+        check_tensor_parallel(tp, dims.num_heads, dims.num_kv_heads, dims.intermediate_size, dims.name)  # the engine's rule
         self.dims, self.hw, self.tp = dims, hw, tp
 
     def unit_terms(self, step: StepComposition) -> UnitTerms:

@@ -11,7 +11,8 @@ import dataclasses
 import socket
 from dataclasses import dataclass, field
 
-from cadenza.node.core.errors import FieldError
+from cadenza.node.core.errors import ConfigError
+from cadenza.node.core.parallel import check_size
 from cadenza.node.core.policy import Policy
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -19,11 +20,6 @@ TEXT_SPECIAL_TOKENS = ("control", "plain")  # special-token text in requests: co
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 # The largest CUDA-graphed steps (node/runner/cuda_graphs.py; sim's graphs profiles): decode rows, chunk tokens.
 CUDA_GRAPH_MAX_ROWS, CUDA_GRAPH_MAX_CHUNK = 256, 512
-MAX_TENSOR_PARALLEL_SIZE = 16  # ranks of one replica: the GPUs of one node (several nodes: not built)
-
-
-class ConfigError(FieldError):
-    """An invalid configuration value (:class:`~cadenza.node.core.errors.FieldError`: ``field``, ``reason``)."""
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -34,28 +30,6 @@ def _check(ok: bool, name: str, message: str) -> None:
 def _positive_int(value: object, name: str) -> None:
     _check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
     _check(value >= 1, name, f"must be >= 1, got {value}")
-
-
-def check_tensor_parallel(size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
-                          model: str = "the model") -> None:
-    """Refuse a tensor-parallel size a model's shape cannot be split over (Megatron-LM's split, as
-    vLLM's ``ColumnParallelLinear``/``RowParallelLinear`` make it): the attention heads and the MLP's
-    intermediate size divide evenly over the ranks; the KV heads either divide over them or, with
-    fewer KV heads than ranks, each is replicated on ``size / num_kv_heads`` ranks (so that count
-    must divide ``size``). The vocabulary is padded to a multiple of ``size`` and never refuses.
-
-    Raises:
-        ConfigError: on ``tensor_parallel_size``, saying which count does not split.
-    """
-    _positive_int(size, "tensor_parallel_size")
-    if num_heads % size:
-        raise ConfigError("tensor_parallel_size", f"{size} does not divide {model}'s {num_heads} attention heads")
-    if num_kv_heads % size and size % num_kv_heads:
-        raise ConfigError("tensor_parallel_size", f"{size} neither divides {model}'s {num_kv_heads} KV heads nor "
-                                                  f"is a multiple of them (a KV head is replicated on whole ranks)")
-    if intermediate_size % size:
-        raise ConfigError("tensor_parallel_size", f"{size} does not divide {model}'s MLP intermediate size "
-                                                  f"{intermediate_size}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +105,7 @@ class CacheConfig:
     Attributes:
         block_size: tokens per KV block (a power of two: 8, 16, 32, ...).
         num_kv_blocks: KV blocks in the pool.
-        kv_cache_bytes: bytes of K and V cache across all layers, of the whole replica (its
-            tensor-parallel ranks share them).
+        kv_cache_bytes: bytes of K and V cache across all layers and tensor-parallel ranks.
         kv_cache_fraction: fraction in (0, 1] of free device memory to use for the cache.
     """
 
@@ -144,21 +117,14 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _positive_int(self.block_size, "block_size")
         _check(self.block_size & (self.block_size - 1) == 0, "block_size", f"must be a power of two, got {self.block_size}")
-        _check(
-            self.num_kv_blocks is None or self.kv_cache_bytes is None,
-            "num_kv_blocks",
-            "give either num_kv_blocks or kv_cache_bytes, not both",
-        )
+        _check(self.num_kv_blocks is None or self.kv_cache_bytes is None, "num_kv_blocks",
+               "give either num_kv_blocks or kv_cache_bytes, not both")
         if self.num_kv_blocks is not None:
             _positive_int(self.num_kv_blocks, "num_kv_blocks")
         if self.kv_cache_bytes is not None:
             _positive_int(self.kv_cache_bytes, "kv_cache_bytes")
-        _check(
-            isinstance(self.kv_cache_fraction, (int, float)) and not isinstance(self.kv_cache_fraction, bool)
-            and 0 < self.kv_cache_fraction <= 1,
-            "kv_cache_fraction",
-            f"must be in (0, 1], got {self.kv_cache_fraction!r}",
-        )
+        _check(isinstance(self.kv_cache_fraction, (int, float)) and not isinstance(self.kv_cache_fraction, bool)
+               and 0 < self.kv_cache_fraction <= 1, "kv_cache_fraction", f"must be in (0, 1], got {self.kv_cache_fraction!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,9 +157,7 @@ class EngineConfig:
             (:mod:`cadenza.node.frontend.tokenizer`). Read by the front end only.
         cuda_graphs: capture decode steps and steps with one bounded chunk in CUDA graphs
             (:mod:`cadenza.node.runner.cuda_graphs`; CUDA and the triton backend only).
-        tensor_parallel_size: devices one replica's model is split across (Megatron-style tensor
-            parallelism, :mod:`cadenza.node.runner.tp_shards`): the engine core is rank 0 and starts
-            one worker process per other device; on a CPU every rank runs on the host.
+        tensor_parallel_size: devices one replica is split across (:mod:`cadenza.node.core.parallel`).
     """
 
     model: str
@@ -238,12 +202,7 @@ class EngineConfig:
         _check(self.text_special_tokens in TEXT_SPECIAL_TOKENS, "text_special_tokens",
                f"must be one of {', '.join(TEXT_SPECIAL_TOKENS)}, got {self.text_special_tokens!r}")
         _check(isinstance(self.cuda_graphs, bool), "cuda_graphs", f"must be true or false, got {self.cuda_graphs!r}")
-        _positive_int(self.tensor_parallel_size, "tensor_parallel_size")
-        _check(self.tensor_parallel_size <= MAX_TENSOR_PARALLEL_SIZE, "tensor_parallel_size",
-               f"must be <= {MAX_TENSOR_PARALLEL_SIZE} (the devices of one node), got {self.tensor_parallel_size}")
-        _check(self.tensor_parallel_size == 1 or self.kv_transfer_port is None, "tensor_parallel_size",
-               "KV transfer (kv_transfer_port) between tensor-parallel replicas is not built yet: "
-               "serve a disaggregated pool at tensor_parallel_size 1")
+        check_size(self.tensor_parallel_size, self.kv_transfer_port)
 
     @property
     def model_name(self) -> str:

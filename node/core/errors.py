@@ -1,6 +1,7 @@
 """The error of a setting that names it: which field, and why it is refused.
 
-The configuration's and the policy's errors (:class:`~cadenza.node.core.config.ConfigError`,
+The configuration's and the policy's errors (:class:`ConfigError`, re-exported by
+:mod:`cadenza.node.core.config`,
 :class:`~cadenza.node.core.policy.PolicyError`) are :class:`FieldError`s, so a caller that
 answers for another layer (an HTTP header, a CRD key) reads ``field`` and ``reason`` instead of
 parsing the message.
@@ -25,3 +26,7 @@ class FieldError(ValueError):
 
     def __reduce__(self):  # pickled and copied by its fields, not by its message
         return type(self), (self.field, self.reason)
+
+
+class ConfigError(FieldError):
+    """An invalid configuration value (``field``, ``reason``)."""

@@ -21,13 +21,13 @@ from typing import Any
 from cadenza.node.core.config import (
     ATTENTION_BACKENDS,
     DTYPES,
-    MAX_TENSOR_PARALLEL_SIZE,
     CacheConfig,
     ConfigError,
     TEXT_SPECIAL_TOKENS,
     SchedulerConfig,
     check_chunk_within_budget,
 )
+from cadenza.node.core.parallel import MAX_TENSOR_PARALLEL_SIZE
 from cadenza.node.core.policy import MAX_TENANTS, Policy, PolicyError
 
 SECTIONS = ("engine", "scheduler", "cache", "policy")

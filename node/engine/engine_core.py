@@ -19,9 +19,10 @@ from pathlib import Path
 
 from cadenza.node.core import disagg_rule
 from cadenza.node.core.block_manager import KVBlockManager
-from cadenza.node.core.config import EngineConfig, SchedulerConfig, check_tensor_parallel, resolve_max_model_len
+from cadenza.node.core.config import EngineConfig, SchedulerConfig, resolve_max_model_len
 from cadenza.node.core.knobs import config_view, reconfigured
 from cadenza.node.engine.kv_link import ASSUMED_LINK_BYTES_PER_S, KVLink
+from cadenza.node.core.parallel import check_tensor_parallel
 from cadenza.node.core.messages import AddRequest, EngineReady, KVEndpoint, RequestDelta, StepRecord
 from cadenza.node.core.request import Request, RequestStatus
 from cadenza.node.core.scheduler import Scheduler

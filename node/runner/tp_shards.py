@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cadenza.node.core.config import check_tensor_parallel
+from cadenza.node.core.parallel import check_tensor_parallel
 from cadenza.node.runner.models.config import ModelConfig
 
 # checkpoint weight (after ``model.``) -> how it is split: column-parallel pieces of the fused q/k/v

@@ -66,7 +66,7 @@ def test_cadenza_sim_reports_each_class_and_writes_json(tmp_path, capsys):
 
 @pytest.mark.parametrize("flag, value, message", [("--hardware", "tpu-v5", "unknown hardware profile"),
                                                    ("--model", "gpt-5", "unknown model"),
-                                                   ("--tp", "3", "do not split")])
+                                                   ("--tp", "3", "does not divide")])
 def test_bad_arguments_exit_2_with_the_reason(tmp_path, capsys, flag, value, message):
     args = {"--trace": write_trace(tmp_path / "t.jsonl", 5), "--pool": write_pool(tmp_path / "p.yaml", "colocated"),
             "--model": "llama-3.1-8b", "--hardware": "h100-sxm", flag: value}
