@@ -197,8 +197,10 @@ def test_the_runner_never_imports_the_engine_that_drives_it():
 
 
 def test_the_runner_imports_only_step_data_of_the_scheduler():
-    # of the core: the step's rows (step.py), and the configuration and request types they carry
-    allowed = {"cadenza.node.core.step", "cadenza.node.core.config", "cadenza.node.core.request"}
+    # of the core: the step's rows (step.py), the configuration and request types they carry, and
+    # the tensor-parallel size rule the shards follow (parallel.py)
+    allowed = {"cadenza.node.core.step", "cadenza.node.core.config", "cadenza.node.core.request",
+               "cadenza.node.core.parallel"}
     for py, names in cadenza_imports("runner").items():
         core = [n for n in names if n.startswith("cadenza.node.core") and n not in allowed]
         assert not core, f"runner/{py.name} imports {core}"
