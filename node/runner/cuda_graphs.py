@@ -162,6 +162,7 @@ class StepGraphs:
         # (decode rows, chunk rows, tokens of a lone chunk) -> the shape that holds such a step, or None
         self._shape_of: dict[tuple[int, int, int], GraphShape | None] = {}
         self._out: torch.Tensor | None = None
+        self._index: dict[GraphShape, int] = {}  # each captured shape's place in capture order
         self.capture_seconds = 0.0
         self.pool_bytes = 0
 
@@ -174,8 +175,14 @@ class StepGraphs:
         """The shapes captured."""
         return list(self._graphs)
 
-    def capture(self, forward: Forward) -> None:
+    def capture(self, forward: Forward, least: Callable[[int], int] | None = None) -> None:
         """Capture a graph of ``forward`` for each shape in order, within the memory and time budgets.
+
+        ``least(state)`` (tensor parallelism) is called once after each shape with this rank's
+        state — 2 captured and within its budgets, 1 captured and out of budget, 0 failed — and
+        returns the least over the ranks: every rank then keeps the same shapes (one that a rank
+        failed is dropped by all) and stops at the same one, so each can replay the graph rank 0
+        names, and no rank waits in a collective the others left.
 
         ``forward(views, shape)`` runs one step on the device views of the fixed buffers and
         returns the hidden states ``[shape.rows, H]`` of its logits rows; each graph copies them
@@ -207,19 +214,30 @@ class StepGraphs:
                         torch.cuda.set_stream(torch.cuda.default_stream(self.device))
                     logger.warning("CUDA graphs: capturing %s failed (%s: %s); %d shapes captured, the rest run "
                                    "eagerly", shape, type(exc).__name__, exc, len(self._graphs))
+                    if least is not None:
+                        least(0)
                     break
                 if cuda:
                     self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
+                within = True
                 if self.pool_bytes > self.memory_budget:
                     logger.warning("CUDA graphs: %.0f MiB of pool passes the budget of %.0f MiB after %s; the "
                                    "shapes left run eagerly", self.pool_bytes / 2**20, self.memory_budget / 2**20,
                                    shape)
-                    break
-                if time.perf_counter() - start > self.time_budget_s:
+                    within = False
+                elif time.perf_counter() - start > self.time_budget_s:
                     logger.warning("CUDA graphs: capture passed its %.0f s after %s; the shapes left run eagerly",
                                    self.time_budget_s, shape)
+                    within = False
+                state = 2 if within else 1
+                if least is not None and (state := least(state)) == 0:
+                    del self._graphs[shape]  # another rank failed it: no rank may replay it
+                    logger.warning("CUDA graphs: another tensor-parallel rank could not capture %s; the shapes "
+                                   "left run eagerly", shape)
+                if state < 2:
                     break
             self.capture_seconds = time.perf_counter() - start
+            self._index = {shape: i for i, shape in enumerate(self._graphs)}
         logger.info("CUDA graphs (%s): %d of %d shapes captured in %.2f s, %.0f MiB of memory pool",
                     self.record, len(self._graphs), len(self._wanted), self.capture_seconds, self.pool_bytes / 2**20)
 
@@ -239,8 +257,12 @@ class StepGraphs:
         self.inputs.prepare(StepRows(empty, empty, empty, [], [], [], 0), self.layout(shape), self.block_size,
                             self.scratch_block)
 
-    def run(self, rows: StepRows) -> torch.Tensor | None:
+    def run(self, rows: StepRows, announce: Callable[[int, int, Layout], None] | None = None) -> torch.Tensor | None:
         """Run ``rows`` through the smallest captured graph that holds it.
+
+        ``announce(shape index, sampled rows, layout)`` is called once the graph's inputs are
+        filled, before the replay (tensor parallelism: rank 0 broadcasts them, and every worker
+        replays the same graph, :meth:`replay`).
 
         Returns:
             ``[len(rows.sampled), H]`` hidden states of the sampled rows' last tokens (a view of
@@ -256,6 +278,18 @@ class StepGraphs:
             shape = self._shape_of[key] = shape_for(rows, self._graphs)
         if shape is None or max(map(len, rows.tables)) > self.width:
             return None
-        self.inputs.prepare(rows, self.layout(shape), self.block_size, self.scratch_block)
+        layout = self.layout(shape)
+        self.inputs.prepare(rows, layout, self.block_size, self.scratch_block)
+        if announce is not None:
+            announce(self._index[shape], len(rows.sampled), layout)
         self._graphs[shape]()
         return self._out[: len(rows.sampled)]
+
+    def replay(self, index: int, num_sampled: int, write: Callable[[torch.Tensor, torch.Tensor], object]) -> torch.Tensor:
+        """A tensor-parallel worker's side of :meth:`run`: let ``write(host64, host32)`` fill the
+        inputs of the ``index``-th captured graph (the arrays rank 0 broadcast), replay it, and
+        return the hidden states of its ``num_sampled`` sampled rows."""
+        shape = list(self._graphs)[index]
+        self.inputs.load(self.layout(shape), write)
+        self._graphs[shape]()
+        return self._out[:num_sampled]

@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
-OP_STEP, OP_STOP = 1, 2  # what rank 0 broadcasts: a step's header, or the end
+OP_STEP, OP_STOP, OP_GRAPH, OP_CAPTURE = 1, 2, 3, 4  # what rank 0 broadcasts: an eager step, the end, a
+# step replayed from a captured graph, a capture of the step graphs
 _NO_LAYOUT = Layout(0, 0, 0, 0)
 
 
@@ -86,9 +87,6 @@ class ModelRunner:
                                 weights_seed, self.plan, self.collectives)
         self.max_model_len = max_model_len
         self._capture = config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
-        if self._capture and size > 1:  # a worker replays only what rank 0 broadcasts: eager steps
-            logger.info("CUDA graphs are not captured at tensor-parallel size %d: every step runs eagerly", size)
-            self._capture = False
         self.num_kv_blocks = self._agree(self._num_kv_blocks(config.cache))
         # One block more than the block manager hands out: the scratch block padding tokens write to.
         self.scratch_block = self.num_kv_blocks
@@ -114,7 +112,7 @@ class ModelRunner:
             self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
             self.backend.name,
         )
-        if self._capture:
+        if self._capture and self.rank == 0:  # workers capture when rank 0 says (serve_worker), in step
             self.capture_graphs(config.scheduler)
         elif config.cuda_graphs and self.device.type == "cuda":  # the torch reference reads device values on the host
             logger.info("CUDA graphs need the triton backend; every step runs eagerly on %s", self.backend.name)
@@ -141,10 +139,7 @@ class ModelRunner:
         manager hands out block ids every rank must have."""
         if self.collectives is None:
             return num_blocks
-        mine = torch.tensor([num_blocks], dtype=torch.int64)
-        counts = self.collectives.host.gather(mine)
-        agreed = torch.tensor([min(int(c) for c in counts) if counts is not None else 0], dtype=torch.int64)
-        return int(self.collectives.host.broadcast(agreed))
+        return self._least(num_blocks)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> list[int]:
@@ -156,7 +151,7 @@ class ModelRunner:
         the rows that sample.
         """
         rows = step_rows(step)
-        hidden = self.graphs.run(rows) if self.graphs is not None else None
+        hidden = self.graphs.run(rows, self._announce if self.collectives else None) if self.graphs else None
         self.last_step_graphed = hidden is not None
         if hidden is None:
             hidden = self._run_eager(rows)
@@ -188,6 +183,22 @@ class ModelRunner:
             bcast(self.inputs.host64[: layout.int64_size])
             bcast(self.inputs.host32[: layout.int32_size])
 
+    def _announce(self, index: int, num_sampled: int, layout: Layout) -> None:
+        """Rank 0, before it replays a step graph: the workers replay the same one on these inputs."""
+        bcast, inputs = self.collectives.broadcast, self.graphs.inputs
+        bcast(torch.tensor([OP_GRAPH, index, num_sampled, *layout, 0], dtype=torch.int64))
+        bcast(inputs.host64[: layout.int64_size])
+        bcast(inputs.host32[: layout.int32_size])
+
+    def _least(self, value: int) -> int:
+        """The least of every rank's ``value`` (the value itself without tensor parallelism)."""
+        if self.collectives is None:
+            return value
+        host = self.collectives.host
+        values = host.gather(torch.tensor([value], dtype=torch.int64))
+        least = torch.tensor([min(int(v) for v in values) if values is not None else 0], dtype=torch.int64)
+        return int(host.broadcast(least))
+
     @torch.inference_mode()
     def serve_worker(self) -> None:
         """A tensor-parallel worker (rank > 0): run every step rank 0 broadcasts, on this rank's
@@ -201,9 +212,23 @@ class ModelRunner:
         header = torch.zeros(8, dtype=torch.int64)
         bcast = self.collectives.broadcast
         while True:
-            op, tokens, logits, rows, width, max_query_len, max_seq_len, _ = bcast(header).tolist()
+            op, *args = bcast(header).tolist()
             if op == OP_STOP:
                 return
+            if op == OP_CAPTURE:
+                max_num_seqs, token_budget, chunk, mixed, eager, budget_mib, _ = args
+                sizes = SchedulerConfig(token_budget=token_budget, chunk_size=chunk, max_num_seqs=max_num_seqs)
+                self.capture_graphs(sizes, "eager" if eager else "cuda", bool(mixed), budget_mib << 20)
+                continue
+            if op == OP_GRAPH:
+                index, num_sampled, *sizes = args[:6]
+                layout = Layout(*sizes)
+                hidden = self.graphs.replay(index, num_sampled, lambda host64, host32, n64=layout.int64_size,
+                                            n32=layout.int32_size: (bcast(host64[:n64]), bcast(host32[:n32])))
+                if num_sampled:
+                    self.model.compute_logits(hidden)
+                continue
+            tokens, logits, rows, width, max_query_len, max_seq_len, _ = args
             layout = Layout(tokens, logits, rows, width)
             views = self.inputs.load(layout, lambda host64, host32, n64=layout.int64_size, n32=layout.int32_size: (
                 bcast(host64[:n64]), bcast(host32[:n32])))
@@ -230,11 +255,16 @@ class ModelRunner:
                        memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
         """Capture the step graphs for ``scheduler``'s sizes (:mod:`.cuda_graphs`); later steps a
         graph holds replay it. ``record="eager"`` runs everything but the capture (CPU tests)."""
+        if self.collectives is not None and self.rank == 0:  # every rank captures the same shapes, in step
+            self.collectives.broadcast(torch.tensor(
+                [OP_CAPTURE, scheduler.max_num_seqs, scheduler.token_budget, scheduler.effective_chunk_size, int(mixed),
+                 int(record == "eager"), memory_budget >> 20, 0], dtype=torch.int64))
         shapes = graph_shapes(scheduler.max_num_seqs, scheduler.token_budget, scheduler.effective_chunk_size,
                               self.max_model_len, mixed)
         width = -(-self.max_model_len // self.block_size)
         graphs = StepGraphs(self.device, self.block_size, self.scratch_block, width, shapes, memory_budget, record)
-        graphs.capture(lambda views, shape: self._forward(views, shape.max_query_len, self.max_model_len))
+        graphs.capture(lambda views, shape: self._forward(views, shape.max_query_len, self.max_model_len),
+                       self._least if self.collectives is not None else None)
         self.graphs = graphs
 
     def _seed(self, request_id: str, seed: int | None) -> int:

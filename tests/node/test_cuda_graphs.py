@@ -140,8 +140,8 @@ def _generate(model_dir, graphs: bool, backend: str, **knobs):
     calls = []
     run = engine.runner.graphs.run if graphs else None
     if graphs:
-        def counting(rows):
-            out = run(rows)
+        def counting(rows, announce=None):
+            out = run(rows, announce)
             calls.append(out is not None)
             return out
         engine.runner.graphs.run = counting
@@ -224,6 +224,26 @@ def test_a_capture_that_fails_keeps_what_it_captured_and_logs_why(tiny_llama_dir
     assert graphs.shapes == [] and "not permitted when stream is capturing" in caplog.text
     with torch.inference_mode():
         assert graphs.run(rows_of([1], [0], [[0]], [0], 1)) is None  # every step runs eagerly
+
+
+@pytest.mark.parametrize(("others", "kept"), [({2: 1}, 3), ({2: 0}, 2), ({0: 0}, 0)],
+                         ids=["a-rank-out-of-budget", "a-rank-failed-a-shape", "a-rank-failed-the-first"])
+def test_tensor_parallel_ranks_keep_the_same_shapes_and_stop_together(tiny_llama_dir, others, kept):
+    # ``least`` stands for the other ranks' answers: every rank keeps what all captured and stops
+    # where the first one stops, so rank 0 names only graphs every worker holds
+    engine = Engine.from_model(tiny_llama_dir, max_model_len=320, attention_backend="torch", block_size=4)
+    runner = engine.runner
+    shapes = graph_shapes(16, 64, 32, 320)
+    graphs = StepGraphs(runner.device, 4, runner.scratch_block, 80, shapes, record="eager")
+    asked = []
+
+    def least(state: int) -> int:
+        asked.append(state)
+        return min(state, others.get(len(asked) - 1, 2))
+
+    with torch.inference_mode():
+        graphs.capture(lambda views, shape: runner._forward(views, shape.max_query_len, 320), least)
+    assert graphs.shapes == shapes[:kept] and len(asked) == max(others) + 1 and set(asked) == {2}
 
 
 def test_step_records_say_which_steps_replayed_a_graph(tiny_llama_dir):

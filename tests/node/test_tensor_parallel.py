@@ -249,3 +249,23 @@ def test_sizes_the_model_cannot_split_are_refused_before_any_process_starts(tiny
         EngineConfig(model="m", tensor_parallel_size=0)
     with pytest.raises(ConfigError, match="KV transfer .* not built yet"):
         EngineConfig(model="m", tensor_parallel_size=2, kv_transfer_port=0)
+
+
+def test_workers_capture_the_same_step_graphs_and_replay_the_one_rank_0_names(tiny_llama_dir, engines):
+    # record="eager": every rank runs the forward a CUDA graph would record, on its fixed padded
+    # buffers, collectives included — everything but the capture, so it runs on the CPU
+    engines[1].core.reconfigure({"token_budget": 64, "chunk_size": 16, "prefix_caching": True})
+    expected = engines[1].generate(PROMPTS, GREEDY)
+    with Engine.from_model(tiny_llama_dir, max_model_len=320, tensor_parallel_size=2, token_budget=64,
+                           chunk_size=16, block_size=4) as engine:
+        engine.runner.capture_graphs(engine.core.config.scheduler, record="eager")
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, GREEDY)
+        outs: dict[str, list[int]] = {}
+        replayed = 0
+        while engine.core.has_unfinished_requests():
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).extend(out.token_ids)
+            replayed += engine.runner.last_step_graphed
+        assert [outs[str(i)] for i in range(len(PROMPTS))] == expected
+        assert replayed > 10  # the decode steps replayed graphs on both ranks
