@@ -202,7 +202,7 @@ class EngineConfig:
         _check(self.text_special_tokens in TEXT_SPECIAL_TOKENS, "text_special_tokens",
                f"must be one of {', '.join(TEXT_SPECIAL_TOKENS)}, got {self.text_special_tokens!r}")
         _check(isinstance(self.cuda_graphs, bool), "cuda_graphs", f"must be true or false, got {self.cuda_graphs!r}")
-        check_size(self.tensor_parallel_size, self.kv_transfer_port)
+        check_size(self.tensor_parallel_size)
 
     @property
     def model_name(self) -> str:

@@ -21,10 +21,9 @@ def _refuse(reason: str) -> ConfigError:
     return ConfigError(_FIELD, reason)
 
 
-def check_size(size: object, kv_transfer_port: int | None = None) -> None:
+def check_size(size: object) -> None:
     """A size an engine can start with, whatever the model: a whole number of ranks from 1 to
-    :data:`MAX_TENSOR_PARALLEL_SIZE`, and 1 with a KV transfer endpoint (KV transfer between
-    tensor-parallel replicas is not built: each rank holds only its KV heads).
+    :data:`MAX_TENSOR_PARALLEL_SIZE`.
 
     Raises:
         ConfigError: on ``tensor_parallel_size``, saying why.
@@ -33,9 +32,6 @@ def check_size(size: object, kv_transfer_port: int | None = None) -> None:
         raise _refuse(f"must be an integer, got {size!r}")
     if not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
         raise _refuse(f"must be >= 1 and <= {MAX_TENSOR_PARALLEL_SIZE} (the devices of one node), got {size}")
-    if size > 1 and kv_transfer_port is not None:
-        raise _refuse("KV transfer (kv_transfer_port) between tensor-parallel replicas is not built yet: "
-                      "serve a disaggregated pool at tensor_parallel_size 1")
 
 
 def check_tensor_parallel(size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,

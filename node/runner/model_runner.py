@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import warnings
 
 import torch
@@ -36,8 +37,9 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
-OP_STEP, OP_STOP, OP_GRAPH, OP_CAPTURE = 1, 2, 3, 4  # what rank 0 broadcasts: an eager step, the end, a
-# step replayed from a captured graph, a capture of the step graphs
+# What rank 0 broadcasts: an eager step, the end, a step replayed from a captured graph, a capture of
+# the step graphs, a read and a write of KV blocks (KV transfer).
+OP_STEP, OP_STOP, OP_GRAPH, OP_CAPTURE, OP_READ_KV, OP_WRITE_KV = 1, 2, 3, 4, 5, 6
 _NO_LAYOUT = Layout(0, 0, 0, 0)
 
 
@@ -75,6 +77,9 @@ class ModelRunner:
             raise ConfigError("tensor_parallel_size", f"{size} ranks configured, collectives of "
                                                       f"{collectives.size if collectives else 1} given")
         self.collectives = collectives if size > 1 else None
+        # Rank 0 issues one sequence of collectives at a time: steps on the engine thread, KV reads
+        # for a peer on the KV transfer thread (every rank must see the ops in one order).
+        self._ops = threading.Lock()
         self.rank = collectives.rank if self.collectives is not None else 0
         self.plan = ShardPlan.of(model_config, self.rank, size)
         self.device = rank_device(config.device, self.rank)
@@ -150,8 +155,15 @@ class ModelRunner:
         numpy into persistent buffers, two copies to the device) and logits are computed only for
         the rows that sample.
         """
+        with self._ops:
+            return self._execute(step)
+
+    def _execute(self, step: SchedulerOutput) -> list[int]:
         rows = step_rows(step)
-        hidden = self.graphs.run(rows, self._announce if self.collectives else None) if self.graphs else None
+        if self.graphs is None:
+            hidden = None
+        else:  # at tensor-parallel size > 1 the workers replay the same graph (_announce)
+            hidden = self.graphs.run(rows) if self.collectives is None else self.graphs.run(rows, self._announce)
         self.last_step_graphed = hidden is not None
         if hidden is None:
             hidden = self._run_eager(rows)
@@ -228,6 +240,13 @@ class ModelRunner:
                 if num_sampled:
                     self.model.compute_logits(hidden)
                 continue
+            if op in (OP_READ_KV, OP_WRITE_KV):
+                ids = bcast(torch.zeros(args[0], dtype=torch.int64))
+                if op == OP_READ_KV:
+                    self.collectives.gather(self._local_blocks(ids))  # to rank 0, which sends them
+                else:
+                    self._write_local(ids, bcast(torch.empty(args[0] * self._full_block_bytes, dtype=torch.uint8)))
+                continue
             tokens, logits, rows, width, max_query_len, max_seq_len, _ = args
             layout = Layout(tokens, logits, rows, width)
             views = self.inputs.load(layout, lambda host64, host32, n64=layout.int64_size, n32=layout.int32_size: (
@@ -239,7 +258,8 @@ class ModelRunner:
     def stop_workers(self) -> None:
         """Rank 0: tell the workers to leave :meth:`serve_worker` (their processes then exit)."""
         if self.collectives is not None and self.rank == 0:
-            self._send(OP_STOP)
+            with self._ops:
+                self._send(OP_STOP)
 
     def _forward(self, views: tuple, max_query_len: int, max_seq_len: int) -> torch.Tensor:
         """The model on a step's device views (:meth:`.step_inputs.InputBuffers.views`): the final
@@ -275,27 +295,65 @@ class ModelRunner:
 
     def read_kv_blocks(self, block_ids: list[int]) -> memoryview:
         """The KV of ``block_ids`` as raw bytes, block after block, each ``[L, 2, BS, Hkv, D]``
-        (every layer's K then V): the KV transfer's payload layout."""
-        ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
-        blocks = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, L, 2, BS, Hkv, D]
+        (every layer's K then V, every KV head of the model): the KV transfer's payload layout,
+        whatever the tensor-parallel size (rank 0 gathers the other ranks' heads). Safe to call
+        from another thread than the steps'."""
+        ids = torch.as_tensor(block_ids, dtype=torch.long)
+        with self._ops:
+            if self.collectives is None:
+                blocks = self._local_blocks(ids)
+            else:
+                bcast = self.collectives.broadcast
+                bcast(torch.tensor([OP_READ_KV, len(block_ids), 0, 0, 0, 0, 0, 0], dtype=torch.int64))
+                bcast(ids)
+                blocks = self._all_heads(self.collectives.gather(self._local_blocks(ids)))
         return memoryview(blocks.cpu().view(torch.uint8).reshape(-1).numpy()).cast("B")
 
+    def _local_blocks(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[n, L, 2, BS, this rank's KV heads, D]`` of the blocks ``ids``."""
+        return self.kv_cache.index_select(2, ids.to(self.device)).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def _all_heads(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's blocks (rank order) as the whole model's KV heads: each KV head once (a
+        head replicated on several ranks is taken from the first)."""
+        every = max(1, self.plan.size // self.model_config.num_key_value_heads)
+        return torch.cat(parts[::every], dim=4)
+
+    @property
+    def _full_block_bytes(self) -> int:
+        """Bytes of one block of the payload: every layer, K and V, every KV head of the model."""
+        mc = self.model_config
+        return mc.num_hidden_layers * 2 * self.block_size * mc.num_key_value_heads * mc.head_dim * self.kv_cache.element_size()
+
     def write_kv_blocks(self, block_ids: list[int], payload: bytes | memoryview) -> None:
-        """Write ``payload`` (the layout :meth:`read_kv_blocks` gives) into ``block_ids``.
+        """Write ``payload`` (the layout :meth:`read_kv_blocks` gives) into ``block_ids``; each rank
+        takes its own KV heads of it.
 
         Raises:
             ValueError: a payload of the wrong size for that many blocks.
         """
-        _layers, _two, _nb, bs, heads, dim = self.kv_cache.shape
-        per_block = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+        per_block = self._full_block_bytes
         if len(payload) != per_block * len(block_ids):
             raise ValueError(f"{len(payload)} payload bytes for {len(block_ids)} blocks of {per_block}")
         with warnings.catch_warnings():  # a read-only buffer: the tensor is only read (copied into the cache)
             warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype)
-        blocks = data.view(len(block_ids), _layers, 2, bs, heads, dim).permute(1, 2, 0, 3, 4, 5)
-        ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
-        self.kv_cache.index_copy_(2, ids, blocks.to(self.device))
+            data = torch.frombuffer(payload, dtype=torch.uint8)
+        ids = torch.as_tensor(block_ids, dtype=torch.long)
+        with self._ops:
+            if self.collectives is not None:
+                bcast = self.collectives.broadcast
+                bcast(torch.tensor([OP_WRITE_KV, len(block_ids), 0, 0, 0, 0, 0, 0], dtype=torch.int64))
+                bcast(ids)
+                bcast(data.clone())  # the broadcast's buffer is written on the other ranks: give it its own
+            self._write_local(ids, data)
+
+    def _write_local(self, ids: torch.Tensor, data: torch.Tensor) -> None:
+        """Write this rank's KV heads of a whole-model payload (``uint8``) into blocks ``ids``."""
+        mc, plan = self.model_config, self.plan
+        blocks = data.view(self.dtype).view(len(ids), mc.num_hidden_layers, 2, self.block_size,
+                                            mc.num_key_value_heads, mc.head_dim)
+        mine = blocks[:, :, :, :, plan.kv_head_start: plan.kv_head_start + plan.num_kv_heads]
+        self.kv_cache.index_copy_(2, ids.to(self.device), mine.permute(1, 2, 0, 3, 4, 5).to(self.device))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state."""

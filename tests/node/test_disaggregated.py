@@ -324,6 +324,31 @@ def test_kv_of_other_weights_is_refused_before_any_block_moves_and_never_cached(
         decode.close()
 
 
+@pytest.mark.slow
+def test_tensor_parallel_replicas_move_every_ranks_kv_heads_and_decode_as_colocated(tiny_llama_dir):
+    """Size-2 prefill and decode replicas (each rank holds one of the two KV heads): rank 0 gathers
+    its workers' heads into the payload and each decode rank takes its own — the output equals a
+    colocated size-1 engine's. A size-1 decode replica refuses the size-2 replica's KV by its
+    fingerprint, says why, and computes the prompt itself."""
+    with engines(tiny_llama_dir, 16, True, tensor_parallel_size=2) as (prefill, decode, colocated):
+        plain = EngineCore.from_model(tiny_llama_dir, kv_transfer_port=0, kv_lease_s=LEASE_S, token_budget=64,
+                                      chunk_size=16, max_model_len=512, num_kv_blocks=160, block_size=BS,
+                                      attention_backend="torch")
+        try:
+            for n in (17, 65, 129):
+                prompt = [random.Random(n).randrange(3, 300) for _ in range(n)]
+                want = run(plain, AddRequest(f"c{next(_ids)}", prompt, greedy(6)))  # size 1, colocated
+                assert disaggregated(prefill, decode, prompt) == want, f"prompt of {n} tokens"
+                assert run(colocated, AddRequest(f"c{next(_ids)}", prompt, greedy(6))) == want  # size 2
+            assert decode.scheduler.stats.remote_kv_tokens == 16 + 64 + 128
+            prompt = [random.Random(5).randrange(3, 300) for _ in range(40)]
+            want = run(plain, AddRequest("c-tp", prompt, greedy(6)))
+            assert disaggregated(prefill, plain, prompt) == want  # refused, then computed here
+            assert dict(plain.kv_link.stats.failures) == {"incompatible": 1}
+        finally:
+            plain.close()
+
+
 def test_a_kv_transfer_endpoint_without_the_pools_token_does_not_start(tiny_llama_dir, monkeypatch):
     monkeypatch.delenv(TOKEN_ENV)
     monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
