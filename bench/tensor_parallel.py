@@ -19,13 +19,16 @@ other rank) and the broadcast of the step's input arrays, as shares of the step.
 Target (issue 32): size 2 decodes >= 1.5x size 1's tok/s (``ratio``). The model is a decode step's
 worth of weights read from memory (4.9 GB at size 1, 2.5 GB per rank at size 2), so what size 2
 buys on one machine is a second core's share of memory bandwidth and arithmetic; on GPUs the same
-split buys each GPU's own HBM. ``--quick``: the tests' tiny model, a few steps.
+split buys each GPU's own HBM. ``--quick``: the tests' tiny model, a few steps. ``--device cuda`` on a
+machine with two GPUs or more: the same at bf16 over NCCL (sizes 1 and 2; no gloo run).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from contextlib import contextmanager
@@ -77,13 +80,14 @@ def timed(obj, name: str, spent: list[float]):
         setattr(obj, name, original)
 
 
-def measure(folder: Path, tp: int, collectives: str, decode_steps: int, prefill_tokens: int, rounds: int) -> dict:
+def measure(folder: Path, tp: int, collectives: str, decode_steps: int, prefill_tokens: int, rounds: int,
+            device: str = "cpu") -> dict:
     """Decode and prefill figures of one engine (size ``tp``, one torch thread per rank)."""
     os.environ["CADENZA_TP_COLLECTIVES"] = collectives
     torch.set_num_threads(1)  # one per rank: the core gives its workers as many as it has, divided by the size
     config = EngineConfig.from_knobs(str(folder), tensor_parallel_size=tp, token_budget=max(512, prefill_tokens),
                                      chunk_size=None, max_num_seqs=64, kv_cache_bytes=256 << 20, prefix_caching=False,
-                                     attention_backend="cpu")
+                                     device=device, attention_backend="cpu" if device == "cpu" else "auto")
     started = time.perf_counter()
     core = EngineCore(config, weights_seed=0)
     load_s = time.perf_counter() - started
@@ -133,21 +137,34 @@ def _nothing():
 
 
 def main() -> None:
-    args = arguments(__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu (default), or cuda on a machine with two GPUs or more (NCCL)")
+    args = arguments(__doc__, parser)
     config = QUICK_MODEL if args.quick else LLAMA_1B
     steps, prefill, rounds = (4, 64, 1) if args.quick else (DECODE_STEPS, PREFILL_TOKENS, PREFILL_ROUNDS)
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        raise SystemExit(f"--device cuda needs two GPUs, this machine has {torch.cuda.device_count()}")
     folder = model_folder(config)
-    runs = [measure(folder, 1, "shm", steps, prefill, rounds), measure(folder, 2, "shm", steps, prefill, rounds),
-            measure(folder, 2, "gloo", steps, prefill, rounds)]
+    try:
+        runs = [measure(folder, 1, "shm", steps, prefill, rounds, args.device),
+                measure(folder, 2, "shm", steps, prefill, rounds, args.device)]
+        if args.device == "cpu":
+            runs.append(measure(folder, 2, "gloo", steps, prefill, rounds))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     print(f"{'run':<14} {'decode tok/s':>12} {'step ms':>8} {'all-reduce':>10} {'broadcast':>10} {'prefill tok/s':>13}")
     for run in runs:
-        name = f"size {run['tp']}" + (f" {run['collectives']}" if run["collectives"] else "")
+        name = f"size {run['tp']}" + (f" {run['collectives']}" if run["collectives"] and args.device == "cpu"
+                                      else " nccl" if run["tp"] > 1 else "")
         print(f"{name:<14} {run['decode_tok_s']:>12} {run['decode_step_ms']:>8} {run['all_reduce_share']:>10.1%} "
               f"{run['broadcast_us_per_step']:>8}us {run['prefill_tok_s']:>13}")
-    one, two, gloo = runs
+    one, two = runs[:2]
+    gloo = runs[2] if len(runs) > 2 else None
     report({"benchmark": "tensor_parallel", "ratio": round(two["decode_tok_s"] / one["decode_tok_s"], 3),
             "target": TARGET, "prefill_ratio": round(two["prefill_tok_s"] / one["prefill_tok_s"], 3),
-            "gloo_decode_ratio": round(gloo["decode_tok_s"] / one["decode_tok_s"], 3),
+            "gloo_decode_ratio": round(gloo["decode_tok_s"] / one["decode_tok_s"], 3) if gloo else None,
+            "device": args.device,
             "runs": runs, "model": "llama-3.2-1b shapes, random fp32" if not args.quick else "tiny",
             "batch": BATCH, "machine": machine()}, quick=args.quick)
 
