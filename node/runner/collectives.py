@@ -49,7 +49,7 @@ SLOT_BYTES = 4 << 20  # one rank's part of one op, per slot set; larger tensors 
 MAX_RANKS = 16
 _CONTROL_BYTES = 4096
 _ABORT, _SEQ, _PID = 0, 8, 8 + MAX_RANKS  # control words: abort flag, each rank's op sequence, each rank's pid
-SPIN_S = 0.002  # a wait spins this long, then yields, then sleeps
+SPIN_S = 0.002  # a wait spins briefly, yields the core until this long, then sleeps
 _SLEEP_MAX_S = 0.0005
 PEER_CHECK_S = 0.5  # how often a long wait checks that its peers' processes still live
 
@@ -150,10 +150,11 @@ class ShmGroup:
             if control[first: first + self.size].min() >= seq:
                 return
             spins += 1
-            if spins & 63:
+            if spins < 64:  # the peer is usually a few microseconds away
                 continue
             now = time.perf_counter()
-            if now - started < SPIN_S:
+            if now - started < SPIN_S:  # then give the core to whoever waits for it (the peer, when
+                os.sched_yield()        # more ranks than cores run): free when nobody does
                 continue
             if now - self._checked > PEER_CHECK_S:
                 self._checked = now
