@@ -468,7 +468,8 @@ def test_a_role_of_a_disaggregated_pool_may_not_change_the_kv_layout(role, key, 
     assert problems == ["spec.disaggregated: disaggregated.prefillEngine and decodeEngine take only tokenBudget, "
                         "chunkSize, maxNumSeqs, prefixCaching, stepTimeTargetMs, kvCacheFraction, classes and tenants: "
                         "a decode replica takes the prefill replica's KV blocks as they are, so the KV layout and the "
-                        "model length (blockSize, maxModelLen) stay the pool's"]
+                        "model length (blockSize, maxModelLen) stay the pool's, and prefill and decode replicas must "
+                        "have the same tensor-parallel size (tensorParallelSize)"]
     validate_pool(pool(mode="disaggregated", replicas=2, disaggregated={role: {"chunkSize": 64}}))
 
 
