@@ -110,9 +110,9 @@ def left_out(pool: Mapping[str, Any], name: str) -> str | None:
         doc = _with_mode(pool, name)
         p = Pool(doc["metadata"]["name"], doc["metadata"].get("namespace", "default"), doc["spec"])
         if (name == "disaggregated" or p.prefill_in_place) and p.tensor_parallel_size != 1:
-            hint = " (spec.controller.disaggregate: false runs auto without its prefill rung)" if name == "auto" else ""
-            return (f"KV transfer between tensor-parallel replicas is not built yet (tensor-parallel size "
-                    f"{p.tensor_parallel_size}){hint}")
+            hint = "; spec.controller.disaggregate: false runs auto without its prefill rung" if name == "auto" else ""
+            return (f"KV transfer between tensor-parallel replicas is not built yet (this pool's tensor-parallel "
+                    f"size: {p.tensor_parallel_size}){hint}")
     return None
 
 
