@@ -18,7 +18,7 @@ have a KV transfer endpoint.
 Tensor parallelism: every replica's model is split across ``spec.engine.tensorParallelSize``
 devices (:attr:`Pool.tensor_parallel_size`; default the GPUs per replica, 1 without). KV transfer
 between tensor-parallel replicas is not built yet, so a pool that moves KV between replicas
-(disaggregated, or auto with ``controller.disaggregate`` on) runs at size 1.
+(disaggregated, or auto with ``controller.disaggregate`` on) is refused above size 1.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class Pool:
             PoolSpecError: an engine setting the engine refuses, a dedicated or disaggregated
                 split that leaves a role empty, a prefill or decode override outside
                 :data:`KV_ROLE_KEYS` (the CRD refuses those too; ``cadenza up`` has no API server),
-                or a tensor-parallel size the pool cannot run (:meth:`check_tensor_parallel`).
+                or a tensor-parallel size the pool cannot run (:meth:`_check_tensor_parallel`).
         """
         self.gpus  # noqa: B018 - a GPU count that is not a whole number raises here
         replicas = int(self.spec.get("replicas", 1))
@@ -158,7 +158,7 @@ class Pool:
             roles = [self.role_settings(first, n), self.role_settings(rest, replicas - n)]
         for role in roles:
             self._check(role)
-        self.check_tensor_parallel()
+        self._check_tensor_parallel()
         return roles
 
     def routes(self) -> dict[str, str]:
@@ -244,7 +244,7 @@ class Pool:
         given = self.spec.get("engine", {}).get("tensorParallelSize")
         return given if given is not None else max(1, self.gpus)
 
-    def check_tensor_parallel(self) -> None:
+    def _check_tensor_parallel(self) -> None:
         """Refuse a tensor-parallel size (:attr:`tensor_parallel_size`) this pool cannot run, where
         that is knowable without a cluster:
 
@@ -275,7 +275,8 @@ class Pool:
         if self.mode == "disaggregated":
             raise PoolSpecError(f"{given}: KV transfer between tensor-parallel replicas is not built yet, and a "
                                 "disaggregated pool moves each long prompt's KV from a prefill replica to a decode "
-                                f"replica (run it in mode colocated, dedicated or auto, or set {field}: 1)")
+                                "replica (run it colocated, dedicated, or auto with spec.controller.disaggregate: "
+                                f"false; or set {field}: 1)")
         if self.prefill_in_place:
             raise PoolSpecError(f"{given}: KV transfer between tensor-parallel replicas is not built yet, and this "
                                 "auto pool's controller may move a replica into the prefill role, which sends its "
