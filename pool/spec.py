@@ -14,6 +14,11 @@ is false they all run a KV transfer endpoint, so any may become a prefill replic
 (``disaggregated.prefillEngine`` on top of the base), which compute long prompts and stream their
 KV, and ``decode`` replicas (``disaggregated.decodeEngine`` on top) serving every class; both
 have a KV transfer endpoint.
+
+Tensor parallelism: every replica's model is split across ``spec.engine.tensorParallelSize``
+devices (:attr:`Pool.tensor_parallel_size`; default the GPUs per replica, 1 without). KV transfer
+between tensor-parallel replicas is not built yet, so a pool that moves KV between replicas
+(disaggregated, or auto with ``controller.disaggregate`` on) is refused above size 1.
 """
 
 from __future__ import annotations
@@ -23,9 +28,16 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from cadenza.node.core.config import ConfigError
+from cadenza.node.core.config import ConfigError, check_tensor_parallel
+from cadenza.node.embedded import (
+    EMBEDDED_MODEL_HEADS,
+    EMBEDDED_MODEL_INTERMEDIATE_SIZE,
+    EMBEDDED_MODEL_KV_HEADS,
+    EMBEDDED_MODEL_NAME,
+)
 from cadenza.pool.engine_args import ENGINE_KNOBS, POLICY_KEYS, engine_config, policy_document, serve_args
 
 MODEL_MOUNT = "/models"
@@ -36,7 +48,8 @@ KV_TRANSFER_ROLES = ("prefill", "decode")  # the roles whose replicas move promp
 _OVERRIDES = {"interactive": ("dedicated", "engine"), "prefill": ("disaggregated", "prefillEngine"),
               "decode": ("disaggregated", "decodeEngine")}  # role -> where its engine overrides are
 # What a prefill or decode role may set on top of the base: a decode replica takes the prefill
-# replica's KV blocks as they are, so the KV layout and the model length stay the pool's.
+# replica's KV blocks as they are, so the KV layout, the model length and the tensor-parallel size
+# stay the pool's.
 KV_ROLE_KEYS = frozenset({"tokenBudget", "chunkSize", "maxNumSeqs", "prefixCaching", "stepTimeTargetMs",
                           "kvCacheFraction", "classes", "tenants"})
 # Extended resources that give a replica GPUs (torch reaches both through its "cuda" device);
@@ -120,8 +133,9 @@ class Pool:
 
         Raises:
             PoolSpecError: an engine setting the engine refuses, a dedicated or disaggregated
-                split that leaves a role empty, or a prefill or decode override outside
-                :data:`KV_ROLE_KEYS` (the CRD refuses those too; ``cadenza up`` has no API server).
+                split that leaves a role empty, a prefill or decode override outside
+                :data:`KV_ROLE_KEYS` (the CRD refuses those too; ``cadenza up`` has no API server),
+                or a tensor-parallel size the pool cannot run (:meth:`_check_tensor_parallel`).
         """
         self.gpus  # noqa: B018 - a GPU count that is not a whole number raises here
         replicas = int(self.spec.get("replicas", 1))
@@ -144,6 +158,7 @@ class Pool:
             roles = [self.role_settings(first, n), self.role_settings(rest, replicas - n)]
         for role in roles:
             self._check(role)
+        self._check_tensor_parallel()
         return roles
 
     def routes(self) -> dict[str, str]:
@@ -168,8 +183,12 @@ class Pool:
     def role_settings(self, name: str, replicas: int = 0) -> Role:
         """The settings a role runs with under this spec — the base engine settings with the role's
         overrides on top — whether or not the mode runs it (for the policy file of a role being
-        retired, with 0 replicas)."""
+        retired, with 0 replicas). A pod of several GPUs and no ``tensorParallelSize`` gets one rank
+        per GPU (:attr:`tensor_parallel_size`); with one GPU or none the flag is left out, the
+        engine's default being the same 1 (so such a pool renders as it did before the field)."""
         base = dict(self.spec.get("engine", {}))
+        if "tensorParallelSize" not in base and self.gpus > 1:
+            base["tensorParallelSize"] = self.gpus
         if name in _OVERRIDES:
             section, key = _OVERRIDES[name]
             base = _merged(base, self.spec.get(section, {}).get(key, {}))
@@ -202,8 +221,10 @@ class Pool:
             raise PoolSpecError(f"{where}.{unknown[0]}: unknown engine setting (allowed here: "
                                 f"{', '.join(sorted(KV_ROLE_KEYS))})")
         if extra := sorted(set(overrides) - KV_ROLE_KEYS):
+            same_tp = (", so prefill and decode replicas must have the same tensor-parallel size "
+                       "(spec.engine.tensorParallelSize)") if "tensorParallelSize" in extra else ""
             raise PoolSpecError(f"{where} may not set {', '.join(extra)}: a decode replica takes the "
-                                "prefill replica's KV blocks as they are (allowed here: "
+                                f"prefill replica's KV blocks as they are{same_tp} (allowed here: "
                                 f"{', '.join(sorted(KV_ROLE_KEYS))})")
 
     def _check(self, role: Role) -> None:
@@ -211,6 +232,83 @@ class Pool:
             engine_config("/model", role.engine, self.model_name)
         except ConfigError as exc:
             raise PoolSpecError(f"role {role.name} (its engine overrides applied): {exc}") from None
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Devices each replica's model is split across: ``spec.engine.tensorParallelSize``, else
+        the GPUs per replica (:attr:`gpus`), else 1.
+
+        Raises:
+            PoolSpecError: as :attr:`gpus`.
+        """
+        given = self.spec.get("engine", {}).get("tensorParallelSize")
+        return given if given is not None else max(1, self.gpus)
+
+    def _check_tensor_parallel(self) -> None:
+        """Refuse a tensor-parallel size (:attr:`tensor_parallel_size`) this pool cannot run, where
+        that is knowable without a cluster:
+
+        - more ranks than the GPUs the pod asks for (a rank needs a GPU of its own; a pod without
+          GPUs runs every rank on its CPUs);
+        - above 1 in a pool that moves KV between replicas — a disaggregated pool, or an auto pool
+          whose controller may move a replica into the prefill role (:attr:`prefill_in_place`):
+          KV transfer between tensor-parallel replicas is not built yet;
+        - a size the model's heads or MLP do not split over
+          (:func:`~cadenza.node.core.config.check_tensor_parallel`, the engine's own rule), for the
+          embedded model and a ``model.source.path`` whose ``config.json`` is readable here (under
+          ``cadenza up``). A Hub or PVC model, or a path inside an image, is checked by the engine
+          at start: its replicas exit with the same message.
+
+        Raises:
+            PoolSpecError: naming ``spec.engine.tensorParallelSize`` (and where a defaulted value
+                came from) and the reason.
+        """
+        size, gpus = self.tensor_parallel_size, self.gpus
+        if not isinstance(size, int) or size == 1:
+            return  # a value that is not a size is the engine's to refuse (roles() did)
+        field = "spec.engine.tensorParallelSize"
+        given = f"{field} ({size})" if "tensorParallelSize" in self.spec.get("engine", {}) else \
+            f"{field} ({size}, defaulted from the {gpus} GPUs per replica)"
+        if gpus and size > gpus:
+            raise PoolSpecError(f"{field}: {size} ranks need {size} GPUs per replica, but spec.resources asks for "
+                                f"{gpus} (one GPU per rank: raise the GPU count or lower tensorParallelSize)")
+        if self.mode == "disaggregated":
+            raise PoolSpecError(f"{given}: KV transfer between tensor-parallel replicas is not built yet, and a "
+                                "disaggregated pool moves each long prompt's KV from a prefill replica to a decode "
+                                "replica (run it colocated, dedicated, or auto with spec.controller.disaggregate: "
+                                f"false; or set {field}: 1)")
+        if self.prefill_in_place:
+            raise PoolSpecError(f"{given}: KV transfer between tensor-parallel replicas is not built yet, and this "
+                                "auto pool's controller may move a replica into the prefill role, which sends its "
+                                "KV to the others (set spec.controller.disaggregate: false to keep the other rungs, "
+                                f"or {field}: 1)")
+        if (shape := self._model_shape()) is not None:
+            try:
+                check_tensor_parallel(size, *shape)
+            except ConfigError as exc:
+                raise PoolSpecError(f"{given}: {exc.reason}") from None
+
+    def _model_shape(self) -> tuple[int, int, int, str] | None:
+        """``(attention heads, KV heads, MLP intermediate size, the model as a message names it)``
+        when knowable here: the embedded model's, or a ``model.source.path``'s readable
+        ``config.json`` (relative to this process's folder, as ``cadenza up``'s replicas see it);
+        else None."""
+        source = self.spec["model"].get("source", {"embedded": True})
+        if source.get("embedded"):
+            return (EMBEDDED_MODEL_HEADS, EMBEDDED_MODEL_KV_HEADS, EMBEDDED_MODEL_INTERMEDIATE_SIZE,
+                    EMBEDDED_MODEL_NAME)
+        if "path" not in source:
+            return None
+        file = Path(source["path"]) / "config.json"
+        try:
+            config = json.loads(file.read_text(encoding="utf-8"))
+            heads, inter = config["num_attention_heads"], config["intermediate_size"]
+            kv = config.get("num_key_value_heads") or heads
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # not here (a path inside an image), or not a model the engine reads: its call
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (heads, kv, inter)):
+            return None
+        return heads, kv, inter, f"{self.model_name} ({file})"
 
     def gateway_args(self) -> list[str]:
         """``--slo-targets-ms`` with every SLO target of the pool (the gateway's histograms are dense

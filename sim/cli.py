@@ -15,7 +15,9 @@ either one overriding the trace's class column. The report gives, per class, TTF
 TPOT p50/p95/p99, SLO attainment and goodput against the pool's ``spec.slo``, throughput and
 drops; per run, KV usage, preemptions and the controller's actions (``auto``). ``--compare``
 runs the policies of :mod:`cadenza.sim.policies` side by side on the same trace and cost model;
-``--sweep`` finds each one's capacity at SLO.
+``--sweep`` finds each one's capacity at SLO. Each replica runs on the pool's tensor-parallel size
+(``spec.engine.tensorParallelSize``, else its GPUs per replica); ``--tp`` sets it for a pool that
+says neither, and must agree with one that does.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def register_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pool-name", help="which ServingPool of the file (default: the only one)")
     p.add_argument("--model", help="a shipped model (llama-3.1-8b, ...) or a config.json path (required)")
     p.add_argument("--hardware", help=f"a profile: {describe_profiles()}; or a .json file (required)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per replica (default 1)")
+    p.add_argument("--tp", type=int,
+                   help="tensor-parallel devices per replica (default: the pool's spec.engine.tensorParallelSize, "
+                        "else its GPUs per replica, else 1; given, it must agree with the pool's)")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (< 1: more load)")
     rate.add_argument("--qps-scale", type=float, help="multiply the request rate (2: twice the load)")
@@ -159,12 +163,13 @@ def _calibrate_dispatch(args: argparse.Namespace, steps, roofline) -> int:
 def run_sim(args: argparse.Namespace) -> int:
     from cadenza.loadgen.headers import ClassRule
     from cadenza.loadgen.trace import load_trace, scale_trace
-    from cadenza.pool.spec import PoolSpecError
+    from cadenza.pool.spec import Pool, PoolSpecError
     from cadenza.pool.validate import PoolValidationError, load_pools
     from cadenza.sim.disagg import KVLinkModel
     from cadenza.sim.hardware import ProfileError, load_profile
     from cadenza.sim.model_dims import ModelDimsError, load_model_dims
-    from cadenza.sim.policies import POLICIES, policies
+    from cadenza.sim.policies import POLICIES, left_out, policies
+    from cadenza.sim.pool import pool_tensor_parallel_size
     from cadenza.sim.roofline import Roofline
 
     missing = [f"--{name}" for name in ("trace", "pool", "model", "hardware") if getattr(args, name) is None]
@@ -187,17 +192,20 @@ def run_sim(args: argparse.Namespace) -> int:
         if len(pools) != 1:
             raise ValueError(f"{args.pool}: holds {len(pools)} ServingPools; name one with --pool-name")
         pool = pools[0]
+        Pool(pool["metadata"]["name"], "default", pool["spec"]).roles()  # it runs as it is (cadenza up's check)
+        tp = pool_tensor_parallel_size(pool, args.tp)
         hw = load_profile(args.hardware)
         if hw.cuda_graphs and (pool["spec"].get("engine") or {}).get("cudaGraphs") is False:
             hw = replace(hw, cuda_graphs=False)  # the pool's engines run every step eagerly
-        roofline = Roofline(load_model_dims(args.model), hw, args.tp)
+        roofline = Roofline(load_model_dims(args.model), hw, tp)
         own = {"colocated": "chunked-classes"}.get(pool["spec"].get("mode", "colocated"), pool["spec"].get("mode"))
         names = list(dict.fromkeys(args.compare or POLICIES)) if args.compare is not None else [own]
         link = KVLinkModel(args.kv_link_gbps * 1e9 / 8, args.kv_link_latency_us * 1e-6)
         runs_of = policies(pool, roofline, names, link)
+        skipped = {n: why for n in names if (why := left_out(pool, n)) is not None}
         if not runs_of:
-            raise ValueError(f"--compare {' '.join(names)}: a pool of one replica has no dedicated split to run")
-        skipped = [n for n in names if n not in {p.name for p in runs_of}]
+            raise ValueError(f"--compare {' '.join(names)}: nothing to run ("
+                             f"{'; '.join(f'{n}: {why}' for n, why in skipped.items())})")
         trace = scale_trace(load_trace(args.trace), time_scale=time_scale, length_scale=args.length_scale,
                             num_requests=args.num_requests).requests
         if args.traffic_class is not None or args.batch_above is not None:
@@ -209,8 +217,8 @@ def run_sim(args: argparse.Namespace) -> int:
     except (OSError, ValueError, PoolValidationError, PoolSpecError, ProfileError, ModelDimsError) as exc:
         print(f"cadenza sim: {exc}", file=sys.stderr)
         return 2
-    for name in skipped:
-        print(f"cadenza sim: {name} skipped: a pool of one replica has no split", file=sys.stderr)
+    for name, why in skipped.items():
+        print(f"cadenza sim: {name} skipped: {why}", file=sys.stderr)
     started = time.perf_counter()
     runs = {}
     for policy in runs_of:

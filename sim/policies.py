@@ -13,7 +13,8 @@ and engine knobs under each way of scheduling them, on the same trace and cost m
 - ``auto``: cadenza's hybrid mode, its controller moving replicas and retuning knobs at run time.
 
 Each is the pool document with its ``spec.mode`` (and, for the split, ``spec.dedicated``) set,
-laid out by :func:`cadenza.sim.pool.fleet_layout` as ``cadenza up`` would run it.
+laid out by :func:`cadenza.sim.pool.fleet_layout` as ``cadenza up`` would run it; one that the
+pool could not run that way is left out, and :func:`left_out` says why.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.loadgen.trace import TraceRequest
+from cadenza.pool.spec import Pool
 from cadenza.sim.baselines import PrefillFirstScheduler
 from cadenza.control.loop import ControlLoop
 from cadenza.sim.client import ConcurrencyLimit
@@ -93,11 +95,32 @@ def _with_mode(pool: Mapping[str, Any], mode: str) -> dict:
     return doc
 
 
+def left_out(pool: Mapping[str, Any], name: str) -> str | None:
+    """Why :func:`policies` leaves policy ``name`` out for ``pool`` (a validated ServingPool
+    document), or None when it runs it: ``dedicated`` and ``disaggregated`` need two replicas to
+    split; ``disaggregated``, and ``auto`` with its prefill rung (``controller.disaggregate``),
+    move KV between replicas, which tensor-parallel replicas cannot yet (as the pool refuses).
+
+    Raises:
+        PoolSpecError: a GPU count that is not a whole number.
+    """
+    if name in ("dedicated", "disaggregated") and int(pool["spec"].get("replicas", 1)) < 2:
+        return "a pool of one replica has no split"
+    if name in ("disaggregated", "auto"):
+        doc = _with_mode(pool, name)
+        p = Pool(doc["metadata"]["name"], doc["metadata"].get("namespace", "default"), doc["spec"])
+        if (name == "disaggregated" or p.prefill_in_place) and p.tensor_parallel_size != 1:
+            hint = "; spec.controller.disaggregate: false runs auto without its prefill rung" if name == "auto" else ""
+            return (f"KV transfer between tensor-parallel replicas is not built yet (this pool's tensor-parallel "
+                    f"size: {p.tensor_parallel_size}){hint}")
+    return None
+
+
 def policies(pool: Mapping[str, Any], roofline: Roofline, names: Sequence[str] = POLICIES,
              link: KVLinkModel | None = None) -> list[Policy]:
-    """The named policies of ``pool`` (a validated ServingPool document); ``dedicated`` and
-    ``disaggregated`` are left out of a one-replica pool, which cannot be split. ``link``: the
-    KV link a disaggregated pool moves prompts over.
+    """The named policies of ``pool`` (a validated ServingPool document), less those
+    :func:`left_out` says it cannot run. ``link``: the KV link a disaggregated pool moves
+    prompts over.
 
     Raises:
         ValueError: an unknown policy name, or a pool the engine refuses.
@@ -107,9 +130,9 @@ def policies(pool: Mapping[str, Any], roofline: Roofline, names: Sequence[str] =
         raise ValueError(f"unknown policies {unknown}: choose from {', '.join(POLICIES)}")
     out = []
     for name in names:
+        if left_out(pool, name) is not None:
+            continue
         if name in ("dedicated", "disaggregated"):
-            if int(pool["spec"].get("replicas", 1)) < 2:
-                continue
             out.append(Policy(name, fleet_layout(_with_mode(pool, name), roofline), link=link))
         elif name == "auto":
             out.append(Policy(name, fleet_layout(_with_mode(pool, "auto"), roofline)))

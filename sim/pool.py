@@ -49,6 +49,28 @@ class FleetLayout:
     prefill_knobs: dict[str, float | None] | None = None
 
 
+def pool_tensor_parallel_size(pool: Mapping[str, Any], given: int | None = None) -> int:
+    """The devices per replica to simulate: the pool's tensor-parallel size when it says one
+    (``spec.engine.tensorParallelSize``, else the GPUs per replica it asks for:
+    :attr:`~cadenza.pool.spec.Pool.tensor_parallel_size`), else ``given`` (``--tp``), else 1.
+
+    Raises:
+        ValueError: ``given`` and the pool's size differ (naming both).
+        PoolSpecError: a GPU count that is not a whole number.
+    """
+    spec = pool["spec"]
+    p = Pool(pool["metadata"]["name"], pool["metadata"].get("namespace", "default"), spec)
+    explicit = "tensorParallelSize" in (spec.get("engine") or {})
+    if not explicit and not p.gpus:
+        return 1 if given is None else given
+    size = p.tensor_parallel_size
+    if given is not None and given != size:
+        said = "spec.engine.tensorParallelSize" if explicit else f"its {p.gpus} GPUs per replica"
+        raise ValueError(f"--tp {given} differs from the pool's tensor-parallel size {size} ({said}): "
+                         "leave --tp out, or change the pool")
+    return size
+
+
 def fleet_layout(pool: Mapping[str, Any], roofline: Roofline, model_max_len: int = 131072) -> FleetLayout:
     """The layout of one validated ServingPool document on ``roofline``'s hardware.
 

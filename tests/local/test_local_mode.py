@@ -122,6 +122,18 @@ def test_a_pool_of_zero_replicas_is_refused_locally(tmp_path, tiny_llama_dir):
         plan(pool, tmp_path, "127.0.0.1", 8123)
 
 
+def test_a_tensor_parallel_size_the_local_models_heads_do_not_split_is_refused_before_anything_starts(
+        tmp_path, tiny_llama_dir):
+    engine = {"tokenBudget": 64, "chunkSize": 16, "maxModelLen": 256}
+    pool = validate_pool(yaml.safe_load(pool_yaml(tmp_path / "p.yaml", tiny_llama_dir,
+                                                  engine={**engine, "tensorParallelSize": 3}).read_text()))
+    with pytest.raises(PoolSpecError, match=r"3 does not divide tiny \(.*config.json\)'s 4 attention heads"):
+        plan(pool, tmp_path, "127.0.0.1", 8123)
+    pool["spec"]["engine"]["tensorParallelSize"] = 2  # 4 heads, 2 KV heads: every rank on this machine's CPUs
+    replicas, _ = plan(pool, tmp_path, "127.0.0.1", 8123)
+    assert replicas[0].cmd[replicas[0].cmd.index("--tensor-parallel-size") + 1] == "2"
+
+
 def test_a_busy_port_is_refused_before_any_replica_starts(tmp_path, tiny_llama_dir):
     import socket
 

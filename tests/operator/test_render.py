@@ -322,6 +322,19 @@ def test_gpus_in_requests_alone_or_from_amd_are_gpus_too(resources):
     assert strategy == {"maxSurge": 0, "maxUnavailable": 1}
 
 
+def test_a_pod_of_several_gpus_runs_one_rank_per_gpu_and_a_tensor_parallel_pod_gets_shared_memory():
+    container = engine(by_name(render_all(pool(resources={"limits": {"nvidia.com/gpu": 4}}), OWNER)), "colocated")
+    assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "4"
+    one = engine(by_name(render_all(pool(resources={"limits": {"nvidia.com/gpu": 1}}), OWNER)), "colocated")
+    assert "--tensor-parallel-size" not in one["args"]  # the engine's default: pools from before the field do not roll
+    cpu = by_name(render_all(pool(engine={**BASE["engine"], "tensorParallelSize": 2}), OWNER))
+    assert engine(cpu, "colocated")["args"][engine(cpu, "colocated")["args"].index("--tensor-parallel-size") + 1] == "2"
+    pod = cpu[("Deployment", "chat-colocated")]["spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]  # the ranks' arena (> 64 MiB at 8)
+    plain = by_name(render_all(pool(), OWNER))[("Deployment", "chat-colocated")]["spec"]["template"]["spec"]
+    assert not any(v["name"] == "dshm" for v in plain["volumes"])
+
+
 @pytest.mark.parametrize("value", ["1.5", "500m", "1Gi", -1])
 def test_a_gpu_count_that_is_not_whole_is_a_spec_error_not_a_crash(value):
     with pytest.raises(PoolSpecError, match="whole number of GPUs"):

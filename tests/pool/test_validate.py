@@ -42,10 +42,11 @@ def problems_of(obj: dict, schema: dict | None = None) -> list[str]:
 # --- accepted pools and defaults ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("example", ["quickstart-cpu.yaml", "chat-gpu.yaml"])
-def test_example_pools_validate(example):
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_example_pools_validate_and_run(example):
     [pool_] = load_pools(EXAMPLES / example)
     assert pool_["kind"] == "ServingPool"
+    assert Pool(pool_["metadata"]["name"], "default", pool_["spec"]).roles()  # what only the engine's rules see
 
 
 def test_examples_have_the_documented_shape():
@@ -57,6 +58,10 @@ def test_examples_have_the_documented_shape():
     assert gpu["spec"]["mode"] == "auto" and gpu["spec"]["replicas"] == 4
     assert gpu["spec"]["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert gpu["spec"]["dedicated"]["engine"]["chunkSize"] < gpu["spec"]["engine"]["chunkSize"]
+    [big] = load_pools(EXAMPLES / "llama-70b-tp4.yaml")
+    big_pool = Pool("llama-70b", "default", big["spec"])
+    assert big_pool.mode == "colocated" and big_pool.gpus == big_pool.tensor_parallel_size == 4
+    assert big_pool.hub_model == "hf://meta-llama/Llama-3.1-70B-Instruct@main"
 
 
 def test_defaults_land_where_the_crd_puts_them():
@@ -468,7 +473,8 @@ def test_a_role_of_a_disaggregated_pool_may_not_change_the_kv_layout(role, key, 
     assert problems == ["spec.disaggregated: disaggregated.prefillEngine and decodeEngine take only tokenBudget, "
                         "chunkSize, maxNumSeqs, prefixCaching, stepTimeTargetMs, kvCacheFraction, classes and tenants: "
                         "a decode replica takes the prefill replica's KV blocks as they are, so the KV layout and the "
-                        "model length (blockSize, maxModelLen) stay the pool's"]
+                        "model length (blockSize, maxModelLen) stay the pool's, and prefill and decode replicas must "
+                        "have the same tensor-parallel size (tensorParallelSize)"]
     validate_pool(pool(mode="disaggregated", replicas=2, disaggregated={role: {"chunkSize": 64}}))
 
 
