@@ -16,9 +16,8 @@ KV, and ``decode`` replicas (``disaggregated.decodeEngine`` on top) serving ever
 have a KV transfer endpoint.
 
 Tensor parallelism: every replica's model is split across ``spec.engine.tensorParallelSize``
-devices (:attr:`Pool.tensor_parallel_size`; default the GPUs per replica, 1 without). KV transfer
-between tensor-parallel replicas is not built yet, so a pool that moves KV between replicas
-(disaggregated, or auto with ``controller.disaggregate`` on) is refused above size 1.
+devices (:attr:`Pool.tensor_parallel_size`; default the GPUs per replica, 1 without), the same in
+every role: a decode replica takes a prefill replica's KV only from a peer of its own size.
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cadenza.node.core.config import ConfigError, check_tensor_parallel
+from cadenza.node.core.config import ConfigError
+from cadenza.node.core.parallel import check_tensor_parallel
 from cadenza.node.embedded import (
     EMBEDDED_MODEL_HEADS,
     EMBEDDED_MODEL_INTERMEDIATE_SIZE,
@@ -250,11 +250,8 @@ class Pool:
 
         - more ranks than the GPUs the pod asks for (a rank needs a GPU of its own; a pod without
           GPUs runs every rank on its CPUs);
-        - above 1 in a pool that moves KV between replicas — a disaggregated pool, or an auto pool
-          whose controller may move a replica into the prefill role (:attr:`prefill_in_place`):
-          KV transfer between tensor-parallel replicas is not built yet;
         - a size the model's heads or MLP do not split over
-          (:func:`~cadenza.node.core.config.check_tensor_parallel`, the engine's own rule), for the
+          (:func:`~cadenza.node.core.parallel.check_tensor_parallel`, the engine's own rule), for the
           embedded model and a ``model.source.path`` whose ``config.json`` is readable here (under
           ``cadenza up``). A Hub or PVC model, or a path inside an image, is checked by the engine
           at start: its replicas exit with the same message.
@@ -272,16 +269,6 @@ class Pool:
         if gpus and size > gpus:
             raise PoolSpecError(f"{field}: {size} ranks need {size} GPUs per replica, but spec.resources asks for "
                                 f"{gpus} (one GPU per rank: raise the GPU count or lower tensorParallelSize)")
-        if self.mode == "disaggregated":
-            raise PoolSpecError(f"{given}: KV transfer between tensor-parallel replicas is not built yet, and a "
-                                "disaggregated pool moves each long prompt's KV from a prefill replica to a decode "
-                                "replica (run it colocated, dedicated, or auto with spec.controller.disaggregate: "
-                                f"false; or set {field}: 1)")
-        if self.prefill_in_place:
-            raise PoolSpecError(f"{given}: KV transfer between tensor-parallel replicas is not built yet, and this "
-                                "auto pool's controller may move a replica into the prefill role, which sends its "
-                                "KV to the others (set spec.controller.disaggregate: false to keep the other rungs, "
-                                f"or {field}: 1)")
         if (shape := self._model_shape()) is not None:
             try:
                 check_tensor_parallel(size, *shape)

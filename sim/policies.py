@@ -27,7 +27,6 @@ from typing import Any
 
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.loadgen.trace import TraceRequest
-from cadenza.pool.spec import Pool
 from cadenza.sim.baselines import PrefillFirstScheduler
 from cadenza.control.loop import ControlLoop
 from cadenza.sim.client import ConcurrencyLimit
@@ -98,21 +97,9 @@ def _with_mode(pool: Mapping[str, Any], mode: str) -> dict:
 def left_out(pool: Mapping[str, Any], name: str) -> str | None:
     """Why :func:`policies` leaves policy ``name`` out for ``pool`` (a validated ServingPool
     document), or None when it runs it: ``dedicated`` and ``disaggregated`` need two replicas to
-    split; ``disaggregated``, and ``auto`` with its prefill rung (``controller.disaggregate``),
-    move KV between replicas, which tensor-parallel replicas cannot yet (as the pool refuses).
-
-    Raises:
-        PoolSpecError: a GPU count that is not a whole number.
-    """
+    split."""
     if name in ("dedicated", "disaggregated") and int(pool["spec"].get("replicas", 1)) < 2:
         return "a pool of one replica has no split"
-    if name in ("disaggregated", "auto"):
-        doc = _with_mode(pool, name)
-        p = Pool(doc["metadata"]["name"], doc["metadata"].get("namespace", "default"), doc["spec"])
-        if (name == "disaggregated" or p.prefill_in_place) and p.tensor_parallel_size != 1:
-            hint = "; spec.controller.disaggregate: false runs auto without its prefill rung" if name == "auto" else ""
-            return (f"KV transfer between tensor-parallel replicas is not built yet (this pool's tensor-parallel "
-                    f"size: {p.tensor_parallel_size}){hint}")
     return None
 
 

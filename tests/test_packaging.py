@@ -111,11 +111,12 @@ MAY_IMPORT = {
     "local": {"node", "pool", "control"},
     "sim": {"node", "pool", "control", "gateway", "loadgen"},
 }
-# What of the node the control plane may use: its contracts (knobs and their checks, traffic
-# classes, header and metric names, the pool's credentials, how a process reads OTEL_*, a Hub
-# download, the embedded model, the KV-transfer rule) - never the engine, runner, front end or
-# server. The gateway also serves HTTP with the node's plumbing; the simulator runs the scheduler.
-NODE_CONTRACTS = {"cadenza.node.core.config", "cadenza.node.core.policy", "cadenza.node.core.knobs", "cadenza.node.wire",
+# What of the node the control plane may use: its contracts (knobs and their checks, the
+# tensor-parallel size rule, traffic classes, header and metric names, the pool's credentials, how
+# a process reads OTEL_*, a Hub download, the embedded model, the KV-transfer rule) - never the
+# engine, runner, front end or server. The gateway also serves HTTP with the node's plumbing; the simulator runs the scheduler.
+NODE_CONTRACTS = {"cadenza.node.core.config", "cadenza.node.core.policy", "cadenza.node.core.knobs",
+                  "cadenza.node.core.parallel", "cadenza.node.wire",
                   "cadenza.node.credentials", "cadenza.node.metric_names", "cadenza.node.otel", "cadenza.node.hub",
                   "cadenza.node.embedded", "cadenza.node.kv_transfer.threshold"}
 NODE_ALSO = {"gateway": ("cadenza.node.http.",), "sim": ("cadenza.node.core.",)}

@@ -98,15 +98,14 @@ class EngineCore:
         self.step_time_s: deque[float] = deque(maxlen=1024)  # measured model time of recent steps
 
     def _start_workers(self, config: EngineConfig, rope_len: int, weights_seed: int | None) -> Workers:
-        """Ranks 1 .. N-1 (:mod:`cadenza.node.engine.tp_workers`). On the CPU the ranks share this
-        process's torch threads (at least one each); on GPUs each worker keeps as many."""
+        """Ranks 1 .. N-1 (:mod:`cadenza.node.engine.tp_workers`). The ranks share this process's
+        torch threads (the pod's CPUs), at least one each: on the CPU they compute, on GPUs they
+        only launch, and more threads than CPUs would throttle either."""
         import torch
 
-        threads = torch.get_num_threads()
-        if not config.device.startswith("cuda"):
-            self._threads_before = threads
-            threads = max(1, threads // config.tensor_parallel_size)
-            torch.set_num_threads(threads)
+        self._threads_before = torch.get_num_threads()
+        threads = max(1, self._threads_before // config.tensor_parallel_size)
+        torch.set_num_threads(threads)
         return Workers(config, rope_len, weights_seed, threads)
 
     def _fingerprint(self) -> Fingerprint:

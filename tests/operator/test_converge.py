@@ -72,16 +72,16 @@ def test_a_gpu_count_the_schema_let_through_is_reported_once_not_retried(cluster
     assert degraded["reason"] == "InvalidSpec" and "GPU" in degraded["message"] and cluster["applied"] == []
 
 
-def test_a_multi_gpu_auto_pool_that_may_disaggregate_is_an_invalid_spec_saying_how_to_run_it(cluster):
-    bad = {**BODY, "spec": {**BODY["spec"], "mode": "auto", "resources": {"limits": {"nvidia.com/gpu": 4}}}}
+def test_more_ranks_than_gpus_per_replica_is_an_invalid_spec_saying_why(cluster):
+    bad = {**BODY, "spec": {**BODY["spec"], "mode": "auto", "engine": {"tensorParallelSize": 8},
+                            "resources": {"limits": {"nvidia.com/gpu": 4}}}}
     patch = kopf.Patch()
     b = kopf.Body(bad)
     with pytest.raises(kopf.PermanentError, match="tensorParallelSize"):
         reconcile(body=b, meta=b.metadata, patch=patch, logger=logging.getLogger("test"), memo=cluster.memo)
     degraded = next(c for c in patch["status"]["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "InvalidSpec" and cluster["applied"] == []
-    assert "defaulted from the 4 GPUs per replica" in degraded["message"]
-    assert "spec.controller.disaggregate: false" in degraded["message"]
+    assert "8 ranks need 8 GPUs per replica, but spec.resources asks for 4" in degraded["message"]
 
 
 def test_pod_settings_that_clash_with_the_operators_are_an_invalid_spec(cluster):

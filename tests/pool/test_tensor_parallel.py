@@ -115,22 +115,11 @@ def test_a_path_models_config_json_is_read_when_it_is_here(tmp_path):
     read({"tensorParallelSize": 8}, model={"name": "mid", "source": {"path": str(tmp_path / "absent")}}).roles()
 
 
-@pytest.mark.parametrize("engine, resources, given", [
-    ({"tensorParallelSize": 2}, {}, "spec.engine.tensorParallelSize (2)"),
-    ({}, gpus(4), "spec.engine.tensorParallelSize (4, defaulted from the 4 GPUs per replica)"),
-])
-def test_a_disaggregated_pool_is_refused_above_one_rank(engine, resources, given):
-    message = refusal(read(engine, resources=resources, mode="disaggregated"))
-    assert message.startswith(f"{given}: KV transfer between tensor-parallel replicas is not built yet")
-    read({**engine, "tensorParallelSize": 1}, resources=resources, mode="disaggregated").roles()
-
-
-def test_an_auto_pool_is_refused_above_one_rank_unless_its_controller_keeps_kv_in_place():
-    message = refusal(read(resources=gpus(2), mode="auto"))
-    assert "KV transfer between tensor-parallel replicas is not built yet" in message
-    assert "set spec.controller.disaggregate: false" in message
-    pool = read(resources=gpus(2), mode="auto", controller={"disaggregate": False})
-    assert [(r.name, r.engine["tensorParallelSize"], r.kv_transfer) for r in pool.roles()] == [("auto", 2, False)]
+@pytest.mark.parametrize("mode", ["disaggregated", "auto"])
+def test_pools_that_move_kv_between_replicas_run_at_any_size_the_same_on_every_role(mode):
+    # KV moves between tensor-parallel replicas of the same size (the engine gathers every rank's heads)
+    roles = read(resources=gpus(4), mode=mode).roles()
+    assert {(r.engine["tensorParallelSize"], r.kv_transfer) for r in roles} == {(4, True)}
 
 
 @pytest.mark.parametrize("role", ["prefillEngine", "decodeEngine"])
