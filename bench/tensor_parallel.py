@@ -12,9 +12,12 @@ run by the engine core (``EngineCore``, no server) three ways in one run:
 
 Each measures decode at batch 8 (8 requests of 64-token prompts, ``DECODE_STEPS`` steps timed
 after two warm-up steps) and prefill (one ``PREFILL_TOKENS``-token prompt in one step, best of
-``PREFILL_ROUNDS``). On rank 0 it also times, per decode step, the all-reduces (three per layer
-pair... two per layer and one after the embedding: 33 here; the time includes waiting for the
-other rank) and the broadcast of the step's input arrays, as shares of the step.
+``PREFILL_ROUNDS``). On rank 0 it also times, per decode step, the all-reduces (two per layer and
+one after the embedding: 33 here) and the broadcast of the step's input arrays; both include
+waiting for the other rank to arrive. What an all-reduce itself costs is measured apart
+(:func:`all_reduce_latency`: two processes doing nothing else, a decode step's ``[8, 2048]`` fp32
+message, over shared memory and over gloo), and its share of a step is that cost x 33 over the
+step's time.
 
 Target (issue 32): size 2 decodes >= 1.5x size 1's tok/s (``ratio``). The model is a decode step's
 worth of weights read from memory (4.9 GB at size 1, 2.5 GB per rank at size 2), so what size 2
@@ -136,6 +139,52 @@ def _nothing():
     yield
 
 
+def _peer(kind: str, folder: str, rounds: int, shape: tuple[int, int]) -> None:
+    """Rank 1 of :func:`all_reduce_latency` (a spawned process)."""
+    torch.set_num_threads(1)
+    group = _group(kind, Path(folder), 1)
+    x = torch.ones(shape)
+    for _ in range(rounds):
+        group.all_reduce(x)
+    group.close()
+
+
+def _group(kind: str, folder: Path, rank: int):
+    import torch.distributed as dist
+
+    from cadenza.node.runner.collectives import ShmGroup, TorchGroup
+
+    if kind == "shm":
+        return ShmGroup(folder / "arena", rank, 2)
+    return TorchGroup("gloo", dist.FileStore(str(folder / "store"), 2), rank, 2)
+
+
+def all_reduce_latency(kind: str, rounds: int, shape: tuple[int, int] = (BATCH, 2048)) -> float:
+    """Microseconds one all-reduce of ``shape`` fp32 takes between two processes (``shm`` or
+    ``gloo``), one thread each, median of ``rounds`` after a warm-up."""
+    import multiprocessing
+
+    from cadenza.node.runner.collectives import create_arena
+
+    torch.set_num_threads(1)
+    folder = Path(tempfile.mkdtemp(prefix="tp-allreduce-"))
+    try:
+        create_arena(folder / "arena", 2)
+        peer = multiprocessing.get_context("spawn").Process(target=_peer, args=(kind, str(folder), rounds, shape))
+        peer.start()
+        group = _group(kind, folder, 0)
+        x, times = torch.ones(shape), []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            group.all_reduce(x)
+            times.append(time.perf_counter() - started)
+        peer.join(timeout=60)
+        group.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return round(1e6 * sorted(times[rounds // 10:])[len(times[rounds // 10:]) // 2], 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -153,6 +202,16 @@ def main() -> None:
             runs.append(measure(folder, 2, "gloo", steps, prefill, rounds))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    width = config["hidden_size"]
+    latency = {kind: all_reduce_latency(kind, 200 if args.quick else 2000, (BATCH, width)) for kind in ("shm", "gloo")}
+    layers = config["num_hidden_layers"]
+    for run in runs[1:]:
+        kind = run["collectives"] if args.device == "cpu" else None
+        if kind in latency:  # the all-reduce's own cost per step, as a share of the step
+            run["all_reduce_alone_us"] = latency[kind]
+            run["all_reduce_alone_share"] = round((2 * layers + 1) * latency[kind] / 1000 / run["decode_step_ms"], 4)
+    print(f"all-reduce of a [{BATCH}, {width}] fp32 decode message between two processes: "
+          f"shared memory {latency['shm']} us, gloo {latency['gloo']} us (median)")
     print(f"{'run':<14} {'decode tok/s':>12} {'step ms':>8} {'all-reduce':>10} {'broadcast':>10} {'prefill tok/s':>13}")
     for run in runs:
         name = f"size {run['tp']}" + (f" {run['collectives']}" if run["collectives"] and args.device == "cpu"
