@@ -15,10 +15,10 @@ Two implementations of one small interface (:class:`Group`):
   rank may start op ``k + 1`` while a slower one still reads op ``k``: it cannot reach op ``k + 2``
   (which reuses ``k``'s set) before every rank has entered ``k + 1``, i.e. finished reading ``k``.
   Every rank sums the slots in rank order, so all ranks hold bit-identical results. Tensors larger
-  than a slot go through in pieces. This is the CPU engine's default: gloo's TCP all-reduce takes
-  ~1.4 ms here even for 16 floats (``bench/tensor_parallel.py`` measures both), as long as a small
-  model's whole decode layer. vLLM's CPU backend uses a shared-memory all-reduce for the same
-  reason. Waits spin, then yield, then sleep (an idle replica's workers do not burn their cores).
+  than a slot go through in pieces. This is the CPU engine's default: on this project's machine a
+  decode step's all-reduce (64 KiB) takes 29 us here and 383 us over gloo's TCP, whose background
+  threads also compete with the compute for the cores (``bench/tensor_parallel.py``,
+  docs/benchmarks.md). vLLM's CPU backend uses a shared-memory all-reduce for the same reason. Waits spin, then yield, then sleep (an idle replica's workers do not burn their cores).
   Stores are ordered as x86-64 orders them (total store order: a slot's data is visible before its
   sequence number); other architectures use gloo.
 - :class:`TorchGroup`: a ``torch.distributed`` backend built without the global process group
