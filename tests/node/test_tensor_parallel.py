@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -231,6 +233,51 @@ def test_an_idle_replica_notices_a_dead_worker_at_its_next_poll(tiny_llama_dir):
             time.sleep(0.05)
         with pytest.raises(TensorParallelError, match="died"):
             engine.core.poll()
+
+
+def test_an_engine_built_in_a_thread_that_ends_keeps_its_workers(tiny_llama_dir, engines):
+    # PR_SET_PDEATHSIG fires when the thread that forked a worker ends, not its process: an engine
+    # built in a short-lived thread (a thread pool's, a loader's) must not lose its workers with it
+    engines[1].core.reconfigure({"token_budget": 64, "chunk_size": 16, "prefix_caching": True})
+    expected = engines[1].generate(PROMPTS[:3], GREEDY)
+    built: list[Engine] = []
+    loader = threading.Thread(target=lambda: built.append(Engine.from_model(
+        tiny_llama_dir, max_model_len=320, tensor_parallel_size=2, token_budget=64, chunk_size=16)))
+    loader.start()
+    loader.join()
+    with built[0] as engine:
+        time.sleep(0.5)  # the watcher would have seen a killed worker by now
+        assert engine.core.workers.failure is None
+        assert engine.generate(PROMPTS[:3], GREEDY) == expected
+
+
+def test_a_worker_exits_once_rank_0_is_gone(tmp_path):
+    # rank 0 here is a process that starts a "worker" watching it, without the death signal, and exits
+    pid_file = tmp_path / "pid"
+    rank0 = ("import os, subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import sys; "
+             "from cadenza.node.engine.tp_workers import watch_parent; watch_parent(int(sys.argv[1]), 0.05)', "
+             f"str(os.getpid())]); open({str(pid_file)!r}, 'w').write(str(p.pid)); sys.stdin.read()")
+    parent = subprocess.Popen([sys.executable, "-c", rank0], stdin=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+
+    def alive() -> bool:
+        try:
+            with open(f"/proc/{worker}/stat") as f:
+                return f.read().split(") ", 1)[1][0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    time.sleep(1)
+    assert alive()  # watching a live rank 0
+    parent.communicate(b"", timeout=30)  # rank 0 exits
+    deadline = time.monotonic() + 30
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive()
 
 
 def test_closing_stops_the_workers_and_removes_their_folder(tiny_llama_dir):
