@@ -224,6 +224,34 @@ def test_a_killed_worker_fails_the_replica_at_once_and_leaves_nothing_behind(tin
     assert not workers.folder.exists()
 
 
+def test_rank_0_failing_mid_step_fails_the_replica_instead_of_leaving_the_ranks_out_of_step(tiny_llama_dir, engines):
+    # a worker waiting in a collective rank 0 never issues would read rank 0's next op as that one
+    # (before: summed headers into activations, then read a float as a 100 GB input size)
+    engines[1].core.reconfigure({"token_budget": 64, "chunk_size": 16, "prefix_caching": True})
+    expected = engines[1].generate(PROMPTS[:2], GREEDY)
+    with Engine.from_model(tiny_llama_dir, max_model_len=320, tensor_parallel_size=2, token_budget=64,
+                           chunk_size=16) as engine:
+        runner = engine.runner
+        prepare, mlp = runner.inputs.prepare, runner.model.layers[1].mlp
+        runner.inputs.prepare = lambda *a: (_ for _ in ()).throw(ValueError("before the workers heard"))
+        engine.add_request("early", PROMPTS[0], GREEDY)
+        with pytest.raises(ValueError, match="before the workers heard"):
+            engine.step()
+        engine.abort_request("early")
+        runner.inputs.prepare = prepare
+        assert engine.generate(PROMPTS[:2], GREEDY) == expected  # still in step
+
+        mlp.forward = lambda x: (_ for _ in ()).throw(RuntimeError("rank 0 only"))
+        engine.add_request("mid", PROMPTS[0], GREEDY)
+        with pytest.raises(TensorParallelError, match=r"rank 0 failed in the middle of a step \(RuntimeError: rank 0 "
+                                                      r"only\); the ranks are out of step"):
+            engine.step()
+        deadline = time.monotonic() + 10
+        while engine.core.workers.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "exit code 1" in engine.core.workers.failure  # the worker left its aborted wait
+
+
 def test_an_idle_replica_notices_a_dead_worker_at_its_next_poll(tiny_llama_dir):
     with Engine.from_model(tiny_llama_dir, max_model_len=320, tensor_parallel_size=2) as engine:
         [pid] = engine.core.workers.pids.values()
