@@ -22,7 +22,7 @@ import torch
 from cadenza.node.core.config import ConfigError, EngineConfig
 from cadenza.node.core.request import SamplingParams
 from cadenza.node.frontend.llm import Engine
-from cadenza.node.runner.collectives import SLOT_BYTES, ShmGroup, TensorParallelError, create_arena
+from cadenza.node.runner.collectives import SLOT_BYTES, ShmGroup, TensorParallelError, TorchGroup, create_arena
 from cadenza.node.runner.models.config import ModelConfig
 from cadenza.node.runner.tp_shards import ShardPlan
 
@@ -152,6 +152,37 @@ def test_a_wait_on_a_rank_whose_process_is_gone_fails(tmp_path):
         g0.all_reduce(torch.ones(4))
     assert time.monotonic() - started < 5
     g0.close()
+
+
+def test_a_gloo_worker_waits_for_the_next_step_longer_than_the_group_timeout(tmp_path):
+    # a worker waits in a broadcast for rank 0's next step as long as the replica idles: under the
+    # group's timeout (600 s in an engine) an idle gloo replica's workers failed and the replica died
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    groups: dict[int, TorchGroup] = {}
+    starts = [threading.Thread(target=lambda r=r: groups.setdefault(r, TorchGroup("gloo", store, r, 2, timeout_s=1.0)))
+              for r in (0, 1)]
+    for t in starts:
+        t.start()
+    for t in starts:
+        t.join()
+    got: list = []
+
+    def worker() -> None:
+        try:
+            got.append(groups[1].broadcast(torch.zeros(3, dtype=torch.int64)).tolist())
+        except TensorParallelError as exc:
+            got.append(exc)
+
+    waiting = threading.Thread(target=worker)
+    waiting.start()
+    time.sleep(2.5)  # rank 0 idles past the 1 s timeout
+    groups[0].broadcast(torch.tensor([1, 2, 3]))
+    waiting.join(30)
+    assert got == [[1, 2, 3]]
+    for g in groups.values():
+        g.close()
 
 
 # -- the engine ---------------------------------------------------------------------------------------
