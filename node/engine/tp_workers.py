@@ -15,7 +15,9 @@ exits before it was told to stop, the collectives are aborted (so the step in fl
 once) and :attr:`Workers.failure` says which, which the engine raises on its next step or idle
 poll (:meth:`cadenza.node.engine.engine_core.EngineCore.poll`): the core process reports itself
 dead and exits, the server answers ``/health`` 503 and exits. A worker dies with its parent
-(``PR_SET_PDEATHSIG``, and its waits check rank 0's process), so no rank outlives the replica.
+(a thread of it watches rank 0's process; ``PR_SET_PDEATHSIG`` too when rank 0 starts it from its
+main thread: the signal follows the thread that forked, not the process, so a worker started from
+a thread that then ends would be killed with a live rank 0), so no rank outlives the replica.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ logger = logging.getLogger("cadenza.tp")
 
 COLLECTIVES_ENV = "CADENZA_TP_COLLECTIVES"  # shm (default on the CPU) | gloo; NCCL on CUDA whatever it says
 STOP_GRACE_S = 10.0
+PARENT_CHECK_S = 0.25  # how often a worker checks that rank 0's process still lives
 _ARENA, _START, _STORE = "collectives", "start.json", "store"
 _PR_SET_PDEATHSIG = 1
 
@@ -123,7 +126,9 @@ class Workers:
                     [sys.executable, "-m", "cadenza.node.engine.tp_workers", "--folder", str(self.folder),
                      "--rank", str(rank), "--parent", str(os.getpid()),
                      "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())],
-                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                    stdin=subprocess.DEVNULL,
+                    # the death signal follows the forking thread: only the main thread lives as long as rank 0
+                    preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None)
             self.collectives = connect(self.folder, 0, self.size, config.device)
         except BaseException:
             self.kill()
@@ -200,6 +205,15 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def watch_parent(parent: int, period_s: float = PARENT_CHECK_S) -> None:
+    """Exit this process once ``parent`` (rank 0) is gone: the worker is then re-parented. Runs in a
+    daemon thread of every worker; ``os._exit`` ends the process whatever its main thread waits on."""
+    while os.getppid() == parent:
+        time.sleep(period_s)
+    logger.error("rank 0 (pid %d) is gone; exiting", parent)
+    os._exit(1)
+
+
 def serve(folder: Path, rank: int) -> int:
     """Run rank ``rank`` of the replica whose start file is in ``folder``; the exit code."""
     from cadenza.node.runner.collectives import TensorParallelError
@@ -235,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if os.getppid() != args.parent:  # rank 0 died before this process asked to die with it
         return 1
+    threading.Thread(target=watch_parent, args=(args.parent,), name="cadenza-tp-parent", daemon=True).start()
     if not os.environ.get("TRITON_INTERPRET"):
         import torch
 

@@ -52,6 +52,9 @@ _ABORT, _SEQ, _PID = 0, 8, 8 + MAX_RANKS  # control words: abort flag, each rank
 SPIN_S = 0.002  # a wait spins briefly, yields the core until this long, then sleeps
 _SLEEP_MAX_S = 0.0005
 PEER_CHECK_S = 0.5  # how often a long wait checks that its peers' processes still live
+# A TorchGroup's broadcast: a worker waits in one for rank 0's next step for as long as the replica
+# idles (a dead peer still fails it at once: its connection closes)
+BROADCAST_TIMEOUT = timedelta(days=365)
 
 
 class TensorParallelError(RuntimeError):
@@ -246,7 +249,8 @@ class TorchGroup:
         backend: ``nccl`` (CUDA tensors) or ``gloo`` (CPU tensors).
         store: the rendezvous store (a ``torch.distributed.FileStore`` in a private folder).
         rank, size: this rank and the group's size.
-        timeout_s: how long an op may wait on a peer before it fails.
+        timeout_s: how long an all-reduce or gather may wait on a peer before it fails; a broadcast
+            waits up to :data:`BROADCAST_TIMEOUT` (a worker waits in one while the replica idles).
     """
 
     def __init__(self, backend: str, store, rank: int, size: int, timeout_s: float = 600.0) -> None:
@@ -286,6 +290,7 @@ class TorchGroup:
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         opts = self._dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = BROADCAST_TIMEOUT  # the group's timeout would end an idle replica's workers
         self._run(self._pg.broadcast([x], opts))
         return x
 

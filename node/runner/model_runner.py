@@ -28,7 +28,7 @@ from cadenza.node.runner.models.config import ModelConfig
 from cadenza.node.runner.models.llama import load_model
 from cadenza.node.runner.sampler import sample, sampling_tensors
 from cadenza.node.core.step import SchedulerOutput
-from cadenza.node.runner.collectives import Collectives
+from cadenza.node.runner.collectives import Collectives, TensorParallelError
 from cadenza.node.runner.cuda_graphs import DEFAULT_MEMORY_BUDGET, StepGraphs, graph_shapes
 from cadenza.node.runner.step_inputs import InputBuffers, Layout, StepRows, step_rows
 from cadenza.node.runner.tp_shards import ShardPlan
@@ -80,6 +80,7 @@ class ModelRunner:
         # Rank 0 issues one sequence of collectives at a time: steps on the engine thread, KV reads
         # for a peer on the KV transfer thread (every rank must see the ops in one order).
         self._ops = threading.Lock()
+        self._workers_in_step = False  # rank 0 has told the workers of the step it runs (execute)
         self.rank = collectives.rank if self.collectives is not None else 0
         self.plan = ShardPlan.of(model_config, self.rank, size)
         self.device = rank_device(config.device, self.rank)
@@ -154,9 +155,28 @@ class ModelRunner:
         run eagerly otherwise; either way its inputs are built by :mod:`.step_inputs` (vectorised
         numpy into persistent buffers, two copies to the device) and logits are computed only for
         the rows that sample.
+
+        Raises:
+            TensorParallelError: a rank is gone, or rank 0 failed once the workers had begun the
+                step (the collectives are then aborted: the replica cannot step again). A failure
+                before that raises as it is, the ranks still in step.
         """
         with self._ops:
-            return self._execute(step)
+            if self.collectives is None:
+                return self._execute(step)
+            self._workers_in_step = False
+            try:
+                return self._execute(step)
+            except TensorParallelError:
+                raise
+            except Exception as exc:
+                if not self._workers_in_step:  # failed before the workers heard of it: still in step
+                    raise
+                # The workers wait in this step's next collective, which rank 0 will never issue: its
+                # next op would be read as that one (garbage sums, headers of any size). Fatal.
+                self.collectives.abort()
+                raise TensorParallelError(f"rank 0 failed in the middle of a step ({type(exc).__name__}: "
+                                          f"{exc}); the ranks are out of step") from exc
 
     def _execute(self, step: SchedulerOutput) -> list[int]:
         rows = step_rows(step)
@@ -168,8 +188,10 @@ class ModelRunner:
         if hidden is None:
             hidden = self._run_eager(rows)
         if not rows.sampled:
+            self._workers_in_step = False
             return []
         logits = self.model.compute_logits(hidden)  # gathered here from every rank
+        self._workers_in_step = False  # the step's last collective
         params = [req.sampling for req in rows.sampled_requests]
         seeds = [0 if sp.greedy else self._seed(req.request_id, sp.seed)
                  for req, sp in zip(rows.sampled_requests, params)]
@@ -190,6 +212,7 @@ class ModelRunner:
     def _send(self, op: int, layout: Layout = _NO_LAYOUT, max_query_len: int = 0, max_seq_len: int = 0):
         """Rank 0: broadcast a step's header and its two filled input buffers (or the end)."""
         bcast = self.collectives.broadcast
+        self._workers_in_step = op == OP_STEP
         bcast(torch.tensor([op, *layout, max_query_len, max_seq_len, 0], dtype=torch.int64))
         if op == OP_STEP:
             bcast(self.inputs.host64[: layout.int64_size])
@@ -198,6 +221,7 @@ class ModelRunner:
     def _announce(self, index: int, num_sampled: int, layout: Layout) -> None:
         """Rank 0, before it replays a step graph: the workers replay the same one on these inputs."""
         bcast, inputs = self.collectives.broadcast, self.graphs.inputs
+        self._workers_in_step = True
         bcast(torch.tensor([OP_GRAPH, index, num_sampled, *layout, 0], dtype=torch.int64))
         bcast(inputs.host64[: layout.int64_size])
         bcast(inputs.host32[: layout.int32_size])

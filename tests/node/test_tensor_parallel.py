@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,7 +22,7 @@ import torch
 from cadenza.node.core.config import ConfigError, EngineConfig
 from cadenza.node.core.request import SamplingParams
 from cadenza.node.frontend.llm import Engine
-from cadenza.node.runner.collectives import SLOT_BYTES, ShmGroup, TensorParallelError, create_arena
+from cadenza.node.runner.collectives import SLOT_BYTES, ShmGroup, TensorParallelError, TorchGroup, create_arena
 from cadenza.node.runner.models.config import ModelConfig
 from cadenza.node.runner.tp_shards import ShardPlan
 
@@ -152,6 +154,37 @@ def test_a_wait_on_a_rank_whose_process_is_gone_fails(tmp_path):
     g0.close()
 
 
+def test_a_gloo_worker_waits_for_the_next_step_longer_than_the_group_timeout(tmp_path):
+    # a worker waits in a broadcast for rank 0's next step as long as the replica idles: under the
+    # group's timeout (600 s in an engine) an idle gloo replica's workers failed and the replica died
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    groups: dict[int, TorchGroup] = {}
+    starts = [threading.Thread(target=lambda r=r: groups.setdefault(r, TorchGroup("gloo", store, r, 2, timeout_s=1.0)))
+              for r in (0, 1)]
+    for t in starts:
+        t.start()
+    for t in starts:
+        t.join()
+    got: list = []
+
+    def worker() -> None:
+        try:
+            got.append(groups[1].broadcast(torch.zeros(3, dtype=torch.int64)).tolist())
+        except TensorParallelError as exc:
+            got.append(exc)
+
+    waiting = threading.Thread(target=worker)
+    waiting.start()
+    time.sleep(2.5)  # rank 0 idles past the 1 s timeout
+    groups[0].broadcast(torch.tensor([1, 2, 3]))
+    waiting.join(30)
+    assert got == [[1, 2, 3]]
+    for g in groups.values():
+        g.close()
+
+
 # -- the engine ---------------------------------------------------------------------------------------
 
 
@@ -222,6 +255,34 @@ def test_a_killed_worker_fails_the_replica_at_once_and_leaves_nothing_behind(tin
     assert not workers.folder.exists()
 
 
+def test_rank_0_failing_mid_step_fails_the_replica_instead_of_leaving_the_ranks_out_of_step(tiny_llama_dir, engines):
+    # a worker waiting in a collective rank 0 never issues would read rank 0's next op as that one
+    # (before: summed headers into activations, then read a float as a 100 GB input size)
+    engines[1].core.reconfigure({"token_budget": 64, "chunk_size": 16, "prefix_caching": True})
+    expected = engines[1].generate(PROMPTS[:2], GREEDY)
+    with Engine.from_model(tiny_llama_dir, max_model_len=320, tensor_parallel_size=2, token_budget=64,
+                           chunk_size=16) as engine:
+        runner = engine.runner
+        prepare, mlp = runner.inputs.prepare, runner.model.layers[1].mlp
+        runner.inputs.prepare = lambda *a: (_ for _ in ()).throw(ValueError("before the workers heard"))
+        engine.add_request("early", PROMPTS[0], GREEDY)
+        with pytest.raises(ValueError, match="before the workers heard"):
+            engine.step()
+        engine.abort_request("early")
+        runner.inputs.prepare = prepare
+        assert engine.generate(PROMPTS[:2], GREEDY) == expected  # still in step
+
+        mlp.forward = lambda x: (_ for _ in ()).throw(RuntimeError("rank 0 only"))
+        engine.add_request("mid", PROMPTS[0], GREEDY)
+        with pytest.raises(TensorParallelError, match=r"rank 0 failed in the middle of a step \(RuntimeError: rank 0 "
+                                                      r"only\); the ranks are out of step"):
+            engine.step()
+        deadline = time.monotonic() + 10
+        while engine.core.workers.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "exit code 1" in engine.core.workers.failure  # the worker left its aborted wait
+
+
 def test_an_idle_replica_notices_a_dead_worker_at_its_next_poll(tiny_llama_dir):
     with Engine.from_model(tiny_llama_dir, max_model_len=320, tensor_parallel_size=2) as engine:
         [pid] = engine.core.workers.pids.values()
@@ -231,6 +292,51 @@ def test_an_idle_replica_notices_a_dead_worker_at_its_next_poll(tiny_llama_dir):
             time.sleep(0.05)
         with pytest.raises(TensorParallelError, match="died"):
             engine.core.poll()
+
+
+def test_an_engine_built_in_a_thread_that_ends_keeps_its_workers(tiny_llama_dir, engines):
+    # PR_SET_PDEATHSIG fires when the thread that forked a worker ends, not its process: an engine
+    # built in a short-lived thread (a thread pool's, a loader's) must not lose its workers with it
+    engines[1].core.reconfigure({"token_budget": 64, "chunk_size": 16, "prefix_caching": True})
+    expected = engines[1].generate(PROMPTS[:3], GREEDY)
+    built: list[Engine] = []
+    loader = threading.Thread(target=lambda: built.append(Engine.from_model(
+        tiny_llama_dir, max_model_len=320, tensor_parallel_size=2, token_budget=64, chunk_size=16)))
+    loader.start()
+    loader.join()
+    with built[0] as engine:
+        time.sleep(0.5)  # the watcher would have seen a killed worker by now
+        assert engine.core.workers.failure is None
+        assert engine.generate(PROMPTS[:3], GREEDY) == expected
+
+
+def test_a_worker_exits_once_rank_0_is_gone(tmp_path):
+    # rank 0 here is a process that starts a "worker" watching it, without the death signal, and exits
+    pid_file = tmp_path / "pid"
+    rank0 = ("import os, subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import sys; "
+             "from cadenza.node.engine.tp_workers import watch_parent; watch_parent(int(sys.argv[1]), 0.05)', "
+             f"str(os.getpid())]); open({str(pid_file)!r}, 'w').write(str(p.pid)); sys.stdin.read()")
+    parent = subprocess.Popen([sys.executable, "-c", rank0], stdin=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+
+    def alive() -> bool:
+        try:
+            with open(f"/proc/{worker}/stat") as f:
+                return f.read().split(") ", 1)[1][0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    time.sleep(1)
+    assert alive()  # watching a live rank 0
+    parent.communicate(b"", timeout=30)  # rank 0 exits
+    deadline = time.monotonic() + 30
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive()
 
 
 def test_closing_stops_the_workers_and_removes_their_folder(tiny_llama_dir):
