@@ -125,12 +125,7 @@ class EngineCore:
             self.kv_link.close()
         if self.workers is not None:
             workers, self.workers = self.workers, None
-            if workers.failure is None:
-                try:
-                    self.runner.stop_workers()
-                except TensorParallelError:
-                    pass
-            workers.close()
+            workers.close(self.runner.stop_workers)
             if (threads := getattr(self, "_threads_before", None)) is not None:
                 import torch
 

@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from cadenza.node.core.config import EngineConfig
@@ -112,7 +113,8 @@ class Workers:
 
         self.size = config.tensor_parallel_size
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self.folder = Path(tempfile.mkdtemp(prefix="cadenza-tp-", dir=base))  # mode 0700
+        _sweep(Path(base or tempfile.gettempdir()))
+        self.folder = Path(tempfile.mkdtemp(prefix=f"cadenza-tp-{os.getpid()}-", dir=base))  # mode 0700
         self.failure: str | None = None
         self._stopping = False
         self._procs: dict[int, subprocess.Popen] = {}
@@ -164,11 +166,29 @@ class Workers:
                     return
             time.sleep(0.05)
 
-    def close(self) -> None:
-        """Wait for the workers to exit (after rank 0 broadcast the end), kill the ones that do not
-        within :data:`STOP_GRACE_S`, and remove the folder."""
+    def close(self, stop: Callable[[], None] | None = None) -> None:
+        """Stop the workers: run ``stop`` (rank 0's broadcast of the end) unless a worker died, wait
+        for them to exit, kill the ones that have not within :data:`STOP_GRACE_S` (a stopped or hung
+        worker never takes the end: the wait is then aborted), and remove the folder."""
+        from cadenza.node.runner.collectives import TensorParallelError
+
         self._stopping = True
         deadline = time.monotonic() + STOP_GRACE_S
+        if stop is not None and self.failure is None:
+            said = threading.Event()
+
+            def say_stop() -> None:
+                try:
+                    stop()
+                except TensorParallelError:
+                    pass
+                finally:
+                    said.set()
+
+            threading.Thread(target=say_stop, name="cadenza-tp-stop", daemon=True).start()
+            if not said.wait(STOP_GRACE_S):
+                logger.warning("a tensor-parallel worker did not take the end within %.0f s: killing it", STOP_GRACE_S)
+                self.collectives.abort()
         for proc in self._procs.values():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -189,6 +209,18 @@ class Workers:
             if proc.poll() is None:
                 proc.kill()
         self.close()
+
+
+def _sweep(base: Path) -> None:
+    """Remove the folders of engines whose process is gone (one killed while its ranks started,
+    before they had all connected: :meth:`Workers.started` removes the folder after that)."""
+    for folder in base.glob("cadenza-tp-*-*"):
+        try:
+            os.kill(int(folder.name.split("-")[2]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (ValueError, PermissionError, OSError):
+            pass  # not one of ours, or another user's live engine
 
 
 def _reap(procs: list[subprocess.Popen], folder: Path) -> None:

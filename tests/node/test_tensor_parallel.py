@@ -10,11 +10,14 @@ sizes the model cannot split are refused before any process starts.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -373,3 +376,35 @@ def test_workers_capture_the_same_step_graphs_and_replay_the_one_rank_0_names(ti
             replayed += engine.runner.last_step_graphed
         assert [outs[str(i)] for i in range(len(PROMPTS))] == expected
         assert replayed > 10  # the decode steps replayed graphs on both ranks
+
+
+def test_closing_with_a_stopped_worker_kills_it_after_the_grace_instead_of_waiting_forever(tiny_llama_dir,
+                                                                                           monkeypatch):
+    from cadenza.node.engine import tp_workers
+
+    monkeypatch.setattr(tp_workers, "STOP_GRACE_S", 1.0)
+    engine = Engine.from_model(tiny_llama_dir, max_model_len=320, tensor_parallel_size=2)
+    [proc] = engine.core.workers._procs.values()
+    os.kill(proc.pid, signal.SIGSTOP)  # alive, and never takes the end
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 5 and proc.poll() == -signal.SIGKILL
+
+
+def test_a_folder_left_by_an_engine_killed_while_starting_is_swept_by_the_next(tiny_llama_dir, tmp_path):
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child exits at once
+        os._exit(0)
+    os.waitpid(child, 0)
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    stale = base / f"cadenza-tp-{child}-abcd1234"
+    stale.mkdir()
+    (stale / "collectives").write_bytes(b"\0" * 64)
+    live = base / f"cadenza-tp-{os.getpid()}-live0000"  # this process's: kept
+    live.mkdir()
+    try:
+        with Engine.from_model(tiny_llama_dir, max_model_len=320, tensor_parallel_size=2):
+            assert not stale.exists() and live.exists()
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
