@@ -42,12 +42,13 @@ MAX_FRAME_BYTES = 256 * 2**20
 
 def _sampling_to_wire(sp: SamplingParams) -> list:
     return [sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed, list(sp.stop),
-            sorted(sp.stop_token_ids), sp.ignore_eos]
+            sorted(sp.stop_token_ids), sp.ignore_eos, sp.logprobs]
 
 
 def _sampling_from_wire(v: list) -> SamplingParams:
-    max_tokens, temperature, top_p, top_k, seed, stop, stop_ids, ignore_eos = v
-    return SamplingParams(max_tokens, temperature, top_p, top_k, seed, tuple(stop), frozenset(stop_ids), ignore_eos)
+    max_tokens, temperature, top_p, top_k, seed, stop, stop_ids, ignore_eos, logprobs = v
+    return SamplingParams(max_tokens, temperature, top_p, top_k, seed, tuple(stop), frozenset(stop_ids), ignore_eos,
+                          logprobs)
 
 
 def _fields_to_wire(obj: Any) -> list:
@@ -58,7 +59,7 @@ def _step_outputs_to_wire(out: StepOutputs) -> list:
     # the hot message (one per step, hundreds of deltas): deltas go inline as field lists, not as
     # an extension each, which would cost a nested packb call per delta
     return [out.time, [[d.request_id, d.new_token_ids, d.finish_reason, d.num_prompt_tokens, d.num_output_tokens,
-                        d.num_cached_tokens] for d in out.outputs], out.step, out.stats, out.failures]
+                        d.num_cached_tokens, d.logprobs] for d in out.outputs], out.step, out.stats, out.failures]
 
 
 def _step_outputs_from_wire(v: list) -> StepOutputs:

@@ -153,7 +153,11 @@ class ReconfigureResult:
 class RequestDelta:
     """What one step produced for one request: its new token ids (at most one today), the finish
     reason once it is finished (``stop`` | ``length`` | ``abort``), and its counts so far.
-    (Not frozen: hundreds are built per step, and a frozen dataclass is slower to build.)"""
+    (Not frozen: hundreds are built per step, and a frozen dataclass is slower to build.)
+
+    ``logprobs``, for a request that asked (:attr:`SamplingParams.logprobs`): one entry per new
+    token, ``[logprob, [[token_id, logprob], ...]]`` — the token's own log-probability and the
+    most likely tokens', most likely first; None otherwise."""
 
     request_id: str
     new_token_ids: list[int]
@@ -161,6 +165,7 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+    logprobs: list | None = None
 
 
 @dataclass(frozen=True, slots=True)

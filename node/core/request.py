@@ -43,6 +43,9 @@ _FINISH_REASONS = {
 }
 
 
+MAX_LOGPROBS = 20  # most likely tokens reported per generated token (OpenAI's top_logprobs bound)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request decoding parameters (OpenAI semantics plus vLLM's ``top_k``/``ignore_eos``).
@@ -57,6 +60,10 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (the token is not included in the text);
             kept as a frozenset, so checking a token costs the same however many there are.
         ignore_eos: keep generating past EOS (benchmarks use it to get the trace's lengths).
+        logprobs: None, or how many of the most likely tokens (0 to ``MAX_LOGPROBS``) to report
+            with each generated token's own log-probability (OpenAI's ``top_logprobs``; vLLM's
+            ``logprobs``). Taken from the model's distribution before temperature, top-k and top-p
+            (vLLM's default, ``raw_logprobs``).
 
     Raises:
         ValueError: on any out-of-range value, naming the field.
@@ -70,6 +77,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] | tuple[int, ...] = frozenset()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -85,6 +93,9 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -(2**63) <= self.seed < 2**63):
             raise ValueError(f"seed: must be a 64-bit signed integer, got {self.seed}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
         object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
 
     @property

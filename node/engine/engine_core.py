@@ -240,13 +240,16 @@ class EngineCore:
         deltas = []
         append = deltas.append
         release = self.runner.release
+        logprobs, self.runner.last_logprobs = self.runner.last_logprobs, {}
         for req in self.scheduler.update_from_output(out, tokens):
             reason = None
             if req.is_finished:
                 release(req.request_id)
                 reason = req.status.finish_reason
+            entry = logprobs.get(req.request_id) if logprobs else None
             append(RequestDelta(req.request_id, req.token_ids[-1:], reason, req.num_prompt_tokens,
-                                len(req.token_ids) - req.num_prompt_tokens, req.num_cached_tokens))
+                                len(req.token_ids) - req.num_prompt_tokens, req.num_cached_tokens,
+                                None if entry is None else [entry]))
         record = StepRecord(
             elapsed, out.predicted_seconds, out.num_prefill_tokens, out.num_decode_tokens,
             [(req.request_id, req.traffic_class, phase, waited) for req, phase, waited in out.admitted],

@@ -31,6 +31,9 @@ class RequestOutput:
         num_prompt_tokens, num_output_tokens: counts so far (usage).
         num_cached_tokens: prompt tokens served from the prefix cache.
         time: ``time.monotonic()`` when the step that produced it finished (seconds).
+        logprobs: for a request that asked, one entry per token of ``token_ids`` that made text
+            (:class:`~cadenza.node.core.messages.RequestDelta`'s form); None otherwise, and for
+            the end-of-sequence or stop token that finishes a request (it makes no text).
     """
 
     request_id: str
@@ -41,6 +44,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0
     time: float = 0.0
+    logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -104,6 +108,7 @@ class OutputProcessor:
                     text += detok.flush()
             if finish is not None:
                 del detokenizers[rid]
+            logprobs = d.logprobs if d.finish_reason != "stop" else None  # EOS and stop ids: no text, no entry
             outputs.append(RequestOutput(rid, d.new_token_ids, text, finish, d.num_prompt_tokens,
-                                         d.num_output_tokens, d.num_cached_tokens, time))
+                                         d.num_output_tokens, d.num_cached_tokens, time, logprobs))
         return outputs, stopped

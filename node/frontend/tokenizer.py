@@ -61,6 +61,23 @@ Message = Mapping[str, Any]  # {"role": str, "content": str}; the server flatten
 _NONCHARACTERS = tuple(chr(c) for c in range(0xFDD0, 0xFDF0))
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character each byte is written as in a vocabulary
+    (printable bytes as themselves, the others shifted past 255), inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + shift)] = b
+            shift += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
+
+
 class ChatTemplateError(ValueError):
     """The chat template is missing, does not compile, or refused the messages (a 400)."""
 
@@ -223,6 +240,22 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of ``token_id`` (byte-level form), or None if out of range."""
         return self.hf.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for in the output (OpenAI's logprobs ``bytes``): a
+        byte-level BPE token's bytes (GPT-2's byte-to-character map undone), a ``<0xNN>`` byte
+        token's byte, else its decoded text as UTF-8. A token may hold part of a character."""
+        piece = self.hf.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if token_id not in self.special_token_ids and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self.hf.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     @cached_property
     def _plain(self) -> _HFTokenizer:

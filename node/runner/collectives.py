@@ -305,10 +305,13 @@ class TorchGroup:
                 pass
 
     def close(self) -> None:
-        shutdown = getattr(self._pg, "shutdown", None)
-        if shutdown is not None:
+        """Release the group. NCCL's is aborted rather than shut down: a communicator whose
+        collectives a CUDA graph captured can hang in ``ncclCommDestroy`` (pytorch/pytorch#115388),
+        and a replica's exit must not wait on it."""
+        end = getattr(self._pg, "abort" if self._backend == "nccl" else "shutdown", None)
+        if end is not None:
             try:
-                shutdown()
+                end()
             except RuntimeError:  # pragma: no cover - a peer already gone
                 pass
 

@@ -26,7 +26,7 @@ from cadenza.node.runner.backend import AttentionMetadata, select_backend
 from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from cadenza.node.runner.models.config import ModelConfig
 from cadenza.node.runner.models.llama import load_model
-from cadenza.node.runner.sampler import sample, sampling_tensors
+from cadenza.node.runner.sampler import sample, sampling_tensors, token_logprobs
 from cadenza.node.core.step import SchedulerOutput
 from cadenza.node.runner.collectives import Collectives, TensorParallelError
 from cadenza.node.runner.cuda_graphs import DEFAULT_MEMORY_BUDGET, StepGraphs, graph_shapes
@@ -111,6 +111,9 @@ class ModelRunner:
         self.inputs = InputBuffers(self.device, 4096, 4096)
         self.graphs: StepGraphs | None = None
         self.last_step_graphed = False  # whether the last step replayed a graph
+        # request id -> its sampled token's logprobs entry (sampler.token_logprobs), for the
+        # requests of the last step that asked; the engine core takes it after each step
+        self.last_logprobs: dict[str, list] = {}
         logger.info(
             "model loaded: %s, %d layers, %s on %s%s; KV cache %d blocks x %d tokens (%.1f MiB), attention=%s",
             model_config.architecture, model_config.num_hidden_layers, self.dtype, self.device,
@@ -197,7 +200,12 @@ class ModelRunner:
                  for req, sp in zip(rows.sampled_requests, params)]
         # a row samples the token after its last: decode at p samples p + 1, a chunk [s, s + n) samples s + n
         st = sampling_tensors(params, seeds, rows.sample_positions, self.device, pinned=self.device.type == "cuda")
-        return sample(logits, st).tolist()  # the step's one read of the device
+        tokens = sample(logits, st)
+        asking = [i for i, sp in enumerate(params) if sp.logprobs is not None]
+        if asking:  # only steps with a request that asked pay for them (a second read of the device)
+            entries = token_logprobs(logits, tokens, asking, [params[i].logprobs for i in asking])
+            self.last_logprobs = {rows.sampled_requests[i].request_id: e for i, e in zip(asking, entries)}
+        return tokens.tolist()  # the step's one read of the device
 
     def _run_eager(self, rows: StepRows) -> torch.Tensor:
         """The hidden states ``[len(rows.sampled), H]`` of the sampled rows' last tokens, the step

@@ -190,3 +190,35 @@ def _mix64_(z: torch.Tensor) -> torch.Tensor:
         if multiplier is not None:
             z *= multiplier
     return z
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[int],
+                   top: Sequence[int]) -> list[list]:
+    """Log-probabilities for the rows whose requests asked (:attr:`SamplingParams.logprobs`).
+
+    They come from the model's distribution, ``log_softmax`` of the raw logits — before
+    temperature, top-k and top-p, as vLLM reports by default (``raw_logprobs``) and as OpenAI's
+    ``logprobs`` describe the model's likelihoods — computed only for ``rows`` (the other rows pay
+    nothing), in one more read of the device.
+
+    Args:
+        logits: ``[R, V]`` fp32, as :func:`sample` took them.
+        tokens: ``[R]`` the tokens :func:`sample` picked.
+        rows: the rows that asked.
+        top: for each of ``rows``, how many of its most likely tokens to report (0 to 20).
+
+    Returns:
+        For each of ``rows``: ``[logprob of its token, [[token id, logprob], ...]]``, the most
+        likely first (a :class:`~cadenza.node.core.messages.RequestDelta`'s entry).
+    """
+    index = torch.as_tensor(list(rows), dtype=torch.long, device=logits.device)
+    lp = torch.log_softmax(logits.index_select(0, index), dim=-1)
+    chosen = lp.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1)
+    k = max(top, default=0)
+    if k:
+        top_lp, top_ids = lp.topk(k, dim=-1)
+        ids, values = top_ids.tolist(), top_lp.tolist()
+    else:
+        ids = values = [[] for _ in rows]
+    return [[c, [[i, v] for i, v in zip(ids[n][:top[n]], values[n][:top[n]])]]
+            for n, c in enumerate(chosen.tolist())]

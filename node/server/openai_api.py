@@ -189,15 +189,18 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
     chat = call.kind == "chat.completion"
     access = request.get(ACCESS, {})
     access["id"] = call.request_id
+    logprobs = _Logprobs(client.inputs.tokenizer, chat) if call.sampling.logprobs is not None else None
     if not call.stream:
         text: list[str] = []
         last = None
         async with aclosing(stream) as outputs:
             async for last in _guard(outputs):
                 text.append(last.text)
+                if logprobs is not None:
+                    logprobs.add(last)
         assert last is not None
         access["tokens"] = f"{last.num_prompt_tokens}+{last.num_output_tokens}"
-        choice = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
+        choice = {"index": 0, "logprobs": logprobs and logprobs.take(), "finish_reason": last.finish_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
@@ -212,7 +215,7 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta: str | dict | None, finish_reason: str | None) -> dict:
-        choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "logprobs": logprobs and logprobs.take(), "finish_reason": finish_reason}
         if chat:
             choice["delta"] = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
         else:
@@ -234,6 +237,8 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
                     await response.prepare(request)
                     if chat:
                         await _send(request, response, chunk({"role": "assistant", "content": ""}, None))
+                if logprobs is not None:  # sent with the next chunk that carries text (held text: later)
+                    logprobs.add(last)
                 if last.text or last.finished:
                     await _send(request, response, chunk(last.text or None, last.finish_reason))
         except APIError as exc:
@@ -271,6 +276,45 @@ async def _guard(outputs):
 
 async def _send(request: web.Request, response: web.StreamResponse, body: dict) -> None:
     await send(request, response, b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
+
+
+class _Logprobs:
+    """A choice's ``logprobs`` in OpenAI's shapes, built from the outputs' entries
+    (:attr:`~cadenza.node.frontend.output_processor.RequestOutput.logprobs`) as they arrive, and
+    taken for each response or chunk.
+
+    Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+    "bytes"}, ...]}, ...]}``. Completions: ``{"tokens", "token_logprobs", "top_logprobs": [{token:
+    logprob}, ...], "text_offset"}``. A token's text is its bytes decoded (a token holding part of a
+    character shows U+FFFD; ``bytes`` has the exact bytes), as OpenAI's and vLLM's do.
+    """
+
+    def __init__(self, tokenizer, chat: bool) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+        self.entries: list[tuple[int, list]] = []
+        self.offset = 0  # completions' text_offset: characters of the tokens before
+
+    def add(self, output) -> None:
+        if output.logprobs:
+            self.entries += zip(output.token_ids, output.logprobs)
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        raw = self.tokenizer.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def take(self) -> dict:
+        entries, self.entries = self.entries, []
+        if self.chat:
+            return {"content": [{**self._token(t, lp), "top_logprobs": [self._token(i, v) for i, v in top]}
+                                for t, (lp, top) in entries]}
+        tokens = [self._token(t, lp)["token"] for t, (lp, _top) in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [lp for _t, (lp, _top) in entries],
+                "top_logprobs": [{self._token(i, v)["token"]: v for i, v in top} for _t, (_lp, top) in entries],
+                "text_offset": offsets}
 
 
 def _usage(output) -> dict:

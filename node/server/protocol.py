@@ -12,8 +12,10 @@ tokens do: at most ``MAX_STOP_STRINGS`` stop strings (OpenAI allows 4) of at mos
 messages (OpenAI's limit) with ``MAX_CONTENT_PARTS`` content parts in all; :func:`check_sizes` checks the
 counts on the raw JSON, before anything is validated item by item. Unknown fields are ignored (as vLLM does), so clients that
 send extra metadata keep working; options cadenza cannot honour — ``n`` or ``best_of`` above 1,
-``logprobs``, ``echo``, ``suffix``, penalties, ``logit_bias``, ``tools``, a ``response_format``
-other than text — are refused with a 400 rather than silently ignored.
+``echo``, ``suffix``, penalties, ``logit_bias``, ``tools``, a ``response_format`` other than text —
+are refused with a 400 rather than silently ignored. ``logprobs`` are served in OpenAI's shapes:
+chat ``logprobs: true`` with ``top_logprobs`` 0 to 20, completions ``logprobs`` 0 to 5
+(:attr:`_Common.top_logprobs_asked`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 
+from cadenza.node.core.request import MAX_LOGPROBS
 from cadenza.node.http.errors import APIError
 
 MAX_STOP_STRINGS = 16
@@ -40,6 +43,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 4 * MAX_MESSAGES
 MAX_CACHE_SALT_CHARS = 256
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions (chat's top_logprobs: MAX_LOGPROBS)
 
 Temperature = Annotated[float, Field(strict=True, ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0)]
@@ -105,8 +109,6 @@ class _Common(BaseModel):
         """Refuse options that are valid OpenAI but not implemented here (400)."""
         if self.n != 1:
             raise APIError(400, "n: only n=1 is supported", param="n")
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs: not supported", param="logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise APIError(400, f"{name}: not supported (only 0)", param=name)
@@ -118,6 +120,11 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """How many most likely tokens to report with each token's logprob (None: no logprobs)."""
+        raise NotImplementedError
 
 
 class CompletionRequest(_Common):
@@ -142,12 +149,20 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS):
+            raise APIError(400, f"logprobs: must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}, got "
+                           f"{self.logprobs!r}", param="logprobs")
         if self.echo:
             raise APIError(400, "echo: not supported", param="echo")
         if self.suffix:
             raise APIError(400, "suffix: not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: only 1 is supported", param="best_of")
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -209,13 +224,23 @@ class ChatCompletionRequest(_Common):
     response_format: dict[str, Any] | None = None
 
     @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.top_logprobs:
-            raise APIError(400, "top_logprobs: not supported", param="top_logprobs")
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise APIError(400, f"logprobs: must be true or false, got {self.logprobs!r}", param="logprobs")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(400, f"top_logprobs: must be an integer from 0 to {MAX_LOGPROBS}, got "
+                               f"{self.top_logprobs}", param="top_logprobs")
+            if not self.logprobs:
+                raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         if self.tools:
             raise APIError(400, "tools: tool calling is not supported", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
