@@ -408,3 +408,19 @@ def test_a_folder_left_by_an_engine_killed_while_starting_is_swept_by_the_next(t
     finally:
         shutil.rmtree(stale, ignore_errors=True)
         shutil.rmtree(live, ignore_errors=True)
+
+
+def test_logprobs_at_size_2_equal_size_1s(engines):
+    # rank 0 holds the whole vocabulary's logits (gathered), so logprobs need nothing of the workers
+    asking = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    got = {}
+    for tp, engine in engines.items():
+        engine.add_request(f"lp{tp}", PROMPTS[4], asking)
+        entries = []
+        while engine.core.has_unfinished_requests():
+            deltas, _record = engine.core.step()
+            entries += [e for d in deltas for e in (d.logprobs or [])]
+        got[tp] = entries
+    assert len(got[2]) == 6
+    for (lp2, top2), (lp1, top1) in zip(got[2], got[1]):
+        assert lp2 == pytest.approx(lp1, abs=1e-4) and [i for i, _ in top2] == [i for i, _ in top1]
