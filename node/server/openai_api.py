@@ -200,7 +200,7 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
                     logprobs.add(last)
         assert last is not None
         access["tokens"] = f"{last.num_prompt_tokens}+{last.num_output_tokens}"
-        choice = {"index": 0, "logprobs": logprobs and logprobs.take(), "finish_reason": last.finish_reason}
+        choice = {"index": 0, "logprobs": logprobs and logprobs.take(whole=True), "finish_reason": last.finish_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
@@ -286,7 +286,9 @@ class _Logprobs:
     Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
     "bytes"}, ...]}, ...]}``. Completions: ``{"tokens", "token_logprobs", "top_logprobs": [{token:
     logprob}, ...], "text_offset"}``. A token's text is its bytes decoded (a token holding part of a
-    character shows U+FFFD; ``bytes`` has the exact bytes), as OpenAI's and vLLM's do.
+    character shows U+FFFD; ``bytes`` has the exact bytes), as OpenAI's and vLLM's do. The token that
+    completes a stop string is reported whole; the end-of-sequence or stop token that ends a request
+    is not (it makes no text). A chunk without tokens (the role, held text) carries ``null``.
     """
 
     def __init__(self, tokenizer, chat: bool) -> None:
@@ -302,8 +304,12 @@ class _Logprobs:
         raw = self.tokenizer.token_bytes(token_id)
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
-    def take(self) -> dict:
+    def take(self, whole: bool = False) -> dict | None:
+        """The entries gathered since the last take, in OpenAI's shape; None when there are none,
+        unless ``whole`` (a non-streamed response: an empty list then)."""
         entries, self.entries = self.entries, []
+        if not entries and not whole:
+            return None
         if self.chat:
             return {"content": [{**self._token(t, lp), "top_logprobs": [self._token(i, v) for i, v in top]}
                                 for t, (lp, top) in entries]}
