@@ -15,7 +15,7 @@ send extra metadata keep working; options cadenza cannot honour — ``n`` or ``b
 ``echo``, ``suffix``, penalties, ``logit_bias``, ``tools``, a ``response_format`` other than text —
 are refused with a 400 rather than silently ignored. ``logprobs`` are served in OpenAI's shapes:
 chat ``logprobs: true`` with ``top_logprobs`` 0 to 20, completions ``logprobs`` 0 to 5
-(:attr:`_Common.top_logprobs_asked`).
+(each request's ``top_logprobs_asked``).
 """
 
 from __future__ import annotations
@@ -121,11 +121,6 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    @property
-    def top_logprobs_asked(self) -> int | None:
-        """How many most likely tokens to report with each token's logprob (None: no logprobs)."""
-        raise NotImplementedError
-
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``: one prompt, as text or token ids."""
@@ -162,6 +157,7 @@ class CompletionRequest(_Common):
 
     @property
     def top_logprobs_asked(self) -> int | None:
+        """How many most likely tokens to report with each token's logprob (None: no logprobs)."""
         return self.logprobs
 
 
@@ -225,6 +221,7 @@ class ChatCompletionRequest(_Common):
 
     @property
     def top_logprobs_asked(self) -> int | None:
+        """How many most likely tokens to report with each token's logprob (None: no logprobs)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @property

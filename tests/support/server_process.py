@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -31,6 +32,32 @@ def cadenza_server(args: list[str], log: Path, ready_timeout: float = 180.0,
     clears from) this process's environment."""
     with cadenza_server_process(args, log, ready_timeout, env) as (url, _proc):
         yield url
+
+
+def http_status(url: str) -> int:
+    """The status ``GET url`` answers (an error status too), or 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, ConnectionError):
+        return 0
+
+
+def post_json(url: str, body: dict, timeout: float = 60):
+    """``POST url`` with a JSON body; the open response (raises ``HTTPError`` on an error status)."""
+    return urllib.request.urlopen(urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}), timeout=timeout)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie is dead, only not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def child_pids(pid: int) -> list[int]:

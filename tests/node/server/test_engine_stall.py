@@ -17,33 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server_process import cadenza_server_process, child_pids
+from server_process import alive, cadenza_server_process, child_pids, http_status, post_json
 from waiting import wait_until
 
 pytestmark = pytest.mark.slow  # a real server and its core process
 
 STALL_S = 3.0
-
-
-def get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
-def post(url: str, body: dict, timeout: float = 60):
-    return urllib.request.urlopen(urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}), timeout=timeout)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie is dead, only not yet reaped
-    except FileNotFoundError:
-        return False
 
 
 def test_a_stopped_core_process_fails_health_and_requests_and_the_server_exits_for_a_restart(tmp_path, tiny_llama_dir):
@@ -56,14 +35,14 @@ def test_a_stopped_core_process_fails_health_and_requests_and_the_server_exits_f
         try:
             body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
             time.sleep(STALL_S + 1.5)  # idle past the timeout: an idle core reports every second
-            assert get(f"{root}/health") == 200 and post(f"{url}/completions", body).status == 200
+            assert http_status(f"{root}/health") == 200 and post_json(f"{url}/completions", body).status == 200
 
-            stream = post(f"{url}/completions", {**body, "max_tokens": 1000, "ignore_eos": True, "stream": True})
+            stream = post_json(f"{url}/completions", {**body, "max_tokens": 1000, "ignore_eos": True, "stream": True})
             assert stream.readline().startswith(b"data: ")  # it streams: the core is stepping
             os.kill(core, signal.SIGSTOP)
             stopped = time.monotonic()
             with ThreadPoolExecutor(1) as pool:  # a request that arrives at the frozen core
-                waiting = pool.submit(post, f"{url}/completions", body)
+                waiting = pool.submit(post_json, f"{url}/completions", body)
                 events = [line for line in stream.read().splitlines() if line.startswith(b"data: ")]
                 ended = time.monotonic() - stopped
                 with pytest.raises(urllib.error.HTTPError) as refused:

@@ -11,12 +11,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
-from server_process import cadenza_server, cadenza_server_process, child_pids, free_port
+from server_process import (alive, cadenza_server, cadenza_server_process, child_pids, free_port, http_status,
+                            post_json)
 from waiting import wait_until
 
 pytestmark = pytest.mark.slow  # real servers, their core and worker processes
@@ -24,34 +23,11 @@ pytestmark = pytest.mark.slow  # real servers, their core and worker processes
 PROMPTS = [[5, 17, 99, 3, 250], list(range(10, 90)), [300] * 3, list(range(3, 200, 7))]
 
 
-def post(url: str, body: dict, timeout: float = 60):
-    return urllib.request.urlopen(urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}), timeout=timeout)
-
-
-def status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except (urllib.error.URLError, ConnectionError):
-        return 0  # the server is gone
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def completions(url: str) -> list[str]:
     out = []
     for prompt in PROMPTS:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-        with post(f"{url}/completions", body) as resp:
+        with post_json(f"{url}/completions", body) as resp:
             out.append(json.loads(resp.read())["choices"][0]["text"])
     return out
 
@@ -75,14 +51,14 @@ def test_a_worker_killed_mid_stream_ends_the_replica_cleanly(tmp_path, tiny_llam
         [core] = child_pids(server.pid)
         [worker] = child_pids(core)
         try:
-            stream = post(f"{url}/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 900,
+            stream = post_json(f"{url}/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 900,
                                                  "ignore_eos": True, "stream": True})
             assert stream.readline().startswith(b"data: ")  # it streams: the ranks are stepping
             os.kill(worker, signal.SIGKILL)
             killed = time.monotonic()
             events = [line for line in stream.read().splitlines() if line.startswith(b"data: ")]
             assert "error" in json.loads(events[-1][len(b"data: "):])  # an error event ends it, no [DONE]
-            wait_until(lambda: status(f"{root}/health") != 200, timeout=10, what="/health to fail")
+            wait_until(lambda: http_status(f"{root}/health") != 200, timeout=10, what="/health to fail")
             assert server.wait(timeout=30) == 1  # exits for its supervisor to restart it
             assert time.monotonic() - killed < 30
             wait_until(lambda: not alive(core), timeout=10, what="the core process to exit")
