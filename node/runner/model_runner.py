@@ -93,7 +93,9 @@ class ModelRunner:
                                 weights_seed, self.plan, self.collectives)
         self.max_model_len = max_model_len
         self._capture = config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
-        self.num_kv_blocks = self._agree(self._num_kv_blocks(config.cache))
+        # the fewest KV blocks any rank holds (GPUs' free memory differs): rank 0's block manager
+        # hands out block ids every rank must have
+        self.num_kv_blocks = self._least(self._num_kv_blocks(config.cache))
         # One block more than the block manager hands out: the scratch block padding tokens write to.
         self.scratch_block = self.num_kv_blocks
         shape = (model_config.num_hidden_layers, 2, self.num_kv_blocks + 1, self.block_size,
@@ -142,13 +144,6 @@ class ModelRunner:
         if cache.kv_cache_bytes is not None or self.device.type == "cpu":
             budget //= self.plan.size  # a replica's bytes, shared by its ranks (a GPU's fraction is its own)
         return max(1, budget // per_block)
-
-    def _agree(self, num_blocks: int) -> int:
-        """The fewest KV blocks any rank can hold (each GPU's free memory differs): rank 0's block
-        manager hands out block ids every rank must have."""
-        if self.collectives is None:
-            return num_blocks
-        return self._least(num_blocks)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> list[int]:
@@ -217,22 +212,27 @@ class ModelRunner:
             self._send(OP_STEP, layout, rows.max_query_len, max_seq_len)
         return self._forward(views, rows.max_query_len, max_seq_len)
 
+    def _tell(self, op: int, *fields: int) -> None:
+        """Rank 0: broadcast an op's header, ``op`` and up to 7 fields (the workers read 8)."""
+        self.collectives.broadcast(torch.tensor([op, *fields, *[0] * (7 - len(fields))], dtype=torch.int64))
+
+    def _send_inputs(self, inputs: InputBuffers, layout: Layout) -> None:
+        """Rank 0: broadcast a step's two filled host input buffers (``layout``'s parts)."""
+        self.collectives.broadcast(inputs.host64[: layout.int64_size])
+        self.collectives.broadcast(inputs.host32[: layout.int32_size])
+
     def _send(self, op: int, layout: Layout = _NO_LAYOUT, max_query_len: int = 0, max_seq_len: int = 0):
-        """Rank 0: broadcast a step's header and its two filled input buffers (or the end)."""
-        bcast = self.collectives.broadcast
+        """Rank 0: broadcast an eager step's header and inputs (or the end)."""
         self._workers_in_step = op == OP_STEP
-        bcast(torch.tensor([op, *layout, max_query_len, max_seq_len, 0], dtype=torch.int64))
+        self._tell(op, *layout, max_query_len, max_seq_len)
         if op == OP_STEP:
-            bcast(self.inputs.host64[: layout.int64_size])
-            bcast(self.inputs.host32[: layout.int32_size])
+            self._send_inputs(self.inputs, layout)
 
     def _announce(self, index: int, num_sampled: int, layout: Layout) -> None:
         """Rank 0, before it replays a step graph: the workers replay the same one on these inputs."""
-        bcast, inputs = self.collectives.broadcast, self.graphs.inputs
         self._workers_in_step = True
-        bcast(torch.tensor([OP_GRAPH, index, num_sampled, *layout, 0], dtype=torch.int64))
-        bcast(inputs.host64[: layout.int64_size])
-        bcast(inputs.host32[: layout.int32_size])
+        self._tell(OP_GRAPH, index, num_sampled, *layout)
+        self._send_inputs(self.graphs.inputs, layout)
 
     def _least(self, value: int) -> int:
         """The least of every rank's ``value`` (the value itself without tensor parallelism)."""
@@ -307,10 +307,13 @@ class ModelRunner:
                        memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
         """Capture the step graphs for ``scheduler``'s sizes (:mod:`.cuda_graphs`); later steps a
         graph holds replay it. ``record="eager"`` runs everything but the capture (CPU tests)."""
+        with self._ops:  # a capture is a sequence of collectives at tensor-parallel size > 1
+            self._capture_graphs(scheduler, record, mixed, memory_budget)
+
+    def _capture_graphs(self, scheduler: SchedulerConfig, record: str, mixed: bool, memory_budget: int) -> None:
         if self.collectives is not None and self.rank == 0:  # every rank captures the same shapes, in step
-            self.collectives.broadcast(torch.tensor(
-                [OP_CAPTURE, scheduler.max_num_seqs, scheduler.token_budget, scheduler.effective_chunk_size, int(mixed),
-                 int(record == "eager"), memory_budget >> 20, 0], dtype=torch.int64))
+            self._tell(OP_CAPTURE, scheduler.max_num_seqs, scheduler.token_budget, scheduler.effective_chunk_size,
+                       int(mixed), int(record == "eager"), memory_budget >> 20)
         shapes = graph_shapes(scheduler.max_num_seqs, scheduler.token_budget, scheduler.effective_chunk_size,
                               self.max_model_len, mixed)
         width = -(-self.max_model_len // self.block_size)
@@ -335,9 +338,8 @@ class ModelRunner:
             if self.collectives is None:
                 blocks = self._local_blocks(ids)
             else:
-                bcast = self.collectives.broadcast
-                bcast(torch.tensor([OP_READ_KV, len(block_ids), 0, 0, 0, 0, 0, 0], dtype=torch.int64))
-                bcast(ids)
+                self._tell(OP_READ_KV, len(block_ids))
+                self.collectives.broadcast(ids)
                 blocks = self._all_heads(self.collectives.gather(self._local_blocks(ids)))
         return memoryview(blocks.cpu().view(torch.uint8).reshape(-1).numpy()).cast("B")
 
@@ -373,10 +375,9 @@ class ModelRunner:
         ids = torch.as_tensor(block_ids, dtype=torch.long)
         with self._ops:
             if self.collectives is not None:
-                bcast = self.collectives.broadcast
-                bcast(torch.tensor([OP_WRITE_KV, len(block_ids), 0, 0, 0, 0, 0, 0], dtype=torch.int64))
-                bcast(ids)
-                bcast(data.clone())  # the broadcast's buffer is written on the other ranks: give it its own
+                self._tell(OP_WRITE_KV, len(block_ids))
+                self.collectives.broadcast(ids)
+                self.collectives.broadcast(data.clone())  # the broadcast's buffer is written on the other ranks: give it its own
             self._write_local(ids, data)
 
     def _write_local(self, ids: torch.Tensor, data: torch.Tensor) -> None:
