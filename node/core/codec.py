@@ -33,7 +33,7 @@ from cadenza.node.core.messages import (
     StepOutputs,
     StepRecord,
 )
-from cadenza.node.core.request import RemoteKV, SamplingParams
+from cadenza.node.core.request import RemoteKV, SamplingParams, StructuredOutput
 from cadenza.node.core.stats import ClassStats, EngineStats, TenantLoad
 
 FRAME_HEADER = struct.Struct(">I")  # each frame: payload length (bytes, big-endian), then msgpack
@@ -42,13 +42,14 @@ MAX_FRAME_BYTES = 256 * 2**20
 
 def _sampling_to_wire(sp: SamplingParams) -> list:
     return [sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed, list(sp.stop),
-            sorted(sp.stop_token_ids), sp.ignore_eos, sp.logprobs]
+            sorted(sp.stop_token_ids), sp.ignore_eos, sp.logprobs,
+            None if sp.structured is None else [sp.structured.kind, sp.structured.spec]]
 
 
 def _sampling_from_wire(v: list) -> SamplingParams:
-    max_tokens, temperature, top_p, top_k, seed, stop, stop_ids, ignore_eos, logprobs = v
+    max_tokens, temperature, top_p, top_k, seed, stop, stop_ids, ignore_eos, logprobs, structured = v
     return SamplingParams(max_tokens, temperature, top_p, top_k, seed, tuple(stop), frozenset(stop_ids), ignore_eos,
-                          logprobs)
+                          logprobs, None if structured is None else StructuredOutput(*structured))
 
 
 def _fields_to_wire(obj: Any) -> list:

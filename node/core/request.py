@@ -45,6 +45,31 @@ _FINISH_REASONS = {
 
 MAX_LOGPROBS = 20  # most likely tokens reported per generated token (OpenAI's top_logprobs bound)
 
+STRUCTURED_KINDS = ("json_schema", "json_object")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on a request's output: it must be JSON, or JSON valid against a schema.
+
+    Attributes:
+        kind: ``json_object`` (any JSON object; OpenAI's JSON mode) or ``json_schema``.
+        spec: for ``json_schema``, the schema as JSON text (compiled grammars are cached by it);
+            empty for ``json_object``.
+
+    Raises:
+        ValueError: an unknown kind, or a ``json_schema`` without a schema.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output: kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if self.kind == "json_schema" and not self.spec:
+            raise ValueError("structured output: a json_schema constraint needs its schema")
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -64,6 +89,7 @@ class SamplingParams:
             with each generated token's own log-probability (OpenAI's ``top_logprobs``; vLLM's
             ``logprobs``). Taken from the model's distribution before temperature, top-k and top-p
             (vLLM's default, ``raw_logprobs``).
+        structured: None, or the grammar the output must follow (:class:`StructuredOutput`).
 
     Raises:
         ValueError: on any out-of-range value, naming the field.
@@ -78,6 +104,7 @@ class SamplingParams:
     stop_token_ids: frozenset[int] | tuple[int, ...] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
