@@ -29,6 +29,7 @@ from cadenza.node.core.policy import CLASSES, Policy
 from cadenza.node import hub
 from cadenza.node.credentials import require_kv_token
 from cadenza.node.embedded import EmbeddedModelError
+from cadenza.node.frontend.tool_parsers import TOOL_PARSERS
 from cadenza.node.http.hardening import add_http_arguments
 
 logger = logging.getLogger("cadenza")
@@ -232,7 +233,7 @@ def _serve(args: argparse.Namespace) -> int:
     stall = args.engine_stall_timeout_s
     return serve(config, args.host, args.port, args.default_class, timeouts=timeouts,
                  engine_process=engine_process, threads=threads, step_log=args.step_log,
-                 stall_timeout_s=STALL_TIMEOUT_S if stall is None else stall)
+                 stall_timeout_s=STALL_TIMEOUT_S if stall is None else stall, tool_parser=args.tool_parser)
 
 
 def _model_hint(model: str | None) -> str:
@@ -273,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="traffic class of requests without an x-cadenza-class header")
     net.add_argument("--step-log", type=Path, metavar="FILE.jsonl",
                      help="append each step's composition and seconds here (the table `cadenza sim calibrate` fits)")
+    net.add_argument("--tool-parser", choices=("auto", *TOOL_PARSERS), default="auto",
+                     help="the format of the model's tool calls: auto reads it from the chat template (<tool_call> "
+                          "blocks: hermes; <|python_tag|> or ipython: llama3_json; a template without tools: hermes, "
+                          "with the tools in the system prompt)")
     add_http_arguments(serve)
     serve.set_defaults(func=_serve)
 

@@ -12,7 +12,9 @@ OpenAI's wording for context-length errors. No torch here.
 from __future__ import annotations
 
 import asyncio
+import json
 from functools import partial
+from typing import Any
 
 from cadenza.node.core.messages import EngineReady
 from cadenza.node.core.request import SamplingParams
@@ -66,17 +68,19 @@ class InputProcessor:
             raise InputError(400, f"prompt: token ids must be in [0, {self.vocab_size})", param="prompt")
         return ids
 
-    async def chat(self, messages: list[dict]) -> list[int]:
-        """The token ids of ``messages`` rendered with the chat template.
+    async def chat(self, messages: list[dict], **extra: Any) -> list[int]:
+        """The token ids of ``messages`` rendered with the chat template; ``extra`` are further
+        template variables (``tools``: :mod:`cadenza.node.frontend.tool_prompt`).
 
         Raises:
             InputError: too long to ever fit, or the template refused the messages.
         """
-        self.refuse_oversized_text(sum(len(m["content"]) for m in messages), "messages",
-                                   markup_tokens=len(messages) * self.tokenizer.chat_markup_tokens)
+        chars = sum(len(m["content"]) + _calls_chars(m) for m in messages) + (len(json.dumps(extra)) if extra else 0)
+        self.refuse_oversized_text(chars, "messages", markup_tokens=len(messages) * self.tokenizer.chat_markup_tokens)
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                None, partial(self.tokenizer.encode_chat, messages, special_tokens_as_text=self.special_tokens_as_text))
+                None, partial(self.tokenizer.encode_chat, messages, special_tokens_as_text=self.special_tokens_as_text,
+                              **extra))
         except ChatTemplateError as exc:
             raise InputError(400, f"messages: {exc}", param="messages") from None
 
@@ -133,3 +137,8 @@ class InputProcessor:
             ignore_eos=body.ignore_eos,
             logprobs=body.top_logprobs_asked,
         )
+
+
+def _calls_chars(message: dict) -> int:
+    """Characters of a message's tool calls' names and arguments (text the template renders)."""
+    return sum(len(c["function"]["name"]) + len(str(c["function"]["arguments"])) for c in message.get("tool_calls") or ())

@@ -50,6 +50,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -120,6 +121,19 @@ def compile_chat_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+
+def chat_template_variables(source: str) -> frozenset[str]:
+    """The variables a chat template reads from its caller (``messages``, ``tools``, ...).
+
+    Raises:
+        ChatTemplateError: the template does not compile.
+    """
+    template = compile_chat_template(source)
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(template.environment.parse(source)))
+    except jinja2.TemplateSyntaxError as exc:  # pragma: no cover - compile_chat_template parsed it already
         raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
 
 

@@ -25,7 +25,7 @@ from cadenza.node.frontend.client import STALL_TIMEOUT_S, EngineClient
 from cadenza.node.frontend.step_log import StepLog
 from cadenza.node.server import admin, auth, openai_api
 from cadenza.node.server.access_log import access_log_middleware
-from cadenza.node.server.app_keys import DEFAULT_CLASS, ENGINE, MODEL_NAME, TELEMETRY
+from cadenza.node.server.app_keys import DEFAULT_CLASS, ENGINE, MODEL_NAME, TELEMETRY, TOOL_PARSER
 from cadenza.node.http.errors import error_middleware, error_response
 from cadenza.node.http.hardening import HttpTimeouts
 from cadenza.node.http.runner import run_app
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 def create_app(config: EngineConfig, model_name: str | None = None, default_class: str = "interactive",
                engine_process: bool = False, threads=None,
                core_factory: Callable | None = None, step_log: Path | None = None,
-               stall_timeout_s: float | None = STALL_TIMEOUT_S) -> web.Application:
+               stall_timeout_s: float | None = STALL_TIMEOUT_S, tool_parser: str = "auto") -> web.Application:
     """Build the app; the engine core starts loading when the app starts.
 
     Args:
@@ -53,6 +53,8 @@ def create_app(config: EngineConfig, model_name: str | None = None, default_clas
         step_log: append each step's composition and seconds to this JSONL file
             (:mod:`cadenza.node.frontend.step_log`: the table ``cadenza sim calibrate`` fits).
         stall_timeout_s: a ready engine core that sends nothing this long is dead (None: never).
+        tool_parser: the format of the model's tool calls (:mod:`cadenza.node.server.tool_calls`),
+            or ``auto``: from its chat template.
 
     Raises:
         OSError: ``step_log`` cannot be opened.
@@ -67,6 +69,7 @@ def create_app(config: EngineConfig, model_name: str | None = None, default_clas
     app[TELEMETRY] = telemetry
     app[MODEL_NAME] = model_name
     app[DEFAULT_CLASS] = check_class(default_class)
+    app[TOOL_PARSER] = tool_parser
     admin.add_routes(app)
     app.cleanup_ctx.append(_engine_lifecycle)
     app.router.add_post("/v1/completions", openai_api.completions)
@@ -110,7 +113,8 @@ async def ready(request: web.Request) -> web.Response:
 
 def serve(config: EngineConfig, host: str, port: int, default_class: str = "interactive",
           timeouts: HttpTimeouts | None = None, engine_process: bool = True, threads=None,
-          step_log: Path | None = None, stall_timeout_s: float | None = STALL_TIMEOUT_S) -> int:
+          step_log: Path | None = None, stall_timeout_s: float | None = STALL_TIMEOUT_S,
+          tool_parser: str = "auto") -> int:
     """Serve until SIGINT/SIGTERM; return the process exit code.
 
     The server listens at once (probes get answers while the weights load). If the engine fails
@@ -124,7 +128,7 @@ def serve(config: EngineConfig, host: str, port: int, default_class: str = "inte
     else:
         logger.info("admin API on: GET/PUT /admin/config with the bearer token")
     app = create_app(config, default_class=default_class, engine_process=engine_process, threads=threads,
-                     step_log=step_log, stall_timeout_s=stall_timeout_s)
+                     step_log=step_log, stall_timeout_s=stall_timeout_s, tool_parser=tool_parser)
     return asyncio.run(_serve(app, host, port, timeouts))
 
 

@@ -24,7 +24,8 @@ from cadenza.node.core.request import RemoteKV, SamplingParams
 from cadenza.node.frontend.client import EngineDeadError, Queued
 from cadenza.node.frontend.input_processor import InputError, InputProcessor
 from cadenza.node.server.access_log import ACCESS
-from cadenza.node.server.app_keys import DEFAULT_CLASS, ENGINE, MODEL_NAME, TELEMETRY
+from cadenza.node.server import tool_calls
+from cadenza.node.server.app_keys import DEFAULT_CLASS, ENGINE, MODEL_NAME, TELEMETRY, TOOL_PARSER
 from cadenza.node.http.errors import APIError, error_body
 from cadenza.node.http.hardening import send
 from cadenza.node.server.json_body import read_json
@@ -48,6 +49,7 @@ class _Call:
     tenant: str
     arrival: float  # time.monotonic() when the HTTP request arrived
     cache_salt: str | None = None
+    tools: tool_calls.ToolCallOutput | None = None  # a chat call's tool-call parsing (tools given)
 
 
 def _class_and_tenant(request: web.Request) -> tuple[str, str]:
@@ -89,13 +91,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body.check_supported()
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     with _traced(request, request_id, "chat", body, body.requested_max_tokens, traffic_class, tenant, arrival):
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
+        tools = tool_calls.prepare(body, inputs.tokenizer.chat_template, request.app[TOOL_PARSER])
         with _input_errors():
-            prompt_ids = await inputs.chat(messages)
+            prompt_ids = await inputs.chat(tools.messages, **tools.template_extra)
             sampling = inputs.sampling(body, len(prompt_ids), body.requested_max_tokens, default_fill=True)
+        if tools.structured is not None:  # tool_choice required or a named function
+            sampling = replace(sampling, structured=tools.structured)
         call = _Call("chat.completion", request_id, prompt_ids, sampling, body.stream, body.include_usage,
-                     traffic_class, tenant, arrival, body.cache_salt)
+                     traffic_class, tenant, arrival, body.cache_salt, tools=tools.output)
         return await _respond(request, call)
 
 
@@ -203,6 +206,8 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
         choice = {"index": 0, "logprobs": logprobs and logprobs.take(whole=True), "finish_reason": last.finish_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
+            if call.tools is not None:
+                choice.update(call.tools.choice("".join(text), last.finish_reason))
         else:
             choice["text"] = "".join(text)
         return web.json_response(
@@ -239,7 +244,10 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
                         await _send(request, response, chunk({"role": "assistant", "content": ""}, None))
                 if logprobs is not None:  # sent with the next chunk that carries text (held text: later)
                     logprobs.add(last)
-                if last.text or last.finished:
+                if call.tools is not None:
+                    for delta, reason in call.tools.chunks(last):
+                        await _send(request, response, chunk(delta, reason))
+                elif last.text or last.finished:
                     await _send(request, response, chunk(last.text or None, last.finish_reason))
         except APIError as exc:
             if not response.prepared:

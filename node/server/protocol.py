@@ -12,16 +12,20 @@ tokens do: at most ``MAX_STOP_STRINGS`` stop strings (OpenAI allows 4) of at mos
 messages (OpenAI's limit) with ``MAX_CONTENT_PARTS`` content parts in all; :func:`check_sizes` checks the
 counts on the raw JSON, before anything is validated item by item. Unknown fields are ignored (as vLLM does), so clients that
 send extra metadata keep working; options cadenza cannot honour — ``n`` or ``best_of`` above 1,
-``echo``, ``suffix``, penalties, ``logit_bias``, ``tools``, a ``response_format`` other than text —
-are refused with a 400 rather than silently ignored. ``logprobs`` are served in OpenAI's shapes:
+``echo``, ``suffix``, penalties, ``logit_bias``, a ``response_format`` other than text —
+are refused with a 400 rather than silently ignored. Chat ``tools`` (at most ``MAX_TOOLS``
+functions, unique names of OpenAI's pattern, ``parameters`` a valid JSON schema), ``tool_choice``
+and ``parallel_tool_calls`` follow OpenAI's reference, as do assistant ``tool_calls`` (at most
+``MAX_TOOL_CALLS`` per message) and ``tool`` messages with their ``tool_call_id``. ``logprobs`` are served in OpenAI's shapes:
 chat ``logprobs: true`` with ``top_logprobs`` 0 to 20, completions ``logprobs`` 0 to 5
 (each request's ``top_logprobs_asked``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
+import jsonschema
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -44,6 +48,10 @@ MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 4 * MAX_MESSAGES
 MAX_CACHE_SALT_CHARS = 256
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions (chat's top_logprobs: MAX_LOGPROBS)
+MAX_TOOLS = 128  # OpenAI's bound on a request's tools
+MAX_TOOL_CALLS = 128  # calls in one assistant message
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+TOOL_CHOICES = ("none", "auto", "required")
 
 Temperature = Annotated[float, Field(strict=True, ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0)]
@@ -179,12 +187,67 @@ class ContentPart(BaseModel):
         return self
 
 
+class FunctionDefinition(BaseModel):
+    """A tool's function: its name, what it does, and its arguments' JSON schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: Annotated[StrictStr, Field(pattern=FUNCTION_NAME)]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _a_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            try:
+                jsonschema.validators.validator_for(v).check_schema(v)
+            except jsonschema.SchemaError as exc:
+                raise ValueError(f"not a valid JSON schema: {exc.message}") from None
+        return v
+
+
+class Tool(BaseModel):
+    """``{"type": "function", "function": {...}}``, the one kind of tool OpenAI's chat API has."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolCallFunction(BaseModel):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant message made (``tool_calls`` of the conversation)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: StrictStr
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message makes tool calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
+        return self
 
     @field_validator("role")
     @classmethod
@@ -208,6 +271,18 @@ class ChatMessage(BaseModel):
             return "".join(part.text or "" for part in self.content)
         return self.content or ""
 
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it: content as text (``""`` for null), and
+        ``name``, ``tool_calls`` and ``tool_call_id`` where given."""
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            m["name"] = self.name
+        if self.tool_calls:
+            m["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
+
 
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``."""
@@ -216,7 +291,9 @@ class ChatCompletionRequest(_Common):
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     top_logprobs: StrictInt | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: Any = None  # checked by check_supported, for errors that name it plainly
+    parallel_tool_calls: StrictBool = True
     response_format: dict[str, Any] | None = None
 
     @property
@@ -238,10 +315,40 @@ class ChatCompletionRequest(_Common):
                                f"{self.top_logprobs}", param="top_logprobs")
             if not self.logprobs:
                 raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-        if self.tools:
-            raise APIError(400, "tools: tool calling is not supported", param="tools")
+        self._check_tools()
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise APIError(400, "response_format: only type 'text' is supported", param="response_format")
+
+    def _check_tools(self) -> None:
+        """Refuse duplicate tool names and a ``tool_choice`` that is malformed, given without
+        tools or naming a function that is not one of them (400s naming the field)."""
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            duplicate = next(n for n in names if names.count(n) > 1)
+            raise APIError(400, f"tools: function names must be unique; {duplicate!r} is given twice", param="tools")
+        choice = self.tool_choice
+        if choice is None:
+            return
+        if isinstance(choice, str):
+            if choice not in TOOL_CHOICES:
+                raise APIError(400, f"tool_choice: must be one of {', '.join(TOOL_CHOICES)} or "
+                               f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}', param="tool_choice")
+        elif not (isinstance(choice, dict) and choice.get("type") == "function"
+                  and isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)):
+            raise APIError(400, 'tool_choice: a named choice is {"type": "function", "function": {"name": ...}}',
+                           param="tool_choice")
+        if not self.tools:
+            raise APIError(400, "tool_choice: only allowed when tools are given", param="tool_choice")
+        if isinstance(choice, dict) and choice["function"]["name"] not in names:
+            raise APIError(400, f"tool_choice: the function {choice['function']['name']!r} is not among the tools",
+                           param="tool_choice")
+
+    @property
+    def tool_choice_value(self) -> str | dict:
+        """``tool_choice`` with OpenAI's default: ``auto`` with tools, ``none`` without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
 
 def check_sizes(body: dict, max_model_len: int) -> None:
@@ -249,8 +356,9 @@ def check_sizes(body: dict, max_model_len: int) -> None:
 
     Raises:
         APIError: 400 for more than ``MAX_MESSAGES`` messages, ``MAX_CONTENT_PARTS`` content
-            parts, ``MAX_STOP_STRINGS`` stop strings or ``MAX_STOP_TOKEN_IDS`` stop token ids, and
-            for a prompt of token ids longer than ``max_model_len`` (``context_length_exceeded``).
+            parts, ``MAX_STOP_STRINGS`` stop strings, ``MAX_STOP_TOKEN_IDS`` stop token ids or
+            ``MAX_TOOLS`` tools, and for a prompt of token ids longer than ``max_model_len``
+            (``context_length_exceeded``).
     """
     messages = body.get("messages")
     if isinstance(messages, list):
@@ -260,7 +368,7 @@ def check_sizes(body: dict, max_model_len: int) -> None:
         if parts > MAX_CONTENT_PARTS:
             raise APIError(400, f"messages: at most {MAX_CONTENT_PARTS} content parts in all, got {parts}",
                            param="messages")
-    for field, limit in (("stop", MAX_STOP_STRINGS), ("stop_token_ids", MAX_STOP_TOKEN_IDS)):
+    for field, limit in (("stop", MAX_STOP_STRINGS), ("stop_token_ids", MAX_STOP_TOKEN_IDS), ("tools", MAX_TOOLS)):
         value = body.get(field)
         if isinstance(value, list) and len(value) > limit:
             raise APIError(400, f"{field}: at most {limit} items, got {len(value)}", param=field)

@@ -171,8 +171,23 @@ BAD_REQUESTS = {
     "completion-logprobs-boolean": ("/v1/completions", {**GOOD_COMPLETION, "logprobs": True}, 400, "logprobs"),
     "json-response-format": ("/v1/chat/completions", {**GOOD_CHAT, "response_format": {"type": "json_object"}}, 400,
                              "response_format"),
-    "tools": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-              "tools"),
+    "tool-choice-unknown-function": (
+        "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                 "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    "tool-choice-without-tools": ("/v1/chat/completions", {**GOOD_CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    "tool-choice-unknown-word": (
+        "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                 "tool_choice": "always"}, 400, "tool_choice"),
+    "tools-duplicate-names": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}] * 2},
+                              400, "tools"),
+    "tools-too-many": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [
+        {"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, 400, "tools"),
+    "tool-bad-function-name": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [
+        {"type": "function", "function": {"name": "get weather"}}]}, 400, "tools.0.function.name"),
+    "tool-parameters-not-a-schema": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]}, 400, "tools.0.function.parameters"),
+    "tool-message-without-call-id": (
+        "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "tool", "content": "42"}]}, 400, "messages.0"),
     "suffix": ("/v1/completions", {**GOOD_COMPLETION, "suffix": "end"}, 400, "suffix"),
     "best-of": ("/v1/completions", {**GOOD_COMPLETION, "best_of": 3}, 400, "best_of"),
     "oversized-prompt-text": ("/v1/completions", {**GOOD_COMPLETION, "prompt": "word " * 200_000}, 400, "prompt"),
