@@ -40,6 +40,7 @@ re-encoded stretch's first word too.)
 from __future__ import annotations
 
 import bisect
+import copy
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -374,9 +375,10 @@ class Tokenizer:
     ) -> list[int]:
         """``encode(apply_chat_template(...), add_special_tokens=False)``.
 
-        ``special_tokens_as_text``: special-token text in the messages' strings (content, name) is
-        encoded as plain text; the template's own markup stays control tokens (see the module
-        docstring). ``extra`` goes to the template as it is.
+        ``special_tokens_as_text``: special-token text in the messages' strings (content, name,
+        tool calls' names and arguments: every string but the roles) and in ``extra``'s (the
+        tools) is encoded as plain text; the template's own markup stays control tokens (see the
+        module docstring). ``extra`` goes to the template as it is.
 
         Raises:
             ChatTemplateError: as :meth:`apply_chat_template`.
@@ -384,8 +386,8 @@ class Tokenizer:
         if not special_tokens_as_text:
             return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
                                add_special_tokens=False)
-        wrapped, marks = self._wrap_special_text(messages, extra)
-        prompt = self.apply_chat_template(wrapped, add_generation_prompt, **extra)
+        wrapped, wrapped_extra, marks = self._wrap_special_text(messages, extra)
+        prompt = self.apply_chat_template(wrapped, add_generation_prompt, **wrapped_extra)
         if marks is None:  # no special-token text in any message: the default encoding, exactly
             return self.encode(prompt, add_special_tokens=False)
         text, spans = _unwrap(prompt, *marks)
@@ -418,24 +420,25 @@ class Tokenizer:
 
     def _wrap_special_text(
         self, messages: Sequence[Message], extra: Mapping[str, Any]
-    ) -> tuple[list[dict], tuple[str, str] | None]:
-        """``messages`` with each special-token occurrence in their strings (all but ``role``)
-        wrapped in a pair of noncharacters, and that pair; ``(messages, None)`` without any.
-        The pair is one that nothing the template renders holds: not the messages (any field,
-        nested too), ``extra`` or the template itself.
+    ) -> tuple[list[dict], dict[str, Any], tuple[str, str] | None]:
+        """Copies of ``messages`` and ``extra`` with each special-token occurrence in their strings
+        (all but a message's ``role``; nested ones too: tool calls, tools) wrapped in a pair of
+        noncharacters, and that pair; ``(messages, extra, None)`` without any. The pair is one
+        that nothing the template renders holds: not the messages, ``extra`` or the template.
 
         Raises:
             ChatTemplateError: those hold every noncharacter of U+FDD0..U+FDEF (no pair is free).
         """
-        copies = [dict(m) for m in messages]
-        fields = [(m, key) for m in copies for key, value in m.items() if key != "role" and isinstance(value, str)]
+        copies = copy.deepcopy([dict(m) for m in messages])
+        extra_copy = copy.deepcopy(dict(extra))
+        fields = [slot for m in copies for slot in _string_slots(m, skip="role")] + _string_slots(extra_copy)
         if not fields:
-            return copies, None
+            return copies, extra_copy, None
         found = self.hf.encode_batch([m[key] for m, key in fields], add_special_tokens=False)
         special = self.special_token_ids
         hits = [[(a, b) for t, (a, b) in zip(e.ids, e.offsets) if t in special and b > a] for e in found]
         if not any(hits):
-            return copies, None
+            return copies, extra_copy, None
         rendered = json.dumps([copies, extra], ensure_ascii=False, default=str) + (self.chat_template or "")
         free = [c for c in _NONCHARACTERS if c not in rendered]
         if len(free) < 2:
@@ -448,7 +451,22 @@ class Tokenizer:
                 parts += [text[at:a], open_, text[a:b], close]
                 at = b
             m[key] = "".join(parts) + text[at:]
-        return copies, (open_, close)
+        return copies, extra_copy, (open_, close)
+
+
+def _string_slots(node: Any, skip: str | None = None) -> list[tuple[Any, Any]]:
+    """``(container, key)`` of every string value in ``node``'s nested dicts and lists (a top
+    level key ``skip`` left out)."""
+    slots: list[tuple[Any, Any]] = []
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        if key == skip:
+            continue
+        if isinstance(value, str):
+            slots.append((node, key))
+        else:
+            slots += _string_slots(value)
+    return slots
 
 
 def _unwrap(prompt: str, open_: str, close: str) -> tuple[str, list[tuple[int, int]]]:
