@@ -24,6 +24,8 @@ from typing import Any
 
 from cadenza.node.frontend.tool_parsers import ToolParser
 
+MAX_JSON_DEPTH = 64  # nesting of a tool's schema or a call's arguments rendered as objects
+
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to answer. Their signatures, as JSON schemas:\n<tools>\n"
 )
@@ -86,9 +88,21 @@ def _native(message: Mapping[str, Any]) -> dict:
 
 
 def _arguments(text: str) -> dict | str:
-    """A call's arguments as the object templates expect; text that is not a JSON object stays."""
+    """A call's arguments as the object templates expect; text that is not a JSON object (or
+    nests deeper than ``MAX_JSON_DEPTH``) stays text."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
-    return value if isinstance(value, dict) else text
+    return value if isinstance(value, dict) and json_depth(value) <= MAX_JSON_DEPTH else text
+
+
+def json_depth(value: Any) -> int:
+    """How deep JSON data nests (a scalar: 0, ``{}``: 1), level by level, without recursion."""
+    depth, level = 0, [value]
+    while True:
+        containers = [node for node in level if isinstance(node, (dict, list))]
+        if not containers:
+            return depth
+        depth += 1
+        level = [v for node in containers for v in (node.values() if isinstance(node, dict) else node)]

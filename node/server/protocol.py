@@ -39,6 +39,7 @@ from pydantic import (
 )
 
 from cadenza.node.core.request import MAX_LOGPROBS
+from cadenza.node.frontend.tool_prompt import MAX_JSON_DEPTH, json_depth
 from cadenza.node.http.errors import APIError
 
 MAX_STOP_STRINGS = 16
@@ -201,6 +202,8 @@ class FunctionDefinition(BaseModel):
     @classmethod
     def _a_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is not None:
+            if json_depth(v) > MAX_JSON_DEPTH:
+                raise ValueError(f"a schema may nest at most {MAX_JSON_DEPTH} levels deep")
             try:
                 jsonschema.validators.validator_for(v).check_schema(v)
             except jsonschema.SchemaError as exc:
