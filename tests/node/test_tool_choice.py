@@ -67,3 +67,11 @@ def test_output_valid_for_the_schema_parses_into_those_calls():
 
 def test_the_schema_text_is_compact_json():
     assert schema_text({"type": "object", "properties": {}}) == '{"type":"object","properties":{}}'
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED, {"type": "function", "function": {"name": "tree"}}])
+def test_the_grammar_engine_compiles_the_forced_schemas(choice):
+    llguidance = pytest.importorskip("llguidance")
+    schema = forced_schema([WEATHER, CLOCK, TREE], choice)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
