@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 
@@ -49,7 +50,7 @@ class _Call:
     tenant: str
     arrival: float  # time.monotonic() when the HTTP request arrived
     cache_salt: str | None = None
-    tools: tool_calls.ToolCallOutput | None = None  # a chat call's tool-call parsing (tools given)
+    tools: Callable[[], tool_calls.ToolCallOutput] | None = None  # a chat choice's tool-call parsing, made per choice
 
 
 def _class_and_tenant(request: web.Request) -> tuple[str, str]:
@@ -193,6 +194,7 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
     access = request.get(ACCESS, {})
     access["id"] = call.request_id
     logprobs = _Logprobs(client.inputs.tokenizer, chat) if call.sampling.logprobs is not None else None
+    tools = call.tools() if call.tools is not None else None
     if not call.stream:
         text: list[str] = []
         last = None
@@ -206,8 +208,8 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
         choice = {"index": 0, "logprobs": logprobs and logprobs.take(whole=True), "finish_reason": last.finish_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
-            if call.tools is not None:
-                choice.update(call.tools.choice("".join(text), last.finish_reason))
+            if tools is not None:
+                choice.update(tools.choice("".join(text), last.finish_reason))
         else:
             choice["text"] = "".join(text)
         return web.json_response(
@@ -244,8 +246,8 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
                         await _send(request, response, chunk({"role": "assistant", "content": ""}, None))
                 if logprobs is not None:  # sent with the next chunk that carries text (held text: later)
                     logprobs.add(last)
-                if call.tools is not None:
-                    for delta, reason in call.tools.chunks(last):
+                if tools is not None:
+                    for delta, reason in tools.chunks(last):
                         await _send(request, response, chunk(delta, reason))
                 elif last.text or last.finished:
                     await _send(request, response, chunk(last.text or None, last.finish_reason))

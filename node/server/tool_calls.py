@@ -19,8 +19,8 @@ output stopped by itself. With ``parallel_tool_calls: false`` calls after the fi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from functools import lru_cache
+from collections.abc import Callable, Mapping
+from functools import lru_cache, partial
 from typing import Any, NamedTuple
 
 from cadenza.node.core.request import StructuredOutput
@@ -39,7 +39,7 @@ class ToolRequest(NamedTuple):
     messages: list[dict]  # for the chat template
     template_extra: dict[str, Any]  # further template variables (``tools``)
     structured: StructuredOutput | None  # the grammar that forces tool_choice, if any
-    output: ToolCallOutput | None  # None: a plain chat answer (no tools, or tool_choice none)
+    output: Callable[[], ToolCallOutput] | None  # makes one per choice; None: a plain chat answer
 
 
 def prepare(body, chat_template: str | None, tool_parser: str = AUTO) -> ToolRequest:
@@ -61,8 +61,9 @@ def prepare(body, chat_template: str | None, tool_parser: str = AUTO) -> ToolReq
         return ToolRequest(messages, extra, None, None)
     schema = forced_schema([t["function"] for t in tools], choice, body.parallel_tool_calls)
     structured = StructuredOutput("json_schema", schema_text(schema)) if schema is not None else None
-    output_parser = forced_parser(choice) if schema is not None else parser()
-    return ToolRequest(messages, extra, structured, ToolCallOutput(output_parser, body.parallel_tool_calls))
+    new_parser = partial(forced_parser, choice) if schema is not None else parser
+    parallel = body.parallel_tool_calls
+    return ToolRequest(messages, extra, structured, lambda: ToolCallOutput(new_parser(), parallel))
 
 
 @lru_cache(maxsize=16)

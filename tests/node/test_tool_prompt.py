@@ -103,7 +103,7 @@ def _render(tokenizer: Tokenizer, body: dict, tool_parser: str = "auto"):
 ])
 def test_a_template_with_tools_renders_them_and_the_calls_parse_back(template, parser, call_turn):
     request, prompt = _render(_tokenizer(template), REQUEST)
-    assert request.output is not None and request.output.parser.name == parser
+    assert request.output is not None and request.output().parser.name == parser
     assert '"description": "The weather forecast of a city."' in prompt  # the template got the tools
     assert "sunny, 21 °C" in prompt
     written = re.search(call_turn, prompt, re.S).group(1)
@@ -117,7 +117,7 @@ def test_a_template_with_tools_renders_them_and_the_calls_parse_back(template, p
 def test_the_embedded_template_gets_the_tools_in_a_system_prompt_and_the_calls_as_text(smollm2_dir):
     tokenizer = Tokenizer.from_pretrained(smollm2_dir)
     request, prompt = _render(tokenizer, REQUEST)
-    assert request.template_extra == {} and request.output.parser.name == "hermes"
+    assert request.template_extra == {} and request.output().parser.name == "hermes"
     system = prompt.split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\n" + TOOLS_PREAMBLE) and "<tool_call>" in system
     assert "You are a helpful AI assistant named SmolLM" not in prompt  # the tools' system prompt instead
@@ -146,7 +146,7 @@ def test_an_existing_system_message_gets_the_tools_appended(smollm2_dir):
 
 def test_a_forced_parser_writes_the_fallback_prompt_in_its_format(smollm2_dir):
     request, prompt = _render(Tokenizer.from_pretrained(smollm2_dir), REQUEST, tool_parser="llama3_json")
-    assert request.output.parser.name == "llama3_json"
+    assert request.output().parser.name == "llama3_json"
     assert '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}' in prompt
 
 
@@ -156,9 +156,9 @@ def test_forced_choices_carry_a_schema_and_their_own_parser():
     request, _prompt = _render(tokenizer, {**REQUEST, "tool_choice": named})
     assert request.structured.kind == "json_schema"
     assert json.loads(request.structured.spec) == REQUEST["tools"][0]["function"]["parameters"]
-    assert request.output.parser.name == "named"
+    assert request.output().parser.name == "named"
     request, _prompt = _render(tokenizer, {**REQUEST, "tool_choice": "required", "parallel_tool_calls": False})
-    assert json.loads(request.structured.spec)["maxItems"] == 1 and request.output.parser.name == "required"
+    assert json.loads(request.structured.spec)["maxItems"] == 1 and request.output().parser.name == "required"
 
 
 def test_special_token_text_in_calls_and_tools_stays_text_when_asked():

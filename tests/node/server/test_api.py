@@ -178,17 +178,20 @@ BAD_REQUESTS = {
     "tool-choice-unknown-word": (
         "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
                                  "tool_choice": "always"}, 400, "tool_choice"),
-    "tools-duplicate-names": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}] * 2},
-                              400, "tools"),
+    "tools-duplicate-names": (
+        "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, 400,
+        "tools"),
     "tools-too-many": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [
         {"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, 400, "tools"),
     "tool-bad-function-name": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [
         {"type": "function", "function": {"name": "get weather"}}]}, 400, "tools.0.function.name"),
     "tool-parameters-not-a-schema": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]}, 400, "tools.0.function.parameters"),
+        {"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]}, 400,
+        "tools.0.function.parameters"),
     "tool-parameters-too-deep": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": json.loads('{"items": ' * 500 + "{}" + "}" * 500)}}]},
-        400, "tools.0.function.parameters"),
+        {"type": "function", "function": {"name": "f",
+                                          "parameters": json.loads('{"items": ' * 500 + "{}" + "}" * 500)}}]}, 400,
+        "tools.0.function.parameters"),
     "tool-message-without-call-id": (
         "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "tool", "content": "42"}]}, 400, "messages.0"),
     "suffix": ("/v1/completions", {**GOOD_COMPLETION, "suffix": "end"}, 400, "suffix"),
