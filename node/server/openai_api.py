@@ -20,7 +20,9 @@ from aiohttp import web
 
 from cadenza.node.core.admission import AdmissionError
 from cadenza.node.core.policy import DEFAULT_TENANT, PolicyError, check_class, check_tenant
-from cadenza.node.core.request import RemoteKV, SamplingParams
+from cadenza.node.core.request import RemoteKV, SamplingParams, StructuredOutput
+from cadenza.node.core.structured import GrammarError
+from cadenza.node.core.structured import check as check_grammar
 from cadenza.node.frontend.client import EngineDeadError, Queued
 from cadenza.node.frontend.input_processor import InputError, InputProcessor
 from cadenza.node.server.access_log import ACCESS
@@ -70,6 +72,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await _body(request, CompletionRequest, inputs.max_model_len)
     _check_model(request, body.model)
     body.check_supported()
+    await _check_grammar(body.structured)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     with _traced(request, request_id, "text_completion", body, body.max_tokens, traffic_class, tenant, arrival):
         with _input_errors():
@@ -87,6 +90,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _body(request, ChatCompletionRequest, inputs.max_model_len)
     _check_model(request, body.model)
     body.check_supported()
+    await _check_grammar(body.structured)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     with _traced(request, request_id, "chat", body, body.requested_max_tokens, traffic_class, tenant, arrival):
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
@@ -153,6 +157,21 @@ async def _body(request: web.Request, model: type, max_model_len: int):
         return parse(model, data)
 
     return await read_json(request, validated)
+
+
+async def _check_grammar(structured: StructuredOutput | None, param: str = "response_format") -> None:
+    """Refuse a constraint the engine cannot compile, off the event loop (a compile of a large
+    schema takes milliseconds; :func:`~cadenza.node.core.structured.check` caches the verdicts).
+
+    Raises:
+        APIError: 400 naming ``param``, with the grammar engine's reason.
+    """
+    if structured is None:
+        return
+    try:
+        await asyncio.to_thread(check_grammar, structured)
+    except GrammarError as exc:
+        raise APIError(400, f"{param}: {exc}", param=param) from None
 
 
 def _ready_inputs(request: web.Request) -> InputProcessor:

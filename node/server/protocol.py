@@ -12,14 +12,16 @@ tokens do: at most ``MAX_STOP_STRINGS`` stop strings (OpenAI allows 4) of at mos
 messages (OpenAI's limit) with ``MAX_CONTENT_PARTS`` content parts in all; :func:`check_sizes` checks the
 counts on the raw JSON, before anything is validated item by item. Unknown fields are ignored (as vLLM does), so clients that
 send extra metadata keep working; options cadenza cannot honour — ``n`` or ``best_of`` above 1,
-``echo``, ``suffix``, penalties, ``logit_bias``, ``tools``, a ``response_format`` other than text —
-are refused with a 400 rather than silently ignored. ``logprobs`` are served in OpenAI's shapes:
-chat ``logprobs: true`` with ``top_logprobs`` 0 to 20, completions ``logprobs`` 0 to 5
-(each request's ``top_logprobs_asked``).
+``echo``, ``suffix``, penalties, ``logit_bias``, ``tools`` — are refused with a 400 rather than
+silently ignored. ``logprobs`` are served in OpenAI's shapes: chat ``logprobs: true`` with
+``top_logprobs`` 0 to 20, completions ``logprobs`` 0 to 5 (each request's ``top_logprobs_asked``).
+``response_format`` (OpenAI's structured outputs: ``text``, ``json_object``, ``json_schema``) is
+accepted on both endpoints, as vLLM does; the schema is always enforced, ``strict`` or not.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from pydantic import (
@@ -34,7 +36,7 @@ from pydantic import (
     model_validator,
 )
 
-from cadenza.node.core.request import MAX_LOGPROBS
+from cadenza.node.core.request import MAX_LOGPROBS, StructuredOutput
 from cadenza.node.http.errors import APIError
 
 MAX_STOP_STRINGS = 16
@@ -65,6 +67,42 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema (``name`` as OpenAI restricts it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: StrictStr | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``{"type": "text" | "json_object" | "json_schema", "json_schema": ...}``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: StrictStr
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _known_type(self) -> "ResponseFormat":
+        if self.type not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type must be one of text, json_object, json_schema, got {self.type!r}")
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object with a name and a schema")
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        """The constraint the engine enforces; None for free text."""
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.type == "json_schema":
+            return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))  # key order: output order
+        return None
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -85,6 +123,7 @@ class _Common(BaseModel):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -120,6 +159,11 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def structured(self) -> StructuredOutput | None:
+        """The output constraint ``response_format`` asks for (None: free text)."""
+        return None if self.response_format is None else self.response_format.structured()
 
 
 class CompletionRequest(_Common):
@@ -217,7 +261,6 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: MaxTokens | None = None
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @property
     def top_logprobs_asked(self) -> int | None:
@@ -240,8 +283,6 @@ class ChatCompletionRequest(_Common):
                 raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         if self.tools:
             raise APIError(400, "tools: tool calling is not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format: only type 'text' is supported", param="response_format")
 
 
 def check_sizes(body: dict, max_model_len: int) -> None:

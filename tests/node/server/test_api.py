@@ -169,8 +169,18 @@ BAD_REQUESTS = {
     "chat-logprobs-a-number": ("/v1/chat/completions", {**GOOD_CHAT, "logprobs": 3}, 400, "logprobs"),
     "completion-logprobs-above-5": ("/v1/completions", {**GOOD_COMPLETION, "logprobs": 6}, 400, "logprobs"),
     "completion-logprobs-boolean": ("/v1/completions", {**GOOD_COMPLETION, "logprobs": True}, 400, "logprobs"),
-    "json-response-format": ("/v1/chat/completions", {**GOOD_CHAT, "response_format": {"type": "json_object"}}, 400,
-                             "response_format"),
+    "response-format-unknown-type": ("/v1/chat/completions", {**GOOD_CHAT, "response_format": {"type": "yaml"}},
+                                     400, "response_format"),
+    "response-format-schema-unimplemented": (
+        "/v1/chat/completions", {**GOOD_CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "array", "uniqueItems": True}}}}, 400, "response_format"),
+    "response-format-schema-invalid-type": (
+        "/v1/completions", {**GOOD_COMPLETION, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "float"}}}}, 400, "response_format"),
+    "response-format-schema-missing": ("/v1/chat/completions", {**GOOD_CHAT, "response_format": {
+        "type": "json_schema"}}, 400, "response_format"),
+    "response-format-bad-name": ("/v1/chat/completions", {**GOOD_CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}}, 400, "response_format.json_schema.name"),
     "tools": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
               "tools"),
     "suffix": ("/v1/completions", {**GOOD_COMPLETION, "suffix": "end"}, 400, "suffix"),
@@ -358,11 +368,11 @@ async def test_a_failing_step_fails_the_requests_in_flight_and_serving_goes_on(c
     original = engine.runner.execute
     calls = {"n": 0}
 
-    def execute(step):
+    def execute(step, masks=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("simulated device fault")
-        return original(step)
+        return original(step, masks)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
     resp = await client.post("/v1/completions", json=GOOD_COMPLETION)
