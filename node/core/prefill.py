@@ -162,6 +162,8 @@ class PrefillAdder:
             oldest = self.queues[cls].oldest()
             if max_age is None or oldest is None or now - oldest.arrival_time < max_age:
                 continue
+            if oldest.group is not None and oldest.group.waits(oldest):
+                continue  # a sibling waiting for its leader's prompt: it starts as soon as that is done
             if not self._admit(oldest, self.left):
                 self.admissions_open = False  # hold memory and slots for it
                 return
@@ -221,8 +223,13 @@ class PrefillAdder:
         displacing running requests of strictly lower classes when that is what it lacks."""
         if not self.admissions_open and not self._displaceable(req):
             return False
+        group = req.group
+        if group is not None and group.waits(req):
+            return False  # a sibling starts once its leader has computed the prompt
         kv = self.kv
-        cached = kv.match_prefix(req.request_id, req.token_ids, self.ctx.cache_salt(req))
+        cached = group.shared_prefix(req) if group is not None else None
+        if cached is None:
+            cached = kv.match_prefix(req.request_id, req.token_ids, self.ctx.cache_salt(req))
         need = kv.blocks_for(len(req.token_ids)) - len(cached)
         start = len(cached) * kv.block_size
         slots_short = len(self.ctx.running) + len(self.ctx.remote) + 1 - self.max_running
@@ -243,6 +250,8 @@ class PrefillAdder:
             return False
         self.ctx.start_running(req, self.step, loading=bool(remote))
         kv.admit(req.request_id, cached, len(req.token_ids))  # the prefix hit, and a claim on the rest
+        if group is not None:
+            group.left(req, kv)  # a sibling has adopted its share of the prompt
         req.num_computed_tokens = req.num_cached_tokens = start
         stats = self.stats
         stats.prefix_cache_queried_tokens += len(req.token_ids)

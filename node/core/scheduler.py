@@ -41,6 +41,7 @@ from cadenza.node.core.queues import ClassQueue
 from cadenza.node.core.remote_kv import KVConnector, RemoteLoads
 from cadenza.node.core.request import Request, RequestStatus
 from cadenza.node.core.scheduler_interface import SchedulerInterface
+from cadenza.node.core.siblings import SiblingGroup
 from cadenza.node.core.stats import EngineStats, SchedulerStats, snapshot_of
 from cadenza.node.core.step import SchedulerOutput, Step
 
@@ -102,22 +103,41 @@ class Scheduler(SchedulerInterface):
             ValueError: the id is already live.
             AdmissionError: refused by admission control (400/413/429, see :mod:`cadenza.node.core.admission`).
         """
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already live")
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[Request]) -> None:
+        """Queue the sequences of one call together (OpenAI ``n``, the first one computing the
+        prompt for all: :mod:`cadenza.node.core.siblings`), or refuse them all: admission
+        control counts ``len(requests)`` sequences.
+
+        Raises:
+            ValueError: no requests, or an id already live.
+            AdmissionError: as :meth:`add_request`.
+        """
+        if not requests:
+            raise ValueError("add_requests: no requests")
+        for request in requests:
+            if request.request_id in self.requests:
+                raise ValueError(f"request id {request.request_id!r} is already live")
         try:
-            self.check_admission(request)
+            self.check_admission(requests[0], len(requests))
         except AdmissionError as exc:
             self.stats.rejected[exc.reason] += 1
             raise
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.tenant_live[request.tenant] += 1
-        self.queues[request.traffic_class].push(request)
-        self.remote.hold(request, self.clock())  # a source's lease runs on while it waits here
+        group = SiblingGroup(requests) if len(requests) > 1 else None
+        for request in requests:
+            request.traffic_class = requests[0].traffic_class  # canonical
+            request.group = group
+            request.status = RequestStatus.WAITING
+            self.requests[request.request_id] = request
+            self.tenant_live[request.tenant] += 1
+            self.queues[request.traffic_class].push(request)
+            self.remote.hold(request, self.clock())  # a source's lease runs on while it waits here
 
-    def check_admission(self, request: Request) -> None:
-        """Would :meth:`add_request` refuse this request now? Only reads state, so another thread
-        (the HTTP front) may call it to refuse at once; ``add_request`` checks again.
+    def check_admission(self, request: Request, count: int = 1) -> None:
+        """Would :meth:`add_request` refuse this request now (``count``: as many sequences of
+        it)? Only reads state, so another thread (the HTTP front) may call it to refuse at once;
+        ``add_request`` checks again.
 
         Raises:
             AdmissionError: as :meth:`add_request`.
@@ -127,7 +147,7 @@ class Scheduler(SchedulerInterface):
         drain, now = self.drain[request.traffic_class], self.clock()
         check_admission(request, self.policy, self.config.max_model_len, len(queue),
                         self.tenant_live.get(request.tenant, 0), queue.queued_prompt_tokens.get(request.tenant, 0),
-                        lambda queued: drain.retry_after(queued, now), self.queue_limit(request.traffic_class))
+                        lambda queued: drain.retry_after(queued, now), self.queue_limit(request.traffic_class), count)
 
     def queue_limit(self, cls: str) -> int:
         """Most requests class ``cls`` may have waiting: its policy's ``max_queue_depth``, else
@@ -263,6 +283,8 @@ class Scheduler(SchedulerInterface):
             req.num_computed_tokens += n
             if caching:
                 bm.commit(req.request_id, req.token_ids, req.num_computed_tokens, self.cache_salt(req))
+            if req.group is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+                req.group.prompt_computed(req, bm)  # the leader's prompt: its siblings may start
             if token is not None:
                 finished = req.append_token(token)
                 if finished is not None:
@@ -304,6 +326,8 @@ class Scheduler(SchedulerInterface):
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.block_manager.free(req.request_id)
+        if req.group is not None:
+            req.group.left(req, self.block_manager)
         del self.requests[req.request_id]
         self.tenant_live[req.tenant] -= 1
         if not self.tenant_live[req.tenant]:
