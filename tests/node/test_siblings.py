@@ -15,6 +15,7 @@ from cadenza.node.core.request import (
     choice_seed,
 )
 from cadenza.node.core.scheduler import Scheduler
+from cadenza.node.frontend.llm import Engine
 from fake_engine import make_request, make_scheduler
 
 
@@ -114,3 +115,32 @@ def test_choice_seeds_are_distinct_reproducible_and_keep_choice_zero():
     unseeded = SamplingParams(seed=None)
     assert choice_sampling(unseeded, 3).seed is None  # the engine draws one per sequence
     assert choice_sampling(SamplingParams(seed=-1), 2).seed == choice_seed(-1, 2)
+
+
+# -- through the engine, with the tiny model -------------------------------------------------------
+
+
+def generate_choices(engine: Engine, prompt: list[int], sp: SamplingParams, n: int) -> tuple[list[list[int]], int]:
+    """Run one call of ``n`` choices to the end: each choice's tokens, and the prefill tokens computed."""
+    before = engine.scheduler.stats.prefill_tokens_admitted
+    engine.add_request("call", prompt, sp, n=n)
+    tokens: dict[str, list[int]] = {choice_request_id("call", i): [] for i in range(n)}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+    return list(tokens.values()), engine.scheduler.stats.prefill_tokens_admitted - before
+
+
+@pytest.mark.slow
+def test_n_seeded_choices_survive_preemption_and_chunked_prefill(tiny_llama_dir):
+    prompt = [(7 * i) % 300 + 3 for i in range(37)]
+    sp = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
+    knobs = dict(max_model_len=64, block_size=4, chunk_size=8)
+    roomy, prefill = generate_choices(Engine.from_model(tiny_llama_dir, token_budget=64, **knobs), prompt, sp, 4)
+    assert prefill <= len(prompt) + 4 * 4  # the prompt once, then at most a block per follower
+    assert all(len(t) == 24 for t in roomy) and len({tuple(t) for t in roomy}) == 4  # distinct seed streams
+    # 10 blocks of the prompt shared, 6 more each to finish: 34 > 24 blocks, so some give way
+    tight = Engine.from_model(tiny_llama_dir, token_budget=12, num_kv_blocks=24, **knobs)
+    assert generate_choices(tight, prompt, sp, 4)[0] == roomy
+    assert tight.scheduler.stats.num_preemptions > 0
+    assert tight.block_manager.num_free_blocks == tight.block_manager.num_blocks
