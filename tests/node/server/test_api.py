@@ -330,6 +330,33 @@ async def test_client_disconnect_mid_decode_aborts_and_frees_blocks(client, monk
     assert produced.count(abort["id"]) == count_at_abort == abort["output"]
 
 
+async def test_client_disconnect_aborts_every_choice_at_once_and_frees_their_blocks(client, monkeypatch):
+    engine = engine_of(client)
+    aborts = record_aborts(engine, monkeypatch)
+    cancelled = record_cancellations(client, monkeypatch)
+    gate = StepGate(engine.runner, monkeypatch, delay_s=0.01)
+    payload = {**GOOD_COMPLETION, "prompt": list(range(5, 45)), "max_tokens": 200, "ignore_eos": True,
+               "stream": True, "n": 4, "temperature": 1.0}
+    resp = await client.post("/v1/completions", json=payload)
+    indexes = set()
+    try:
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                indexes.add(json.loads(line[6:])["choices"][0]["index"])
+            if len(indexes) == 4:  # every choice is decoding (two blocks of the prompt shared)
+                break
+        gate.hold()
+        await gate.held()
+        resp.close()
+        await until(lambda: cancelled)
+    finally:
+        gate.release()
+    await until(lambda: len(aborts) == 4 and engine.block_manager.num_used_blocks == 0)
+    assert all(a["output"] >= 1 for a in aborts) and not engine.scheduler.requests
+    assert engine.block_manager.consistent()
+    await assert_still_serving(client)
+
+
 async def test_client_disconnect_mid_prefill_aborts_before_any_token(client, monkeypatch):
     engine = engine_of(client)
     aborts = record_aborts(engine, monkeypatch)
