@@ -29,6 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from cadenza.node.core import siblings
 from cadenza.node.core.admission import AdmissionError, DrainRate, canonicalize_class_and_tenant, check_admission
 from cadenza.node.core.block_manager import KVBlockManager
 from cadenza.node.core.config import SchedulerConfig
@@ -41,7 +42,6 @@ from cadenza.node.core.queues import ClassQueue
 from cadenza.node.core.remote_kv import KVConnector, RemoteLoads
 from cadenza.node.core.request import Request, RequestStatus
 from cadenza.node.core.scheduler_interface import SchedulerInterface
-from cadenza.node.core.siblings import SiblingGroup
 from cadenza.node.core.stats import EngineStats, SchedulerStats, snapshot_of
 from cadenza.node.core.step import SchedulerOutput, Step
 
@@ -97,37 +97,25 @@ class Scheduler(SchedulerInterface):
     # -- queue management ---------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request in its class, or refuse it.
-
-        Raises:
-            ValueError: the id is already live.
-            AdmissionError: refused by admission control (400/413/429, see :mod:`cadenza.node.core.admission`).
-        """
+        """Queue a request in its class, or refuse it (:meth:`add_requests` of one)."""
         self.add_requests([request])
 
     def add_requests(self, requests: list[Request]) -> None:
-        """Queue the sequences of one call together (OpenAI ``n``, the first one computing the
-        prompt for all: :mod:`cadenza.node.core.siblings`), or refuse them all: admission
-        control counts ``len(requests)`` sequences.
+        """Queue one call's sequences (OpenAI ``n``: :mod:`cadenza.node.core.siblings`), or refuse them all.
 
         Raises:
-            ValueError: no requests, or an id already live.
-            AdmissionError: as :meth:`add_request`.
+            ValueError: an id is already live.
+            AdmissionError: refused by admission control counting every sequence (400/413/429).
         """
-        if not requests:
-            raise ValueError("add_requests: no requests")
-        for request in requests:
-            if request.request_id in self.requests:
-                raise ValueError(f"request id {request.request_id!r} is already live")
+        if live := [r.request_id for r in requests if r.request_id in self.requests]:
+            raise ValueError(f"request id {live[0]!r} is already live")
         try:
             self.check_admission(requests[0], len(requests))
         except AdmissionError as exc:
             self.stats.rejected[exc.reason] += 1
             raise
-        group = SiblingGroup(requests) if len(requests) > 1 else None
+        siblings.link(requests)  # one group, the leader's canonical class
         for request in requests:
-            request.traffic_class = requests[0].traffic_class  # canonical
-            request.group = group
             request.status = RequestStatus.WAITING
             self.requests[request.request_id] = request
             self.tenant_live[request.tenant] += 1
@@ -135,9 +123,7 @@ class Scheduler(SchedulerInterface):
             self.remote.hold(request, self.clock())  # a source's lease runs on while it waits here
 
     def check_admission(self, request: Request, count: int = 1) -> None:
-        """Would :meth:`add_request` refuse this request now (``count``: as many sequences of
-        it)? Only reads state, so another thread (the HTTP front) may call it to refuse at once;
-        ``add_request`` checks again.
+        """Would :meth:`add_requests` refuse ``count`` sequences of it now? Reads state only.
 
         Raises:
             AdmissionError: as :meth:`add_request`.
@@ -283,8 +269,8 @@ class Scheduler(SchedulerInterface):
             req.num_computed_tokens += n
             if caching:
                 bm.commit(req.request_id, req.token_ids, req.num_computed_tokens, self.cache_salt(req))
-            if req.group is not None and req.num_computed_tokens >= req.num_prompt_tokens:
-                req.group.prompt_computed(req, bm)  # the leader's prompt: its siblings may start
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                siblings.prompt_computed(req, bm)  # a leader's prompt: its siblings may start
             if token is not None:
                 finished = req.append_token(token)
                 if finished is not None:
@@ -326,8 +312,7 @@ class Scheduler(SchedulerInterface):
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.block_manager.free(req.request_id)
-        if req.group is not None:
-            req.group.left(req, self.block_manager)
+        siblings.left(req, self.block_manager)
         del self.requests[req.request_id]
         self.tenant_live[req.tenant] -= 1
         if not self.tenant_live[req.tenant]:

@@ -24,7 +24,15 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from cadenza.node.core.request import Request
+
+class Request(Protocol):  # what a group reads of a request (:class:`~cadenza.node.core.request.Request`)
+    request_id: str
+    num_prompt_tokens: int
+    traffic_class: str
+    group: SiblingGroup | None
+
+    @property
+    def is_finished(self) -> bool: ...
 
 
 class _Blocks(Protocol):  # the part of the KV block manager a group uses
@@ -86,3 +94,37 @@ class SiblingGroup:
             self.waiting.remove(req)
             if not self.waiting:
                 kv.free(self.holder_id)
+
+
+# -- the scheduler's hooks: each a no-op for a request that is a call of its own -----------------
+
+
+def link(requests: Sequence[Request]) -> None:
+    """Make ``requests`` (the leader first, its class checked) one call's sequences: one group,
+    the leader's canonical class. A call of one is left as it is."""
+    if len(requests) > 1:
+        group = SiblingGroup(requests)
+        for req in requests:
+            req.group, req.traffic_class = group, requests[0].traffic_class
+
+
+def waits(req: Request) -> bool:
+    """``req`` may not be admitted yet: a sibling whose leader has not computed the prompt."""
+    return req.group is not None and req.group.waits(req)
+
+
+def shared_prefix(req: Request) -> list[int]:
+    """The prompt blocks ``req`` adopts at admission (empty: none; look up the prefix cache)."""
+    return (req.group.shared_prefix(req) or []) if req.group is not None else []
+
+
+def prompt_computed(req: Request, kv: _Blocks) -> None:
+    """``req`` has computed its prompt (see :meth:`SiblingGroup.prompt_computed`)."""
+    if req.group is not None:
+        req.group.prompt_computed(req, kv)
+
+
+def left(req: Request, kv: _Blocks) -> None:
+    """``req`` was admitted or ended (see :meth:`SiblingGroup.left`)."""
+    if req.group is not None:
+        req.group.left(req, kv)

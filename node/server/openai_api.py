@@ -2,7 +2,10 @@
 
 Responses follow the OpenAI API reference: ``text_completion`` / ``chat.completion`` objects,
 or server-sent events of ``*.chunk`` objects ending with ``data: [DONE]``; with
-``stream_options.include_usage`` a last chunk with empty ``choices`` carries ``usage``.
+``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last chunk with empty
+``choices`` carries ``usage``. A call of ``n`` choices is one engine call whose outputs carry
+their choice's index (:mod:`.choices` gathers them): each choice streams its own chunks and ends
+with its own ``finish_reason``; usage counts the prompt once.
 A client that disconnects cancels its handler, which closes the engine stream and aborts the
 request (its KV blocks are freed before the next step).
 """
