@@ -2,7 +2,10 @@
 
 Responses follow the OpenAI API reference: ``text_completion`` / ``chat.completion`` objects,
 or server-sent events of ``*.chunk`` objects ending with ``data: [DONE]``; with
-``stream_options.include_usage`` a last chunk with empty ``choices`` carries ``usage``.
+``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last chunk with empty
+``choices`` carries ``usage``. A call of ``n`` choices is one engine call whose outputs carry
+their choice's index (:mod:`.choices` gathers them): each choice streams its own chunks and ends
+with its own ``finish_reason``; usage counts the prompt once.
 A client that disconnects cancels its handler, which closes the engine stream and aborts the
 request (its KV blocks are freed before the next step).
 """
@@ -26,7 +29,8 @@ from cadenza.node.core.structured import check as check_grammar
 from cadenza.node.frontend.client import EngineDeadError, Queued
 from cadenza.node.frontend.input_processor import InputError, InputProcessor
 from cadenza.node.server.access_log import ACCESS
-from cadenza.node.server.app_keys import DEFAULT_CLASS, ENGINE, MODEL_NAME, TELEMETRY
+from cadenza.node.server.app_keys import DEFAULT_CLASS, ENGINE, MODEL_NAME, STARTED, TELEMETRY
+from cadenza.node.server.choices import Choices
 from cadenza.node.http.errors import APIError, error_body
 from cadenza.node.http.hardening import send
 from cadenza.node.server.json_body import read_json
@@ -50,6 +54,7 @@ class _Call:
     tenant: str
     arrival: float  # time.monotonic() when the HTTP request arrived
     cache_salt: str | None = None
+    n: int = 1  # choices: sequences sharing one prefill
 
 
 def _class_and_tenant(request: web.Request) -> tuple[str, str]:
@@ -79,7 +84,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             prompt_ids = await inputs.prompt(body.prompt)
             sampling = inputs.sampling(body, len(prompt_ids), body.max_tokens, default_fill=False)
         call = _Call("text_completion", request_id, prompt_ids, sampling, body.stream, body.include_usage,
-                     traffic_class, tenant, arrival, body.cache_salt)
+                     traffic_class, tenant, arrival, body.cache_salt, body.n)
         return await _respond(request, call)
 
 
@@ -99,13 +104,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             prompt_ids = await inputs.chat(messages)
             sampling = inputs.sampling(body, len(prompt_ids), body.requested_max_tokens, default_fill=True)
         call = _Call("chat.completion", request_id, prompt_ids, sampling, body.stream, body.include_usage,
-                     traffic_class, tenant, arrival, body.cache_salt)
+                     traffic_class, tenant, arrival, body.cache_salt, body.n)
         return await _respond(request, call)
 
 
 async def models(request: web.Request) -> web.Response:
+    """The served model's card: OpenAI's ``id``, ``object``, ``created`` (when this server
+    started, Unix seconds) and ``owned_by``, with vLLM's ``root``, ``parent`` and
+    ``max_model_len``."""
     client = request.app[ENGINE]
-    card = {"id": request.app[MODEL_NAME], "object": "model", "created": 0, "owned_by": "cadenza"}
+    name = request.app[MODEL_NAME]
+    card = {"id": name, "object": "model", "created": request.app[STARTED], "owned_by": "cadenza",
+            "root": name, "parent": None}
     if client.info is not None:
         card["max_model_len"] = client.info.max_model_len
     return web.json_response({"object": "list", "data": [card]})
@@ -197,44 +207,37 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
         headers[DISAGG_RULE_HEADER] = rule  # for the gateway's selective rule
     if publish_kv:  # validated as the decode call will be; computed for its KV: one token is enough,
         call.sampling = replace(call.sampling, max_tokens=1)  # streamed so the headers go out once queued
-        call.stream = True
+        call.stream, call.n = True, 1  # (the decode call runs the n choices)
         # where the decode replica pulls this prompt's KV from
         headers[KV_SOURCE_HEADER] = format_source(RemoteKV(endpoint.host, endpoint.port, call.request_id,
                                                            endpoint.boot_id, len(call.prompt_ids)))
     stream = client.generate(call.request_id, call.prompt_ids, call.sampling, call.traffic_class, call.tenant,
                              arrival_time=call.arrival, cache_salt=call.cache_salt,
                              traceparent=request.headers.get(TRACEPARENT_HEADER), remote_kv=remote_kv,
-                             publish_kv=publish_kv, acknowledge=publish_kv)
+                             publish_kv=publish_kv, acknowledge=publish_kv, n=call.n)
     chat = call.kind == "chat.completion"
     access = request.get(ACCESS, {})
     access["id"] = call.request_id
-    logprobs = _Logprobs(client.inputs.tokenizer, chat) if call.sampling.logprobs is not None else None
+    tokenizer = client.inputs.tokenizer
+    choices = Choices(call.n, (lambda: _Logprobs(tokenizer, chat)) if call.sampling.logprobs is not None else None)
     if not call.stream:
-        text: list[str] = []
-        last = None
         async with aclosing(stream) as outputs:
-            async for last in _guard(outputs):
-                text.append(last.text)
-                if logprobs is not None:
-                    logprobs.add(last)
-        assert last is not None
-        access["tokens"] = f"{last.num_prompt_tokens}+{last.num_output_tokens}"
-        choice = {"index": 0, "logprobs": logprobs and logprobs.take(whole=True), "finish_reason": last.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
+            async for output in _guard(outputs):
+                choices.gather(output)
+        assert choices.any_output
+        access["tokens"] = choices.tokens
         return web.json_response(
             {"id": call.request_id, "object": call.kind, "created": created, "model": model,
-             "choices": [choice], "usage": _usage(last)},
+             "choices": choices.response(chat), "usage": choices.usage()},
             headers=headers,
         )
 
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | dict | None, finish_reason: str | None) -> dict:
-        choice = {"index": 0, "logprobs": logprobs and logprobs.take(), "finish_reason": finish_reason}
+    def chunk(delta: str | dict | None, finish_reason: str | None, index: int = 0) -> dict:
+        logprobs = choices.items[index].logprobs
+        choice = {"index": index, "logprobs": logprobs and logprobs.take(), "finish_reason": finish_reason}
         if chat:
             choice["delta"] = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
         else:
@@ -244,22 +247,21 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
             body["usage"] = None
         return body
 
-    last = None
     async with aclosing(stream) as outputs:
         try:
             async for item in _guard(outputs):
                 if isinstance(item, Queued):  # a publish call the core queued (a refusal raised: a 429):
                     await response.prepare(request)  # the headers now, so the decode side pulls as this prefills
                     continue
-                last = item
                 if not response.prepared:
                     await response.prepare(request)
+                choice = choices.add(item)  # its logprobs go with its next chunk that carries text
+                if not choice.started:
+                    choice.started = True
                     if chat:
-                        await _send(request, response, chunk({"role": "assistant", "content": ""}, None))
-                if logprobs is not None:  # sent with the next chunk that carries text (held text: later)
-                    logprobs.add(last)
-                if last.text or last.finished:
-                    await _send(request, response, chunk(last.text or None, last.finish_reason))
+                        await _send(request, response, chunk({"role": "assistant", "content": ""}, None, item.index))
+                if item.text or item.finished:
+                    await _send(request, response, chunk(item.text or None, item.finish_reason, item.index))
         except APIError as exc:
             if not response.prepared:
                 raise
@@ -267,11 +269,11 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
             await _send(request, response, error_body(exc.status, exc.message, exc.param, exc.code))  # mid-stream
             await response.write_eof()
             return response
-    if last is not None:
-        access["tokens"] = f"{last.num_prompt_tokens}+{last.num_output_tokens}"
-    if call.include_usage and last is not None:
-        await _send(request, response, {"id": call.request_id, "object": chunk_kind, "created": created, "model": model,
-                               "choices": [], "usage": _usage(last)})
+    if choices.any_output:
+        access["tokens"] = choices.tokens
+        if call.include_usage:
+            await _send(request, response, {"id": call.request_id, "object": chunk_kind, "created": created,
+                                            "model": model, "choices": [], "usage": choices.usage()})
     await send(request, response, b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -340,8 +342,3 @@ class _Logprobs:
         return {"tokens": tokens, "token_logprobs": [lp for _t, (lp, _top) in entries],
                 "top_logprobs": [{self._token(i, v)["token"]: v for i, v in top} for _t, (_lp, top) in entries],
                 "text_offset": offsets}
-
-
-def _usage(output) -> dict:
-    p, c = output.num_prompt_tokens, output.num_output_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

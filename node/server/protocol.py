@@ -11,12 +11,13 @@ tokens do: at most ``MAX_STOP_STRINGS`` stop strings (OpenAI allows 4) of at mos
 ``MAX_STOP_STRING_CHARS`` characters, ``MAX_STOP_TOKEN_IDS`` stop token ids, ``MAX_MESSAGES``
 messages (OpenAI's limit) with ``MAX_CONTENT_PARTS`` content parts in all; :func:`check_sizes` checks the
 counts on the raw JSON, before anything is validated item by item. Unknown fields are ignored (as vLLM does), so clients that
-send extra metadata keep working; options cadenza cannot honour — ``n`` or ``best_of`` above 1,
-``echo``, ``suffix``, penalties, ``logit_bias``, ``tools`` — are refused with a 400 rather than
-silently ignored. ``logprobs`` are served in OpenAI's shapes: chat ``logprobs: true`` with
-``top_logprobs`` 0 to 20, completions ``logprobs`` 0 to 5 (each request's ``top_logprobs_asked``).
-``response_format`` (OpenAI's structured outputs: ``text``, ``json_object``, ``json_schema``) is
-accepted on both endpoints, as vLLM does; the schema is always enforced, ``strict`` or not.
+send extra metadata keep working; options cadenza cannot honour — ``n`` above ``MAX_N``,
+``best_of`` other than 1 or ``n``, ``echo``, ``suffix``, penalties, ``logit_bias``, ``tools`` — are
+refused with a 400 rather than silently ignored. ``logprobs`` are served in OpenAI's shapes: chat
+``logprobs: true`` with ``top_logprobs`` 0 to 20, completions ``logprobs`` 0 to 5 (each request's
+``top_logprobs_asked``). ``response_format`` (OpenAI's structured outputs: ``text``,
+``json_object``, ``json_schema``) is accepted on both endpoints, as vLLM does; the schema is
+always enforced, ``strict`` or not.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pydantic import (
     model_validator,
 )
 
-from cadenza.node.core.request import MAX_LOGPROBS, StructuredOutput
+from cadenza.node.core.request import MAX_LOGPROBS, MAX_N, StructuredOutput
 from cadenza.node.http.errors import APIError
 
 MAX_STOP_STRINGS = 16
@@ -146,8 +147,8 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse options that are valid OpenAI but not implemented here (400)."""
-        if self.n != 1:
-            raise APIError(400, "n: only n=1 is supported", param="n")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n: must be an integer from 1 to {MAX_N}, got {self.n}", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise APIError(400, f"{name}: not supported (only 0)", param=name)
@@ -196,8 +197,8 @@ class CompletionRequest(_Common):
             raise APIError(400, "echo: not supported", param="echo")
         if self.suffix:
             raise APIError(400, "suffix: not supported", param="suffix")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of: only 1 is supported", param="best_of")
+        if self.best_of not in (None, 1, self.n):
+            raise APIError(400, "best_of: only 1 or n is supported", param="best_of")
 
     @property
     def top_logprobs_asked(self) -> int | None:

@@ -146,7 +146,8 @@ BAD_REQUESTS = {
     "top-p-zero": ("/v1/completions", {**GOOD_COMPLETION, "top_p": 0}, 400, "top_p"),
     "top-p-above-one": ("/v1/chat/completions", {**GOOD_CHAT, "top_p": 1.01}, 400, "top_p"),
     "empty-stop-string": ("/v1/completions", {**GOOD_COMPLETION, "stop": [""]}, 400, "stop"),
-    "n-above-one": ("/v1/completions", {**GOOD_COMPLETION, "n": 2}, 400, "n"),
+    "n-above-max": ("/v1/completions", {**GOOD_COMPLETION, "n": 17}, 400, "n"),
+    "n-zero": ("/v1/chat/completions", {**GOOD_CHAT, "n": 0}, 400, "n"),
     "seed-beyond-int64": ("/v1/completions", {**GOOD_COMPLETION, "seed": 2**70}, 400, "seed"),
     "temperature-boolean": ("/v1/completions", {**GOOD_COMPLETION, "temperature": True}, 400, "temperature"),
     "lone-surrogate-prompt": ("/v1/completions", {**GOOD_COMPLETION, "prompt": "x\ud800y"}, 400, "prompt"),
@@ -337,6 +338,33 @@ async def test_client_disconnect_mid_decode_aborts_and_frees_blocks(client, monk
     count_at_abort = produced.count(abort["id"])
     await assert_still_serving(client)
     assert produced.count(abort["id"]) == count_at_abort == abort["output"]
+
+
+async def test_client_disconnect_aborts_every_choice_at_once_and_frees_their_blocks(client, monkeypatch):
+    engine = engine_of(client)
+    aborts = record_aborts(engine, monkeypatch)
+    cancelled = record_cancellations(client, monkeypatch)
+    gate = StepGate(engine.runner, monkeypatch, delay_s=0.01)
+    payload = {**GOOD_COMPLETION, "prompt": list(range(5, 45)), "max_tokens": 200, "ignore_eos": True,
+               "stream": True, "n": 4, "temperature": 1.0}
+    resp = await client.post("/v1/completions", json=payload)
+    indexes = set()
+    try:
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                indexes.add(json.loads(line[6:])["choices"][0]["index"])
+            if len(indexes) == 4:  # every choice is decoding (two blocks of the prompt shared)
+                break
+        gate.hold()
+        await gate.held()
+        resp.close()
+        await until(lambda: cancelled)
+    finally:
+        gate.release()
+    await until(lambda: len(aborts) == 4 and engine.block_manager.num_used_blocks == 0)
+    assert all(a["output"] >= 1 for a in aborts) and not engine.scheduler.requests
+    assert engine.block_manager.consistent()
+    await assert_still_serving(client)
 
 
 async def test_client_disconnect_mid_prefill_aborts_before_any_token(client, monkeypatch):
