@@ -75,9 +75,10 @@ def canonicalize_class_and_tenant(req: Request) -> None:
         raise AdmissionError(400, str(exc), "bad_class_or_tenant") from None
 
 
-def check_published(req: Request, policy: Policy, max_model_len: int, stats: EngineStats) -> None:
+def check_published(req: Request, policy: Policy, max_model_len: int, stats: EngineStats, count: int = 1) -> None:
     """:func:`check_admission` against an engine's last published stats: how the front end
     refuses at once, without asking the core (which checks again when the request arrives).
+    ``count``: sequences of the request (OpenAI ``n``).
 
     Raises:
         AdmissionError: as :func:`check_admission`.
@@ -87,7 +88,7 @@ def check_published(req: Request, policy: Policy, max_model_len: int, stats: Eng
     tenant = stats.tenants.get(req.tenant)
     check_admission(req, policy, max_model_len, cls.waiting if cls else 0,
                     tenant.live if tenant else 0, tenant.queued_prompt_tokens if tenant else 0,
-                    cls.retry_after if cls else (lambda _queued: 1), cls.queue_limit if cls else None)
+                    cls.retry_after if cls else (lambda _queued: 1), cls.queue_limit if cls else None, count)
 
 
 def check_admission(
@@ -99,13 +100,19 @@ def check_admission(
     tenant_queued_tokens: int,
     retry_after: Callable[[int], int],
     queue_limit: int | None = None,
+    count: int = 1,
 ) -> None:
     """Refuse ``req`` if it cannot or should not be queued now.
+
+    A call of ``count`` sequences (OpenAI ``n``) counts ``count`` requests against the queue
+    depth and the tenant's concurrency and ``count`` prompts against its queued-token quota;
+    one that could never fit them is a 400 naming ``n`` (413 for the token quota, as one prompt).
 
     Args:
         class_depth: requests waiting in the request's class.
         queue_limit: most requests the class may have waiting (default: its policy's
             ``max_queue_depth``; the scheduler passes the bound derived from its capacity).
+        count: sequences the request asks for (each queued as a request).
         tenant_live: the tenant's live requests (waiting or running).
         tenant_queued_tokens: the tenant's prompt tokens waiting.
         retry_after: seconds until a given number of the class's queued requests have drained.
@@ -119,22 +126,30 @@ def check_admission(
             400, f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling.max_tokens}) "
             f"exceeds max_model_len={max_model_len}", "too_long")
     limit = policy.classes[req.traffic_class].max_queue_depth if queue_limit is None else queue_limit
-    if limit is not None and class_depth >= limit:
+    if limit is not None and count > limit:
+        raise AdmissionError(400, f"n: {count} sequences can never fit the {req.traffic_class} queue "
+                             f"(at most {limit} requests)", "too_many_sequences")
+    if limit is not None and class_depth + count > limit:
         raise AdmissionError(
             429, f"the {req.traffic_class} queue is full ({class_depth} requests waiting); retry later",
             "queue_full", retry_after(class_depth))
     tenant = policy.tenant(req.tenant)
-    if tenant.max_concurrent is not None and tenant_live >= tenant.max_concurrent:
-        raise AdmissionError(
-            429, f"tenant {req.tenant!r} has {tenant_live} requests in flight, its limit; retry later",
-            "tenant_concurrency", retry_after(1))
+    if tenant.max_concurrent is not None:
+        if count > tenant.max_concurrent:
+            raise AdmissionError(400, f"n: {count} sequences are more than tenant {req.tenant!r} may run at "
+                                 f"once ({tenant.max_concurrent})", "too_many_sequences")
+        if tenant_live + count > tenant.max_concurrent:
+            raise AdmissionError(
+                429, f"tenant {req.tenant!r} has {tenant_live} requests in flight, its limit; retry later",
+                "tenant_concurrency", retry_after(1))
     limit = tenant.max_queued_prompt_tokens
     if limit is not None:
-        if req.num_prompt_tokens > limit:
+        tokens = count * req.num_prompt_tokens
+        if tokens > limit:
             raise AdmissionError(
-                413, f"the prompt ({req.num_prompt_tokens} tokens) is larger than tenant {req.tenant!r}'s "
-                f"queued-token quota ({limit})", "tenant_tokens_quota")
-        if tenant_queued_tokens + req.num_prompt_tokens > limit:
+                413, f"the prompt ({req.num_prompt_tokens} tokens{f' x {count} sequences' if count > 1 else ''}) "
+                f"is larger than tenant {req.tenant!r}'s queued-token quota ({limit})", "tenant_tokens_quota")
+        if tenant_queued_tokens + tokens > limit:
             raise AdmissionError(
                 429, f"tenant {req.tenant!r} has {tenant_queued_tokens} prompt tokens queued (limit {limit}); "
                 "retry later", "tenant_tokens", retry_after(class_depth or 1))

@@ -43,6 +43,11 @@ class AddRequest:
     prompt's KV for a decode replica to pull (:mod:`cadenza.node.engine.kv_link`).
     ``acknowledge``: say when the core has queued it (:class:`RequestsQueued`; a refusal is a
     :class:`RequestFailure` as always), for a caller that must not answer before that.
+    ``n``: sequences to generate from the prompt (OpenAI's ``n``, 1 to
+    :data:`~cadenza.node.core.request.MAX_N`), prefilled once (:mod:`cadenza.node.core.siblings`);
+    choice ``i`` runs as :func:`~cadenza.node.core.request.choice_request_id` ``(request_id, i)``
+    with the seed :func:`~cadenza.node.core.request.choice_seed` gives it, and the call is
+    admitted or refused (one failure, for ``request_id``) as a whole.
     """
 
     request_id: str
@@ -56,6 +61,7 @@ class AddRequest:
     remote_kv: RemoteKV | None = None
     publish_kv: bool = False
     acknowledge: bool = False
+    n: int = 1
 
 
 @dataclass(frozen=True, slots=True)

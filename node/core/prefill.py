@@ -36,6 +36,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import NamedTuple
 
+from cadenza.node.core import siblings
 from cadenza.node.core.block_manager import KVBlockManager
 from cadenza.node.core.config import SchedulerConfig
 from cadenza.node.core.cost_model import StepCostModel
@@ -160,7 +161,7 @@ class PrefillAdder:
         for cls in CLASSES:
             max_age = self.policy.classes[cls].max_queue_age_s
             oldest = self.queues[cls].oldest()
-            if max_age is None or oldest is None or now - oldest.arrival_time < max_age:
+            if max_age is None or oldest is None or now - oldest.arrival_time < max_age or siblings.waits(oldest):
                 continue
             if not self._admit(oldest, self.left):
                 self.admissions_open = False  # hold memory and slots for it
@@ -219,10 +220,10 @@ class PrefillAdder:
     def _admit(self, req: Request, room: int) -> bool:
         """Start a waiting request with a first chunk if a slot, budget and KV headroom allow —
         displacing running requests of strictly lower classes when that is what it lacks."""
-        if not self.admissions_open and not self._displaceable(req):
-            return False
+        if (not self.admissions_open and not self._displaceable(req)) or siblings.waits(req):
+            return False  # (a sibling starts once its leader has computed the prompt it shares)
         kv = self.kv
-        cached = kv.match_prefix(req.request_id, req.token_ids, self.ctx.cache_salt(req))
+        cached = siblings.shared_prefix(req) or kv.match_prefix(req.request_id, req.token_ids, self.ctx.cache_salt(req))
         need = kv.blocks_for(len(req.token_ids)) - len(cached)
         start = len(cached) * kv.block_size
         slots_short = len(self.ctx.running) + len(self.ctx.remote) + 1 - self.max_running
@@ -243,6 +244,7 @@ class PrefillAdder:
             return False
         self.ctx.start_running(req, self.step, loading=bool(remote))
         kv.admit(req.request_id, cached, len(req.token_ids))  # the prefix hit, and a claim on the rest
+        siblings.left(req, kv)  # a sibling has adopted its share of the prompt
         req.num_computed_tokens = req.num_cached_tokens = start
         stats = self.stats
         stats.prefix_cache_queried_tokens += len(req.token_ids)

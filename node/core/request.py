@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cadenza.node.core.siblings import SiblingGroup
 
 
 class RequestStatus(enum.IntEnum):
@@ -46,6 +50,12 @@ _FINISH_REASONS = {
 MAX_LOGPROBS = 20  # most likely tokens reported per generated token (OpenAI's top_logprobs bound)
 
 STRUCTURED_KINDS = ("json_schema", "json_object")
+
+MAX_N = 16  # most sequences (OpenAI's ``n`` choices) one call may ask for
+
+# splitmix64 (Steele, Lea and Flood, 2014), for deriving each choice's seed from the call's
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+_MASK64 = 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +141,34 @@ class SamplingParams:
         return self.temperature < _GREEDY_BELOW or self.top_k == 1
 
 
+def choice_request_id(request_id: str, index: int) -> str:
+    """The engine's id of choice ``index`` of the call ``request_id``: the call's own id for choice
+    0 (so a call of one choice is unchanged), ``{request_id}#{index}`` for the others."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a call seeded ``seed``: ``seed`` itself for choice 0 (a
+    call of one choice samples as before), else splitmix64's output for ``(seed, index)`` as a
+    signed 64-bit integer. So the choices of a seeded call draw distinct noise, and the whole
+    response repeats for the same seed."""
+    if index == 0:
+        return seed
+    z = (seed + index * _GOLDEN_GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z - 2**64 if z >= 2**63 else z
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """``sampling`` for choice ``index``: its seed derived by :func:`choice_seed` (an unseeded
+    call's choices each get their own seed from the engine, as separate requests do)."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=choice_seed(sampling.seed, index))
+
+
 @dataclass(frozen=True, slots=True)
 class RemoteKV:
     """Where a request's prompt was prefilled, so its KV can be pulled instead of computed.
@@ -168,6 +206,8 @@ class Request:
         cache_salt: the client's prefix-cache salt: only requests with the same salt (and, when
             the policy isolates tenants, the same tenant) share cached KV blocks.
         remote_kv: where its prompt's KV may be pulled from (disaggregated pools); None: computed here.
+        group: the call's sequences when it asked for more than one (OpenAI ``n``; see
+            :mod:`cadenza.node.core.siblings`); None for a call of one.
     """
 
     request_id: str
@@ -186,6 +226,7 @@ class Request:
     preempted_time: float | None = None
     cache_salt: str | None = None
     remote_kv: RemoteKV | None = None
+    group: SiblingGroup | None = None
     stop_ids: frozenset[int] = field(init=False, repr=False)  # token ids that end it (EOS unless ignored)
     max_num_tokens: int = field(init=False, repr=False)  # prompt + max_tokens: it ends with length there
 

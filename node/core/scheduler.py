@@ -29,6 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from cadenza.node.core import siblings
 from cadenza.node.core.admission import AdmissionError, DrainRate, canonicalize_class_and_tenant, check_admission
 from cadenza.node.core.block_manager import KVBlockManager
 from cadenza.node.core.config import SchedulerConfig
@@ -96,28 +97,33 @@ class Scheduler(SchedulerInterface):
     # -- queue management ---------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request in its class, or refuse it.
+        """Queue a request in its class, or refuse it (:meth:`add_requests` of one)."""
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[Request]) -> None:
+        """Queue one call's sequences (OpenAI ``n``: :mod:`cadenza.node.core.siblings`), or refuse them all.
 
         Raises:
-            ValueError: the id is already live.
-            AdmissionError: refused by admission control (400/413/429, see :mod:`cadenza.node.core.admission`).
+            ValueError: an id is already live.
+            AdmissionError: refused by admission control counting every sequence (400/413/429).
         """
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already live")
+        if live := [r.request_id for r in requests if r.request_id in self.requests]:
+            raise ValueError(f"request id {live[0]!r} is already live")
         try:
-            self.check_admission(request)
+            self.check_admission(requests[0], len(requests))
         except AdmissionError as exc:
             self.stats.rejected[exc.reason] += 1
             raise
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.tenant_live[request.tenant] += 1
-        self.queues[request.traffic_class].push(request)
-        self.remote.hold(request, self.clock())  # a source's lease runs on while it waits here
+        siblings.link(requests)  # one group, the leader's canonical class
+        for request in requests:
+            request.status = RequestStatus.WAITING
+            self.requests[request.request_id] = request
+            self.tenant_live[request.tenant] += 1
+            self.queues[request.traffic_class].push(request)
+            self.remote.hold(request, self.clock())  # a source's lease runs on while it waits here
 
-    def check_admission(self, request: Request) -> None:
-        """Would :meth:`add_request` refuse this request now? Only reads state, so another thread
-        (the HTTP front) may call it to refuse at once; ``add_request`` checks again.
+    def check_admission(self, request: Request, count: int = 1) -> None:
+        """Would :meth:`add_requests` refuse ``count`` sequences of it now? Reads state only.
 
         Raises:
             AdmissionError: as :meth:`add_request`.
@@ -127,7 +133,7 @@ class Scheduler(SchedulerInterface):
         drain, now = self.drain[request.traffic_class], self.clock()
         check_admission(request, self.policy, self.config.max_model_len, len(queue),
                         self.tenant_live.get(request.tenant, 0), queue.queued_prompt_tokens.get(request.tenant, 0),
-                        lambda queued: drain.retry_after(queued, now), self.queue_limit(request.traffic_class))
+                        lambda queued: drain.retry_after(queued, now), self.queue_limit(request.traffic_class), count)
 
     def queue_limit(self, cls: str) -> int:
         """Most requests class ``cls`` may have waiting: its policy's ``max_queue_depth``, else
@@ -263,6 +269,8 @@ class Scheduler(SchedulerInterface):
             req.num_computed_tokens += n
             if caching:
                 bm.commit(req.request_id, req.token_ids, req.num_computed_tokens, self.cache_salt(req))
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                siblings.prompt_computed(req, bm)  # a leader's prompt: its siblings may start
             if token is not None:
                 finished = req.append_token(token)
                 if finished is not None:
@@ -304,6 +312,7 @@ class Scheduler(SchedulerInterface):
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.block_manager.free(req.request_id)
+        siblings.left(req, self.block_manager)
         del self.requests[req.request_id]
         self.tenant_live[req.tenant] -= 1
         if not self.tenant_live[req.tenant]:

@@ -34,8 +34,9 @@ class SchedulerInterface(ABC):
         """
 
     @abstractmethod
-    def check_admission(self, request: Request) -> None:
-        """Would :meth:`add_request` refuse ``request`` now? Reads state only.
+    def check_admission(self, request: Request, count: int = 1) -> None:
+        """Would :meth:`add_request` refuse ``request`` now (``count``: as many sequences of it,
+        OpenAI ``n``)? Reads state only.
 
         Raises:
             AdmissionError: as :meth:`add_request`.

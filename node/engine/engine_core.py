@@ -24,12 +24,13 @@ from cadenza.node.core.knobs import config_view, reconfigured
 from cadenza.node.engine.kv_link import ASSUMED_LINK_BYTES_PER_S, KVLink
 from cadenza.node.core.parallel import check_tensor_parallel
 from cadenza.node.core.messages import AddRequest, EngineReady, KVEndpoint, RequestDelta, StepRecord
-from cadenza.node.core.request import Request, RequestStatus
+from cadenza.node.core.request import MAX_N, Request, RequestStatus, choice_request_id, choice_sampling
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.core.stats import EngineStats
 from cadenza.node.credentials import require_kv_token
 from cadenza.node.kv_transfer.protocol import DTYPE_BYTES, Fingerprint
 from cadenza.node.model_digest import model_digest
+from cadenza.node.engine.grammar import Grammars
 from cadenza.node.engine.tp_workers import Workers
 from cadenza.node.runner.collectives import TensorParallelError
 from cadenza.node.runner.model_runner import ModelRunner
@@ -94,6 +95,7 @@ class EngineCore:
             raise
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, connector=self.kv_link)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(extra_eos_token_ids)
+        self.grammars = Grammars(config.model, self.model_config.vocab_size, self.eos_token_ids)
         self.last_step_tokens = 0  # tokens the last step computed (0: nothing was schedulable)
         self.step_time_s: deque[float] = deque(maxlen=1024)  # measured model time of recent steps
 
@@ -123,6 +125,8 @@ class EngineCore:
         with the process)."""
         if self.kv_link is not None:
             self.kv_link.close()
+        if (grammars := getattr(self, "grammars", None)) is not None:
+            grammars.close()
         if self.workers is not None:
             workers, self.workers = self.workers, None
             workers.close(self.runner.stop_workers)
@@ -151,14 +155,23 @@ class EngineCore:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, add: AddRequest) -> Request:
-        """Queue a request in its traffic class.
+        """Queue a request in its traffic class: its ``n`` sequences, admitted together.
 
         ``cache_salt`` keeps its prefix-cache entries apart from those of requests with another
         salt (see :mod:`cadenza.node.core.block_manager`); the scheduler adds the tenant's name
         to it when the policy isolates tenants.
 
+        A request with a structured output starts compiling its grammar here, in a thread
+        (:mod:`cadenza.node.engine.grammar`), while its prompt is prefilled; each choice gets
+        its own matcher.
+
+        Returns:
+            The request of its first choice (the others': :func:`choice_request_id`).
+
         Raises:
-            ValueError: empty prompt, a token id outside the vocabulary, a duplicate id.
+            ValueError: empty prompt, a token id outside the vocabulary, a duplicate id, ``n``
+                outside 1 to ``MAX_N`` (or above 1 on a call that publishes its KV), a
+                structured output on a model folder without a tokenizer.
             AdmissionError: refused by admission control: 400/413 (can never fit) or 429
                 (queue depth or tenant quota reached; ``retry_after`` says when to come back).
         """
@@ -167,15 +180,27 @@ class EngineCore:
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
         if add.publish_kv and self.kv_link is None:
             raise ValueError("publish_kv: this engine has no KV transfer endpoint (kv_transfer_port)")
-        req = Request(add.request_id, list(add.prompt_token_ids), add.sampling, eos_token_ids=self.eos_token_ids,
-                      traffic_class=add.traffic_class, tenant=add.tenant, cache_salt=add.cache_salt,
-                      remote_kv=add.remote_kv)
+        if not 1 <= add.n <= MAX_N or (add.n > 1 and add.publish_kv):
+            raise ValueError(f"n: must be from 1 to {MAX_N} (1 for a call that publishes its KV), got {add.n}")
+        reqs = [Request(choice_request_id(add.request_id, i), list(add.prompt_token_ids),
+                        choice_sampling(add.sampling, i), eos_token_ids=self.eos_token_ids,
+                        traffic_class=add.traffic_class, tenant=add.tenant, cache_salt=add.cache_salt,
+                        remote_kv=add.remote_kv if i == 0 else None)
+                for i in range(add.n)]
         if add.arrival_time:
-            req.arrival_time = add.arrival_time
-        self.scheduler.add_request(req)
+            for req in reqs:
+                req.arrival_time = add.arrival_time
+        structured = add.sampling.structured
+        if structured is not None and not self.grammars.can_match:
+            raise ValueError("response_format: structured outputs need the model's tokenizer.json, which this "
+                             "model folder lacks")
+        self.scheduler.add_requests(reqs)
+        if structured is not None:
+            for req in reqs:
+                self.grammars.add(req.request_id, structured)
         if add.publish_kv:
-            self.kv_link.publish(req)
-        return req
+            self.kv_link.publish(reqs[0])
+        return reqs[0]
 
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:
         """End a request now, freeing its KV blocks; False if it was not live.
@@ -190,6 +215,7 @@ class EngineCore:
             if self.kv_link is not None:
                 self.kv_link.unpublish(request_id)
         self.runner.release(request_id)
+        self.grammars.release(request_id)
         return found
 
     def has_unfinished_requests(self) -> bool:
@@ -227,9 +253,11 @@ class EngineCore:
         self.last_step_tokens = out.num_tokens
         if out.is_empty:
             return [], None
+        grammars = self.grammars if self.grammars.active else None
+        masks = grammars.begin(out) if grammars is not None else None  # computed while the forward runs
         started = time.perf_counter()
         try:
-            tokens = self.runner.execute(out)
+            tokens = self.runner.execute(out, masks)
         except TensorParallelError as exc:  # name the rank that died, where the watcher saw it
             raise TensorParallelError(self.workers.failure or str(exc)) from exc
         elapsed = time.perf_counter() - started
@@ -243,6 +271,12 @@ class EngineCore:
         logprobs, self.runner.last_logprobs = self.runner.last_logprobs, {}
         for req in self.scheduler.update_from_output(out, tokens):
             reason = None
+            if grammars is not None and req.request_id in grammars:
+                ended = grammars.accept(req)  # complete (stopped), or failed (aborted)
+                if ended is not None and not req.is_finished:
+                    self.scheduler.finish_request(req.request_id, ended)
+                if req.is_finished:
+                    grammars.release(req.request_id)
             if req.is_finished:
                 release(req.request_id)
                 reason = req.status.finish_reason

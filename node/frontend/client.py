@@ -49,7 +49,7 @@ from cadenza.node.core.messages import (
     RequestsQueued,
     StepOutputs,
 )
-from cadenza.node.core.request import RemoteKV, Request, SamplingParams
+from cadenza.node.core.request import RemoteKV, Request, SamplingParams, choice_request_id
 from cadenza.node.core.stats import EngineStats
 from cadenza.node.frontend.errors import (
     CONFIG_ERRORS,
@@ -340,9 +340,15 @@ class EngineClient:
         remote_kv: RemoteKV | None = None,
         publish_kv: bool = False,
         acknowledge: bool = False,
+        n: int = 1,
     ) -> AsyncIterator[RequestOutput | Queued]:
         """Submit a request and yield its outputs until one is finished (``remote_kv`` /
         ``publish_kv``: pull its prompt's KV from a prefill replica / hold it for a decode one).
+
+        With ``n`` above 1 the request is ``n`` sequences sharing one prefill (OpenAI's ``n``;
+        :mod:`cadenza.node.core.siblings`): the outputs of all of them are yielded as they come,
+        each with its choice's ``index``, until every one is finished; each has its own stop
+        strings. Admission counts ``n`` sequences and refuses the call whole.
 
         Admission control runs here first against the last published stats (a full queue or a
         tenant at its quota is refused at once, not after the core's current step); the core
@@ -361,40 +367,46 @@ class EngineClient:
             raise EngineDeadError("engine is not ready")
         probe = Request(request_id, prompt_token_ids, sampling, traffic_class=traffic_class, tenant=tenant)
         try:
-            check_published(probe, self._policy, self.max_model_len, self._stats)
+            check_published(probe, self._policy, self.max_model_len, self._stats, n)
         except AdmissionError as exc:
             self._rejected[exc.reason] += 1
             raise
         stream: asyncio.Queue = asyncio.Queue()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         add = AddRequest(request_id, list(prompt_token_ids), sampling, probe.traffic_class, tenant, arrival,
-                         cache_salt, traceparent, remote_kv, publish_kv, acknowledge)
-        finished = False
-        self._streams[request_id] = stream
-        self.outputs.add_request(request_id, sampling)
+                         cache_salt, traceparent, remote_kv, publish_kv, acknowledge, n)
+        index_of = {choice_request_id(request_id, i): i for i in range(n)}
+        live = set(index_of)  # choices not finished yet
+        for choice_id in index_of:
+            self._streams[choice_id] = stream
+            self.outputs.add_request(choice_id, sampling)
         try:
             try:
                 self._send(add)
             except TypeError as exc:  # never reached the core: nothing to abort there
-                finished = True
+                live.clear()
                 raise ValueError(f"the request holds a value the engine cannot take: {exc}") from None
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
-                    finished = True
+                    live.clear()
                     raise item
                 if isinstance(item, Queued):
                     yield item
                     continue
-                finished = item.finished
+                item.index = index_of[item.request_id]
+                if item.finished:
+                    live.discard(item.request_id)
                 yield item
-                if finished:
+                if not live:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.outputs.drop(request_id)
-                self._send(AbortRequests([request_id]))
+            for choice_id in index_of:
+                self._streams.pop(choice_id, None)
+            if live:  # one message: every sequence's KV is free before the core's next step
+                for choice_id in live:
+                    self.outputs.drop(choice_id)
+                self._send(AbortRequests(sorted(live, key=index_of.__getitem__)))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (from the event loop's thread)."""

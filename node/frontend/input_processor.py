@@ -104,7 +104,8 @@ class InputProcessor:
 
         Args:
             body: a validated completion or chat request (``temperature``, ``top_p``, ``top_k``,
-                ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``top_logprobs_asked``).
+                ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``top_logprobs_asked``,
+                ``structured``).
             default_fill: without ``max_tokens``, fill the context (chat) instead of 16 tokens.
 
         Raises:
@@ -136,6 +137,7 @@ class InputProcessor:
             stop_token_ids=tuple(t for t in body.stop_token_ids if t < self.vocab_size),
             ignore_eos=body.ignore_eos,
             logprobs=body.top_logprobs_asked,
+            structured=body.structured,
         )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from cadenza.node.core.config import EngineConfig
 from cadenza.node.engine.engine_core import EngineCore
 from cadenza.node.core.messages import AddRequest
-from cadenza.node.core.request import Request, SamplingParams
+from cadenza.node.core.request import Request, SamplingParams, choice_request_id
 from cadenza.node.core.stats import EngineStats
 from cadenza.node.frontend.output_processor import OutputProcessor, RequestOutput
 from cadenza.node.frontend.tokenizer import Tokenizer
@@ -81,11 +81,14 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                     arrival_time: float | None = None, traffic_class: str = "interactive",
-                    tenant: str = "default", cache_salt: str | None = None) -> Request:
-        """Queue a request (see :meth:`EngineCore.add_request` for what it raises)."""
+                    tenant: str = "default", cache_salt: str | None = None, n: int = 1) -> Request:
+        """Queue a request (see :meth:`EngineCore.add_request` for what it raises); with ``n``
+        above 1, its ``n`` sequences (outputs under :func:`choice_request_id` ids), prefilled
+        once. Returns the first sequence's request."""
         req = self.core.add_request(AddRequest(request_id, list(prompt_token_ids), sampling, traffic_class, tenant,
-                                               arrival_time or 0.0, cache_salt))
-        self.outputs.add_request(request_id, sampling)
+                                               arrival_time or 0.0, cache_salt, n=n))
+        for i in range(n):
+            self.outputs.add_request(choice_request_id(request_id, i), sampling)
         return req
 
     def abort_request(self, request_id: str) -> bool:

@@ -34,6 +34,8 @@ class RequestOutput:
         logprobs: for a request that asked, one entry per token of ``token_ids`` that made text
             (:class:`~cadenza.node.core.messages.RequestDelta`'s form); None otherwise, and for
             the end-of-sequence or stop token that finishes a request (it makes no text).
+        index: the choice it belongs to in a call of several (OpenAI ``n``; set by the engine
+            client), 0 otherwise.
     """
 
     request_id: str
@@ -45,6 +47,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     time: float = 0.0
     logprobs: list | None = None
+    index: int = 0
 
     @property
     def finished(self) -> bool:

@@ -26,7 +26,7 @@ from cadenza.node.runner.backend import AttentionMetadata, select_backend
 from cadenza.node.core.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from cadenza.node.runner.models.config import ModelConfig
 from cadenza.node.runner.models.llama import load_model
-from cadenza.node.runner.sampler import sample, sampling_tensors, token_logprobs
+from cadenza.node.runner.sampler import apply_token_bitmask, sample, sampling_tensors, token_logprobs
 from cadenza.node.core.step import SchedulerOutput
 from cadenza.node.runner.collectives import Collectives, TensorParallelError
 from cadenza.node.runner.cuda_graphs import DEFAULT_MEMORY_BUDGET, StepGraphs, graph_shapes
@@ -146,8 +146,12 @@ class ModelRunner:
         return max(1, budget // per_block)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> list[int]:
+    def execute(self, step: SchedulerOutput, masks=None) -> list[int]:
         """Run one step; return one sampled token per row with ``sample`` set, in row order.
+
+        ``masks``: the grammar masks of the step's structured rows, being computed while the
+        forward runs (a :class:`~cadenza.node.engine.grammar.StepMasks`: ``rows`` and
+        ``result()``); taken once the logits exist and applied before sampling.
 
         The step is replayed from a captured CUDA graph when one holds it (:attr:`graphs`), and
         run eagerly otherwise; either way its inputs are built by :mod:`.step_inputs` (vectorised
@@ -161,10 +165,10 @@ class ModelRunner:
         """
         with self._ops:
             if self.collectives is None:
-                return self._execute(step)
+                return self._execute(step, masks)
             self._workers_in_step = False
             try:
-                return self._execute(step)
+                return self._execute(step, masks)
             except TensorParallelError:
                 raise
             except Exception as exc:
@@ -176,7 +180,7 @@ class ModelRunner:
                 raise TensorParallelError(f"rank 0 failed in the middle of a step ({type(exc).__name__}: "
                                           f"{exc}); the ranks are out of step") from exc
 
-    def _execute(self, step: SchedulerOutput) -> list[int]:
+    def _execute(self, step: SchedulerOutput, masks=None) -> list[int]:
         rows = step_rows(step)
         if self.graphs is None:
             hidden = None
@@ -195,6 +199,8 @@ class ModelRunner:
                  for req, sp in zip(rows.sampled_requests, params)]
         # a row samples the token after its last: decode at p samples p + 1, a chunk [s, s + n) samples s + n
         st = sampling_tensors(params, seeds, rows.sample_positions, self.device, pinned=self.device.type == "cuda")
+        if masks is not None:
+            apply_token_bitmask(logits, masks.rows, masks.result())
         tokens = sample(logits, st)
         asking = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         if asking:  # only steps with a request that asked pay for them (a second read of the device)

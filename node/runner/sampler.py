@@ -192,6 +192,27 @@ def _mix64_(z: torch.Tensor) -> torch.Tensor:
     return z
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+    """Forbid, in place, the tokens a grammar does not allow next (structured outputs).
+
+    Args:
+        logits: ``[R, V]`` fp32, the step's sampling rows.
+        rows: the rows a grammar constrains (the others are left as they are).
+        bitmask: ``[len(rows), ceil(V / 32)]`` int32 on the host, llguidance's layout: bit
+            ``t % 32`` of word ``t // 32`` is set when token ``t`` is allowed.
+
+    The forbidden logits become ``-inf`` before :func:`sample`, so every sampling path (greedy,
+    top-k, top-p, the race) picks an allowed token. :func:`token_logprobs` then reports the
+    allowed tokens' distribution, as vLLM's do under a grammar.
+    """
+    vocab = logits.shape[-1]
+    words = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+    index = torch.as_tensor(list(rows), dtype=torch.long, device=logits.device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[int],
                    top: Sequence[int]) -> list[list]:
     """Log-probabilities for the rows whose requests asked (:attr:`SamplingParams.logprobs`).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
@@ -25,7 +26,7 @@ from cadenza.node.frontend.client import STALL_TIMEOUT_S, EngineClient
 from cadenza.node.frontend.step_log import StepLog
 from cadenza.node.server import admin, auth, openai_api
 from cadenza.node.server.access_log import access_log_middleware
-from cadenza.node.server.app_keys import DEFAULT_CLASS, ENGINE, MODEL_NAME, TELEMETRY, TOOL_PARSER
+from cadenza.node.server.app_keys import DEFAULT_CLASS, ENGINE, MODEL_NAME, STARTED, TELEMETRY, TOOL_PARSER
 from cadenza.node.http.errors import error_middleware, error_response
 from cadenza.node.http.hardening import HttpTimeouts
 from cadenza.node.http.runner import run_app
@@ -70,6 +71,7 @@ def create_app(config: EngineConfig, model_name: str | None = None, default_clas
     app[MODEL_NAME] = model_name
     app[DEFAULT_CLASS] = check_class(default_class)
     app[TOOL_PARSER] = tool_parser
+    app[STARTED] = int(time.time())
     admin.add_routes(app)
     app.cleanup_ctx.append(_engine_lifecycle)
     app.router.add_post("/v1/completions", openai_api.completions)

@@ -2,7 +2,10 @@
 
 Responses follow the OpenAI API reference: ``text_completion`` / ``chat.completion`` objects,
 or server-sent events of ``*.chunk`` objects ending with ``data: [DONE]``; with
-``stream_options.include_usage`` a last chunk with empty ``choices`` carries ``usage``.
+``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last chunk with empty
+``choices`` carries ``usage``. A call of ``n`` choices is one engine call whose outputs carry
+their choice's index (:mod:`.choices` gathers them): each choice streams its own chunks and ends
+with its own ``finish_reason``; usage counts the prompt once.
 A client that disconnects cancels its handler, which closes the engine stream and aborts the
 request (its KV blocks are freed before the next step).
 """
@@ -21,12 +24,15 @@ from aiohttp import web
 
 from cadenza.node.core.admission import AdmissionError
 from cadenza.node.core.policy import DEFAULT_TENANT, PolicyError, check_class, check_tenant
-from cadenza.node.core.request import RemoteKV, SamplingParams
+from cadenza.node.core.request import RemoteKV, SamplingParams, StructuredOutput
+from cadenza.node.core.structured import GrammarError
+from cadenza.node.core.structured import check as check_grammar
 from cadenza.node.frontend.client import EngineDeadError, Queued
 from cadenza.node.frontend.input_processor import InputError, InputProcessor
 from cadenza.node.server.access_log import ACCESS
 from cadenza.node.server import tool_calls
-from cadenza.node.server.app_keys import DEFAULT_CLASS, ENGINE, MODEL_NAME, TELEMETRY, TOOL_PARSER
+from cadenza.node.server.app_keys import DEFAULT_CLASS, ENGINE, MODEL_NAME, STARTED, TELEMETRY, TOOL_PARSER
+from cadenza.node.server.choices import Choices
 from cadenza.node.http.errors import APIError, error_body
 from cadenza.node.http.hardening import send
 from cadenza.node.server.json_body import read_json
@@ -50,6 +56,7 @@ class _Call:
     tenant: str
     arrival: float  # time.monotonic() when the HTTP request arrived
     cache_salt: str | None = None
+    n: int = 1  # choices: sequences sharing one prefill
     tools: Callable[[], tool_calls.ToolCallOutput] | None = None  # a chat choice's tool-call parsing, made per choice
 
 
@@ -73,13 +80,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await _body(request, CompletionRequest, inputs.max_model_len)
     _check_model(request, body.model)
     body.check_supported()
+    await _check_grammar(body.structured)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     with _traced(request, request_id, "text_completion", body, body.max_tokens, traffic_class, tenant, arrival):
         with _input_errors():
             prompt_ids = await inputs.prompt(body.prompt)
             sampling = inputs.sampling(body, len(prompt_ids), body.max_tokens, default_fill=False)
         call = _Call("text_completion", request_id, prompt_ids, sampling, body.stream, body.include_usage,
-                     traffic_class, tenant, arrival, body.cache_salt)
+                     traffic_class, tenant, arrival, body.cache_salt, body.n)
         return await _respond(request, call)
 
 
@@ -90,22 +98,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _body(request, ChatCompletionRequest, inputs.max_model_len)
     _check_model(request, body.model)
     body.check_supported()
+    await _check_grammar(body.structured)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     with _traced(request, request_id, "chat", body, body.requested_max_tokens, traffic_class, tenant, arrival):
         tools = tool_calls.prepare(body, inputs.tokenizer.chat_template, request.app[TOOL_PARSER])
+        await _check_grammar(tools.structured, "tools")  # tool_choice required or a named function
         with _input_errors():
             prompt_ids = await inputs.chat(tools.messages, **tools.template_extra)
             sampling = inputs.sampling(body, len(prompt_ids), body.requested_max_tokens, default_fill=True)
-        if tools.structured is not None:  # tool_choice required or a named function
+        if tools.structured is not None:  # it holds the output, over any response_format
             sampling = replace(sampling, structured=tools.structured)
         call = _Call("chat.completion", request_id, prompt_ids, sampling, body.stream, body.include_usage,
-                     traffic_class, tenant, arrival, body.cache_salt, tools=tools.output)
+                     traffic_class, tenant, arrival, body.cache_salt, body.n, tools=tools.output)
         return await _respond(request, call)
 
 
 async def models(request: web.Request) -> web.Response:
+    """The served model's card: OpenAI's ``id``, ``object``, ``created`` (when this server
+    started, Unix seconds) and ``owned_by``, with vLLM's ``root``, ``parent`` and
+    ``max_model_len``."""
     client = request.app[ENGINE]
-    card = {"id": request.app[MODEL_NAME], "object": "model", "created": 0, "owned_by": "cadenza"}
+    name = request.app[MODEL_NAME]
+    card = {"id": name, "object": "model", "created": request.app[STARTED], "owned_by": "cadenza",
+            "root": name, "parent": None}
     if client.info is not None:
         card["max_model_len"] = client.info.max_model_len
     return web.json_response({"object": "list", "data": [card]})
@@ -159,6 +174,21 @@ async def _body(request: web.Request, model: type, max_model_len: int):
     return await read_json(request, validated)
 
 
+async def _check_grammar(structured: StructuredOutput | None, param: str = "response_format") -> None:
+    """Refuse a constraint the engine cannot compile, off the event loop (a compile of a large
+    schema takes milliseconds; :func:`~cadenza.node.core.structured.check` caches the verdicts).
+
+    Raises:
+        APIError: 400 naming ``param``, with the grammar engine's reason.
+    """
+    if structured is None:
+        return
+    try:
+        await asyncio.to_thread(check_grammar, structured)
+    except GrammarError as exc:
+        raise APIError(400, f"{param}: {exc}", param=param) from None
+
+
 def _ready_inputs(request: web.Request) -> InputProcessor:
     client = request.app[ENGINE]
     if not client.is_ready or client.inputs is None:
@@ -182,47 +212,42 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
         headers[DISAGG_RULE_HEADER] = rule  # for the gateway's selective rule
     if publish_kv:  # validated as the decode call will be; computed for its KV: one token is enough,
         call.sampling = replace(call.sampling, max_tokens=1)  # streamed so the headers go out once queued
-        call.stream = True
+        call.stream, call.n = True, 1  # (the decode call runs the n choices)
         # where the decode replica pulls this prompt's KV from
         headers[KV_SOURCE_HEADER] = format_source(RemoteKV(endpoint.host, endpoint.port, call.request_id,
                                                            endpoint.boot_id, len(call.prompt_ids)))
     stream = client.generate(call.request_id, call.prompt_ids, call.sampling, call.traffic_class, call.tenant,
                              arrival_time=call.arrival, cache_salt=call.cache_salt,
                              traceparent=request.headers.get(TRACEPARENT_HEADER), remote_kv=remote_kv,
-                             publish_kv=publish_kv, acknowledge=publish_kv)
+                             publish_kv=publish_kv, acknowledge=publish_kv, n=call.n)
     chat = call.kind == "chat.completion"
     access = request.get(ACCESS, {})
     access["id"] = call.request_id
-    logprobs = _Logprobs(client.inputs.tokenizer, chat) if call.sampling.logprobs is not None else None
-    tools = call.tools() if call.tools is not None else None
+    tokenizer = client.inputs.tokenizer
+    choices = Choices(call.n, (lambda: _Logprobs(tokenizer, chat)) if call.sampling.logprobs is not None else None)
+    tools = [call.tools() for _ in range(call.n)] if call.tools is not None else None  # per choice
     if not call.stream:
-        text: list[str] = []
-        last = None
         async with aclosing(stream) as outputs:
-            async for last in _guard(outputs):
-                text.append(last.text)
-                if logprobs is not None:
-                    logprobs.add(last)
-        assert last is not None
-        access["tokens"] = f"{last.num_prompt_tokens}+{last.num_output_tokens}"
-        choice = {"index": 0, "logprobs": logprobs and logprobs.take(whole=True), "finish_reason": last.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-            if tools is not None:
-                choice.update(tools.choice("".join(text), last.finish_reason))
-        else:
-            choice["text"] = "".join(text)
+            async for output in _guard(outputs):
+                choices.gather(output)
+        assert choices.any_output
+        access["tokens"] = choices.tokens
+        response_choices = choices.response(chat)
+        if tools is not None:  # each choice's text through its own tool parser
+            for item, choice in zip(choices.items, response_choices):
+                choice.update(tools[item.index].choice("".join(item.text), item.finish_reason))
         return web.json_response(
             {"id": call.request_id, "object": call.kind, "created": created, "model": model,
-             "choices": [choice], "usage": _usage(last)},
+             "choices": response_choices, "usage": choices.usage()},
             headers=headers,
         )
 
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | dict | None, finish_reason: str | None) -> dict:
-        choice = {"index": 0, "logprobs": logprobs and logprobs.take(), "finish_reason": finish_reason}
+    def chunk(delta: str | dict | None, finish_reason: str | None, index: int = 0) -> dict:
+        logprobs = choices.items[index].logprobs
+        choice = {"index": index, "logprobs": logprobs and logprobs.take(), "finish_reason": finish_reason}
         if chat:
             choice["delta"] = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
         else:
@@ -232,25 +257,24 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
             body["usage"] = None
         return body
 
-    last = None
     async with aclosing(stream) as outputs:
         try:
             async for item in _guard(outputs):
                 if isinstance(item, Queued):  # a publish call the core queued (a refusal raised: a 429):
                     await response.prepare(request)  # the headers now, so the decode side pulls as this prefills
                     continue
-                last = item
                 if not response.prepared:
                     await response.prepare(request)
+                choice = choices.add(item)  # its logprobs go with its next chunk that carries text
+                if not choice.started:
+                    choice.started = True
                     if chat:
-                        await _send(request, response, chunk({"role": "assistant", "content": ""}, None))
-                if logprobs is not None:  # sent with the next chunk that carries text (held text: later)
-                    logprobs.add(last)
+                        await _send(request, response, chunk({"role": "assistant", "content": ""}, None, item.index))
                 if tools is not None:
-                    for delta, reason in tools.chunks(last):
-                        await _send(request, response, chunk(delta, reason))
-                elif last.text or last.finished:
-                    await _send(request, response, chunk(last.text or None, last.finish_reason))
+                    for delta, reason in tools[item.index].chunks(item):
+                        await _send(request, response, chunk(delta, reason, item.index))
+                elif item.text or item.finished:
+                    await _send(request, response, chunk(item.text or None, item.finish_reason, item.index))
         except APIError as exc:
             if not response.prepared:
                 raise
@@ -258,11 +282,11 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
             await _send(request, response, error_body(exc.status, exc.message, exc.param, exc.code))  # mid-stream
             await response.write_eof()
             return response
-    if last is not None:
-        access["tokens"] = f"{last.num_prompt_tokens}+{last.num_output_tokens}"
-    if call.include_usage and last is not None:
-        await _send(request, response, {"id": call.request_id, "object": chunk_kind, "created": created, "model": model,
-                               "choices": [], "usage": _usage(last)})
+    if choices.any_output:
+        access["tokens"] = choices.tokens
+        if call.include_usage:
+            await _send(request, response, {"id": call.request_id, "object": chunk_kind, "created": created,
+                                            "model": model, "choices": [], "usage": choices.usage()})
     await send(request, response, b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -331,8 +355,3 @@ class _Logprobs:
         return {"tokens": tokens, "token_logprobs": [lp for _t, (lp, _top) in entries],
                 "top_logprobs": [{self._token(i, v)["token"]: v for i, v in top} for _t, (_lp, top) in entries],
                 "text_offset": offsets}
-
-
-def _usage(output) -> dict:
-    p, c = output.num_prompt_tokens, output.num_output_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

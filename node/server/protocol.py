@@ -11,18 +11,21 @@ tokens do: at most ``MAX_STOP_STRINGS`` stop strings (OpenAI allows 4) of at mos
 ``MAX_STOP_STRING_CHARS`` characters, ``MAX_STOP_TOKEN_IDS`` stop token ids, ``MAX_MESSAGES``
 messages (OpenAI's limit) with ``MAX_CONTENT_PARTS`` content parts in all; :func:`check_sizes` checks the
 counts on the raw JSON, before anything is validated item by item. Unknown fields are ignored (as vLLM does), so clients that
-send extra metadata keep working; options cadenza cannot honour — ``n`` or ``best_of`` above 1,
-``echo``, ``suffix``, penalties, ``logit_bias``, a ``response_format`` other than text —
-are refused with a 400 rather than silently ignored. Chat ``tools`` (at most ``MAX_TOOLS``
-functions, unique names of OpenAI's pattern, ``parameters`` a valid JSON schema), ``tool_choice``
-and ``parallel_tool_calls`` follow OpenAI's reference, as do assistant ``tool_calls`` (at most
-``MAX_TOOL_CALLS`` per message) and ``tool`` messages with their ``tool_call_id``. ``logprobs`` are served in OpenAI's shapes:
-chat ``logprobs: true`` with ``top_logprobs`` 0 to 20, completions ``logprobs`` 0 to 5
-(each request's ``top_logprobs_asked``).
+send extra metadata keep working; options cadenza cannot honour — ``n`` above ``MAX_N``,
+``best_of`` other than 1 or ``n``, ``echo``, ``suffix``, penalties, ``logit_bias`` — are refused
+with a 400 rather than silently ignored. ``logprobs`` are served in OpenAI's shapes: chat
+``logprobs: true`` with ``top_logprobs`` 0 to 20, completions ``logprobs`` 0 to 5 (each request's
+``top_logprobs_asked``). ``response_format`` (OpenAI's structured outputs: ``text``,
+``json_object``, ``json_schema``) is accepted on both endpoints, as vLLM does; the schema is
+always enforced, ``strict`` or not. Chat ``tools`` (at most ``MAX_TOOLS`` functions, unique names
+of OpenAI's pattern, ``parameters`` a valid JSON schema), ``tool_choice`` and
+``parallel_tool_calls`` follow OpenAI's reference, as do assistant ``tool_calls`` (at most
+``MAX_TOOL_CALLS`` per message) and ``tool`` messages with their ``tool_call_id``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 import jsonschema
@@ -38,7 +41,7 @@ from pydantic import (
     model_validator,
 )
 
-from cadenza.node.core.request import MAX_LOGPROBS
+from cadenza.node.core.request import MAX_LOGPROBS, MAX_N, StructuredOutput
 from cadenza.node.frontend.tool_prompt import MAX_JSON_DEPTH, json_depth
 from cadenza.node.http.errors import APIError
 
@@ -74,6 +77,42 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema (``name`` as OpenAI restricts it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: StrictStr | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``{"type": "text" | "json_object" | "json_schema", "json_schema": ...}``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: StrictStr
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _known_type(self) -> "ResponseFormat":
+        if self.type not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type must be one of text, json_object, json_schema, got {self.type!r}")
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object with a name and a schema")
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        """The constraint the engine enforces; None for free text."""
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.type == "json_schema":
+            return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))  # key order: output order
+        return None
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -94,6 +133,7 @@ class _Common(BaseModel):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -116,8 +156,8 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse options that are valid OpenAI but not implemented here (400)."""
-        if self.n != 1:
-            raise APIError(400, "n: only n=1 is supported", param="n")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n: must be an integer from 1 to {MAX_N}, got {self.n}", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise APIError(400, f"{name}: not supported (only 0)", param=name)
@@ -129,6 +169,11 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def structured(self) -> StructuredOutput | None:
+        """The output constraint ``response_format`` asks for (None: free text)."""
+        return None if self.response_format is None else self.response_format.structured()
 
 
 class CompletionRequest(_Common):
@@ -161,8 +206,8 @@ class CompletionRequest(_Common):
             raise APIError(400, "echo: not supported", param="echo")
         if self.suffix:
             raise APIError(400, "suffix: not supported", param="suffix")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of: only 1 is supported", param="best_of")
+        if self.best_of not in (None, 1, self.n):
+            raise APIError(400, "best_of: only 1 or n is supported", param="best_of")
 
     @property
     def top_logprobs_asked(self) -> int | None:
@@ -297,7 +342,6 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: Any = None  # checked by check_supported, for errors that name it plainly
     parallel_tool_calls: StrictBool = True
-    response_format: dict[str, Any] | None = None
 
     @property
     def top_logprobs_asked(self) -> int | None:
@@ -319,8 +363,6 @@ class ChatCompletionRequest(_Common):
             if not self.logprobs:
                 raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         self._check_tools()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format: only type 'text' is supported", param="response_format")
 
     def _check_tools(self) -> None:
         """Refuse duplicate tool names and a ``tool_choice`` that is malformed, given without

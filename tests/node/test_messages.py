@@ -35,6 +35,7 @@ EXAMPLES = [
     AddRequest("cmpl-1", [1, 2, 3], SAMPLING, "batch", "acme", 12.5, "salt", "00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
     AddRequest("cmpl-4", [1] * 40, SAMPLING, remote_kv=RemoteKV("10.1.2.3", 7100, "cmpl-9", "f" * 32, 32)),
     AddRequest("cmpl-9", [1] * 40, SAMPLING, publish_kv=True, acknowledge=True),
+    AddRequest("cmpl-5", [7, 8, 9], SAMPLING, n=4),  # a call of four sequences, one prefill
     RequestsQueued(["cmpl-9", "cmpl-10"]),
     RemoteKV("10.1.2.3", 7100, "cmpl-9", "f" * 32, 32),
     AbortRequests(["a", "b"], "stop"),

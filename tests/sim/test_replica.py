@@ -36,9 +36,9 @@ def test_the_simulator_and_the_real_engine_produce_the_same_token_schedule(tiny_
     real_steps, sim_steps = [], []
     original_execute = core.runner.execute
 
-    def recording_execute(out):
+    def recording_execute(out, masks=None):
         real_steps.append(schedule_of(out))
-        return original_execute(out)
+        return original_execute(out, masks)
 
     core.runner.execute = recording_execute
     while core.has_unfinished_requests():

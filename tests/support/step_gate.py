@@ -38,14 +38,14 @@ class StepGate:
         self.steps_started = 0
         original = runner.execute
 
-        def execute(step):
+        def execute(step, masks=None):
             self.steps_started += 1
             if delay_s:
                 time.sleep(delay_s)
             if not self._open.is_set():
                 self._parked.set()
                 self._open.wait()
-            return original(step)
+            return original(step, masks)
 
         monkeypatch.setattr(runner, "execute", execute)
 

@@ -146,7 +146,8 @@ BAD_REQUESTS = {
     "top-p-zero": ("/v1/completions", {**GOOD_COMPLETION, "top_p": 0}, 400, "top_p"),
     "top-p-above-one": ("/v1/chat/completions", {**GOOD_CHAT, "top_p": 1.01}, 400, "top_p"),
     "empty-stop-string": ("/v1/completions", {**GOOD_COMPLETION, "stop": [""]}, 400, "stop"),
-    "n-above-one": ("/v1/completions", {**GOOD_COMPLETION, "n": 2}, 400, "n"),
+    "n-above-max": ("/v1/completions", {**GOOD_COMPLETION, "n": 17}, 400, "n"),
+    "n-zero": ("/v1/chat/completions", {**GOOD_CHAT, "n": 0}, 400, "n"),
     "seed-beyond-int64": ("/v1/completions", {**GOOD_COMPLETION, "seed": 2**70}, 400, "seed"),
     "temperature-boolean": ("/v1/completions", {**GOOD_COMPLETION, "temperature": True}, 400, "temperature"),
     "lone-surrogate-prompt": ("/v1/completions", {**GOOD_COMPLETION, "prompt": "x\ud800y"}, 400, "prompt"),
@@ -169,8 +170,18 @@ BAD_REQUESTS = {
     "chat-logprobs-a-number": ("/v1/chat/completions", {**GOOD_CHAT, "logprobs": 3}, 400, "logprobs"),
     "completion-logprobs-above-5": ("/v1/completions", {**GOOD_COMPLETION, "logprobs": 6}, 400, "logprobs"),
     "completion-logprobs-boolean": ("/v1/completions", {**GOOD_COMPLETION, "logprobs": True}, 400, "logprobs"),
-    "json-response-format": ("/v1/chat/completions", {**GOOD_CHAT, "response_format": {"type": "json_object"}}, 400,
-                             "response_format"),
+    "response-format-unknown-type": ("/v1/chat/completions", {**GOOD_CHAT, "response_format": {"type": "yaml"}},
+                                     400, "response_format"),
+    "response-format-schema-unimplemented": (
+        "/v1/chat/completions", {**GOOD_CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "array", "uniqueItems": True}}}}, 400, "response_format"),
+    "response-format-schema-invalid-type": (
+        "/v1/completions", {**GOOD_COMPLETION, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "float"}}}}, 400, "response_format"),
+    "response-format-schema-missing": ("/v1/chat/completions", {**GOOD_CHAT, "response_format": {
+        "type": "json_schema"}}, 400, "response_format"),
+    "response-format-bad-name": ("/v1/chat/completions", {**GOOD_CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}}, 400, "response_format.json_schema.name"),
     "tool-choice-unknown-function": (
         "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
                                  "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
@@ -194,6 +205,9 @@ BAD_REQUESTS = {
         "tools.0.function.parameters"),
     "tool-message-without-call-id": (
         "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "tool", "content": "42"}]}, 400, "messages.0"),
+    "tool-choice-schema-unimplemented": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tools"),
     "suffix": ("/v1/completions", {**GOOD_COMPLETION, "suffix": "end"}, 400, "suffix"),
     "best-of": ("/v1/completions", {**GOOD_COMPLETION, "best_of": 3}, 400, "best_of"),
     "oversized-prompt-text": ("/v1/completions", {**GOOD_COMPLETION, "prompt": "word " * 200_000}, 400, "prompt"),
@@ -350,6 +364,33 @@ async def test_client_disconnect_mid_decode_aborts_and_frees_blocks(client, monk
     assert produced.count(abort["id"]) == count_at_abort == abort["output"]
 
 
+async def test_client_disconnect_aborts_every_choice_at_once_and_frees_their_blocks(client, monkeypatch):
+    engine = engine_of(client)
+    aborts = record_aborts(engine, monkeypatch)
+    cancelled = record_cancellations(client, monkeypatch)
+    gate = StepGate(engine.runner, monkeypatch, delay_s=0.01)
+    payload = {**GOOD_COMPLETION, "prompt": list(range(5, 45)), "max_tokens": 200, "ignore_eos": True,
+               "stream": True, "n": 4, "temperature": 1.0}
+    resp = await client.post("/v1/completions", json=payload)
+    indexes = set()
+    try:
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                indexes.add(json.loads(line[6:])["choices"][0]["index"])
+            if len(indexes) == 4:  # every choice is decoding (two blocks of the prompt shared)
+                break
+        gate.hold()
+        await gate.held()
+        resp.close()
+        await until(lambda: cancelled)
+    finally:
+        gate.release()
+    await until(lambda: len(aborts) == 4 and engine.block_manager.num_used_blocks == 0)
+    assert all(a["output"] >= 1 for a in aborts) and not engine.scheduler.requests
+    assert engine.block_manager.consistent()
+    await assert_still_serving(client)
+
+
 async def test_client_disconnect_mid_prefill_aborts_before_any_token(client, monkeypatch):
     engine = engine_of(client)
     aborts = record_aborts(engine, monkeypatch)
@@ -379,11 +420,11 @@ async def test_a_failing_step_fails_the_requests_in_flight_and_serving_goes_on(c
     original = engine.runner.execute
     calls = {"n": 0}
 
-    def execute(step):
+    def execute(step, masks=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("simulated device fault")
-        return original(step)
+        return original(step, masks)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
     resp = await client.post("/v1/completions", json=GOOD_COMPLETION)

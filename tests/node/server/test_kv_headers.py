@@ -137,3 +137,23 @@ async def test_a_source_that_holds_nothing_is_recomputed_with_the_same_answer(pa
 def test_a_source_round_trips_through_its_header_form_ipv6_and_odd_ids_included():
     for src in (RemoteKV("10.0.0.5", 7100, "cmpl-1", "abc", 17), RemoteKV("::1", 1, "a/b?c&d=e", "x y", 1)):
         assert parse_source(format_source(src)) == src
+
+
+async def test_a_streamed_publish_call_ends_with_usage_and_a_decode_call_of_n_choices_pulls_the_kv(pair):
+    prefill, decode, _plain = pair
+    streamed = {**body(1), "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    resp = await prefill.post("/v1/completions", json=streamed, headers={**AUTH, KV_PUBLISH_HEADER: "1"})
+    assert resp.status == 200, await resp.text()
+    events = [line[6:] for line in (await resp.text()).splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    *chunks, last = [json.loads(e) for e in events[:-1]]
+    assert all(c["usage"] is None for c in chunks) and last["choices"] == []
+    assert last["usage"]["completion_tokens"] == 1  # the publish call computes the prompt for one sequence
+    source = resp.headers[KV_SOURCE_HEADER]
+    got = await decode.post("/v1/completions", json={**body(4), "n": 2}, headers={**AUTH, KV_SOURCE_HEADER: source})
+    assert got.status == 200, await got.text()
+    want = await (await decode.post("/v1/completions", json=body(4))).json()
+    choices = (await got.json())["choices"]
+    assert [c["text"] for c in choices] == [want["choices"][0]["text"]] * 2  # greedy: alike
+    assert decode.app[ENGINE].core.scheduler.stats.remote_kv_tokens == 99
+    assert decode.app[ENGINE].core.block_manager.num_used_blocks == 0
