@@ -352,7 +352,8 @@ class HermesParser(ToolParser):
 class JsonCalls(ToolParser):
     """Calls written as JSON objects one after another: an optional ``prefix`` (skipped), an
     ``opener`` the output must start with (else it is all content), objects separated by
-    ``separator``, and an optional ``closer``. Text after the calls is content."""
+    ``separator``, and an optional ``closer``. Text after the calls is content; a next call the
+    output ends in before its arguments begin is dropped."""
 
     prefix = ""
     opener = ""
@@ -387,6 +388,9 @@ class JsonCalls(ToolParser):
             header = read_call_header(text, pos)
             if header is NEED and not self.final:
                 return False
+            if header is NEED and self.calls:  # the output ended inside a next call's name: dropped
+                self.pos, self.state = len(text), "content"
+                return True
             if header is NEED or header is BAD:
                 self.state = "content"
                 if not self.calls:

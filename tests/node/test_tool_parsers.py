@@ -60,6 +60,8 @@ GOLDEN = {
         RequiredCallsParser, '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', None,
         [("f", '{"a": 1}'), ("g", "{}")]),
     "required-not-an-array": (RequiredCallsParser, "no", "no", []),
+    "required-cut-in-a-next-call": (
+        RequiredCallsParser, '[{"name": "f", "parameters": {}}, {"na', None, [("f", "{}")]),
 }
 
 

@@ -1,8 +1,12 @@
 """Tool calling through the official ``openai`` client against a real ``cadenza serve`` process
-(the tiny random model: its ChatML template renders no tools, so the fallback prompt is used)."""
+(the tiny random model: its ChatML template renders no tools, so the fallback prompt is used;
+``tool_choice`` required and named are held to the tools' schemas by the grammar engine)."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import openai
 import pytest
 
@@ -13,6 +17,10 @@ pytestmark = pytest.mark.slow  # one `cadenza serve` process for the module
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather forecast of a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+FORECAST = {"type": "function", "function": {  # bounded: a random model's call ends within a few tokens
+    "name": "forecast",
+    "parameters": {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "days": {"enum": [1, 2, 3]}},
+                   "required": ["unit", "days"], "additionalProperties": False}}}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 HI = [{"role": "user", "content": "Weather in Paris?"}]
 
@@ -27,7 +35,7 @@ def client(tiny_llama_dir, tmp_path_factory):
 
 
 def chat(client, **kwargs):
-    return client.chat.completions.create(model="tiny", messages=HI, max_tokens=8, temperature=0, **kwargs)
+    return client.chat.completions.create(model="tiny", messages=HI, **{"max_tokens": 8, "temperature": 0, **kwargs})
 
 
 def test_tools_are_accepted_and_the_answer_is_content_or_calls(client):
@@ -51,6 +59,50 @@ def test_a_named_tool_choice_answers_one_call_of_that_function(client):
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     assert resp.choices[0].message.content is None
     assert resp.choices[0].finish_reason in ("tool_calls", "length")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_gives_arguments_valid_for_the_schema(client, stream):
+    kwargs = {"tools": [WEATHER, FORECAST], "tool_choice": {"type": "function", "function": {"name": "forecast"}},
+              "max_tokens": 40}
+    for seed in range(3):
+        if stream:
+            chunks = list(chat(client, seed=seed, temperature=1.0, stream=True, **kwargs))
+            calls = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or ()]
+            name, arguments = calls[0].function.name, "".join(c.function.arguments or "" for c in calls)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice = chat(client, seed=seed, temperature=1.0, **kwargs).choices[0]
+            (call,) = choice.message.tool_calls
+            name, arguments, finish = call.function.name, call.function.arguments, choice.finish_reason
+        assert name == "forecast" and finish == "tool_calls"
+        jsonschema.validate(json.loads(arguments), FORECAST["function"]["parameters"])
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_gives_calls_of_the_tools_valid_for_their_schemas(client, parallel):
+    clock = {"type": "function", "function": {"name": "now", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    schemas = {"forecast": FORECAST["function"]["parameters"], "now": clock["function"]["parameters"]}
+    for seed in range(3):
+        choice = chat(client, seed=seed, temperature=1.0, max_tokens=60, tools=[FORECAST, clock],
+                      tool_choice="required", parallel_tool_calls=parallel).choices[0]
+        calls = choice.message.tool_calls
+        if parallel and choice.finish_reason == "length":  # a random model may list calls until the limit:
+            calls = [c for c in calls if _is_json(c.function.arguments)]  # the last one cut
+        else:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert calls and (parallel or len(calls) == 1)
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
 def test_a_named_tool_choice_streams_the_name_once_then_the_arguments(client):
