@@ -134,3 +134,23 @@ def test_bad_tool_input_is_a_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, **kwargs)
     assert info.value.param == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_of_n_choices_gets_its_own_call(client, stream):
+    kwargs = {"tools": [FORECAST], "tool_choice": {"type": "function", "function": {"name": "forecast"}},
+              "max_tokens": 40, "temperature": 1.0, "seed": 3, "n": 3}
+    if stream:
+        calls: dict[int, list] = {}
+        for chunk in chat(client, stream=True, **kwargs):
+            for choice in chunk.choices:
+                calls.setdefault(choice.index, []).extend(choice.delta.tool_calls or ())
+        found = [(deltas[0].function.name, "".join(d.function.arguments or "" for d in deltas), len(
+            {d.id for d in deltas if d.id})) for _i, deltas in sorted(calls.items())]
+    else:
+        found = [(c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments,
+                  len(c.message.tool_calls)) for c in chat(client, **kwargs).choices]
+    assert len(found) == 3
+    for name, arguments, count in found:
+        assert name == "forecast" and count == 1
+        jsonschema.validate(json.loads(arguments), FORECAST["function"]["parameters"])
