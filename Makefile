@@ -86,6 +86,7 @@ bench: model
 	$(BIN)/python -m bench.disagg
 	$(BIN)/python -m bench.tensor_parallel
 	$(BIN)/python -m bench.logprobs
+	$(BIN)/python -m bench.structured
 	$(BIN)/python -m bench.sim_hybrid_mixes colocated:128 dedicated:7:128 auto:128 --copies 30 --duration 600 \
 		--burst 100 --burst-length 300 --burst-rate 2 \
 		--controller '{"cooldownSeconds": 30, "flapWindowSeconds": 300, "fastWindowSeconds": 10, "windowSeconds": 30}'

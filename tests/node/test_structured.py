@@ -153,6 +153,20 @@ def test_the_engine_reports_the_grammar_s_logprobs_over_allowed_tokens_only(tiny
     assert sum(torch.tensor([lp for _t, lp in best if lp > float("-inf")]).exp()) == pytest.approx(1.0, abs=1e-5)
 
 
+def test_each_of_n_choices_follows_its_own_matcher(tiny_llama_dir):
+    with Engine.from_model(tiny_llama_dir, max_model_len=320) as engine:
+        engine.add_request("c", prompts_of([21])[0], SamplingParams(max_tokens=120, temperature=1.2, seed=3,
+                                                                    structured=schema_of(PERSON)), n=3)
+        texts = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                texts[out.request_id] = texts.get(out.request_id, "") + out.text
+        assert engine.core.grammars.active is False
+    assert sorted(texts) == ["c", "c#1", "c#2"] and len(set(texts.values())) == 3  # each its own seed
+    for text in texts.values():
+        jsonschema.validate(json.loads(text), PERSON)
+
+
 def test_a_compiled_grammar_is_reused_and_a_failure_ends_only_its_request(tiny_llama_dir):
     with Engine.from_model(tiny_llama_dir, max_model_len=320) as engine:
         grammars = engine.core.grammars
