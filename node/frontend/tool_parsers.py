@@ -32,6 +32,8 @@ import secrets
 from collections.abc import Callable
 from typing import NamedTuple
 
+from cadenza.node.frontend.partial_json import BAD, NEED, WHITESPACE, ObjectEnd, held_prefix, read_call_header, skip_ws
+
 
 class Content(NamedTuple):
     """Text outside any tool call."""
@@ -62,126 +64,6 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-# -- JSON scanning that knows when it needs more text --------------------------------------------
-
-NEED = object()  # the text ends before the answer is known
-BAD = object()  # the text cannot be what was expected
-_WS = " \t\r\n"
-
-
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _WS:
-        i += 1
-    return i
-
-
-def _read_string(text: str, i: int):
-    """The JSON string starting at ``text[i]`` and the index after it; NEED or BAD."""
-    if i >= len(text):
-        return NEED
-    if text[i] != '"':
-        return BAD
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            try:
-                return json.loads(text[i:j + 1]), j + 1
-            except ValueError:
-                return BAD
-        j += 1
-    return NEED
-
-
-def read_call_header(text: str, i: int):
-    """Read ``{"name": "f", "arguments": `` (also ``"parameters"``, and ``"type"`` before them)
-    from ``text[i]`` on, whitespace allowed around every token.
-
-    Returns:
-        ``(name, j)`` with ``text[j]`` the ``{`` of the arguments object; NEED when ``text``
-        ends first; BAD when it cannot be such a header.
-    """
-    i = _skip_ws(text, i)
-    if i >= len(text):
-        return NEED
-    if text[i] != "{":
-        return BAD
-    i += 1
-    name = None
-    while True:
-        key = _read_string(text, _skip_ws(text, i))
-        if key is NEED or key is BAD:
-            return key
-        key, i = key
-        i = _skip_ws(text, i)
-        if i >= len(text):
-            return NEED
-        if text[i] != ":":
-            return BAD
-        i = _skip_ws(text, i + 1)
-        if i >= len(text):
-            return NEED
-        if key in ("arguments", "parameters"):
-            return (name, i) if name is not None and text[i] == "{" else BAD
-        if key not in ("name", "type"):
-            return BAD
-        value = _read_string(text, i)
-        if value is NEED or value is BAD:
-            return value
-        value, i = value
-        if key == "name":
-            name = value
-        elif value != "function":
-            return BAD
-        i = _skip_ws(text, i)
-        if i >= len(text):
-            return NEED
-        if text[i] != ",":
-            return BAD
-        i += 1
-
-
-class _ObjectEnd:
-    """Where a JSON object ends, found as its text arrives (string- and escape-aware)."""
-
-    __slots__ = ("depth", "in_string", "escaped")
-
-    def __init__(self) -> None:
-        self.depth, self.in_string, self.escaped = 0, False, False
-
-    def scan(self, text: str, i: int) -> int | None:
-        """Read ``text[i:]``; the index after the object's closing brace, or None if not there yet."""
-        for j in range(i, len(text)):
-            c = text[j]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == "\\":
-                    self.escaped = True
-                elif c == '"':
-                    self.in_string = False
-            elif c == '"':
-                self.in_string = True
-            elif c in "{[":
-                self.depth += 1
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return j + 1
-        return None
-
-
-def _held_prefix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 # -- parsers --------------------------------------------------------------------------------------
 
 
@@ -208,7 +90,7 @@ class ToolParser:
         self._new_id = new_id
         self._events: list[Event] = []
         self._blank = ""  # held whitespace content
-        self._args_end: _ObjectEnd | None = None
+        self._args_end: ObjectEnd | None = None
 
     def feed(self, delta: str) -> list[Event]:
         """The events ``delta`` (the output's next text) completes."""
@@ -240,7 +122,7 @@ class ToolParser:
         if not text:
             return
         text = self._blank + text
-        body = text.rstrip(_WS)
+        body = text.rstrip(WHITESPACE)
         self._blank = text[len(body):]
         if body:
             self._events.append(Content(body))
@@ -249,7 +131,7 @@ class ToolParser:
         self._blank = ""
         self._events.append(CallStart(self.calls, self._new_id(), name))
         self.calls += 1
-        self._args_end = _ObjectEnd()
+        self._args_end = ObjectEnd()
 
     def _arguments(self) -> bool:
         """Pass the arguments' text on from ``self.pos``; True once the object is closed."""
@@ -307,7 +189,7 @@ class HermesParser(ToolParser):
         if self.state == "content":
             k = text.find(self.OPEN, pos)
             if k < 0:
-                stop = len(text) if self.final else len(text) - _held_prefix(text[pos:], self.OPEN)
+                stop = len(text) if self.final else len(text) - held_prefix(text[pos:], self.OPEN)
                 self._content(text[pos:stop])
                 self.pos = stop
                 return False
@@ -367,7 +249,7 @@ class JsonCalls(ToolParser):
     def _step(self) -> bool:
         text, pos = self.text, self.pos
         if self.state == "start":
-            i = _skip_ws(text, pos)
+            i = skip_ws(text, pos)
             rest = text[i:]
             if self.prefix and rest.startswith(self.prefix):
                 self.pos = i + len(self.prefix)
@@ -381,7 +263,7 @@ class JsonCalls(ToolParser):
             self.pos, self.state = 0, "content"  # not calls: all of it is content
             return True
         if self.state == "header":
-            i = _skip_ws(text, pos)
+            i = skip_ws(text, pos)
             if self.closer and text.startswith(self.closer, i):
                 self.pos, self.state = i + len(self.closer), "content"
                 return True
@@ -405,9 +287,9 @@ class JsonCalls(ToolParser):
                 return True
             return False
         if self.state == "tail":  # `}`, then a separator (another call), the closer or the end
-            i = _skip_ws(text, pos)
+            i = skip_ws(text, pos)
             if i < len(text) and text[i] == "}":
-                i = _skip_ws(text, i + 1)
+                i = skip_ws(text, i + 1)
                 if i >= len(text):
                     return False
                 for mark, state in ((self.separator, "next"), (self.closer, "content")):
@@ -419,7 +301,7 @@ class JsonCalls(ToolParser):
             self.pos, self.state = i, "content"  # something else: content from here
             return True
         if self.state == "next":  # after a separator: an optional prefix, then the next call
-            i = _skip_ws(text, pos)
+            i = skip_ws(text, pos)
             if self.prefix and text.startswith(self.prefix, i):
                 self.pos, self.state = i + len(self.prefix), "header"
                 return True

@@ -1,0 +1,129 @@
+"""Reading JSON as it arrives: each reader says how far the text so far takes it, or that it
+needs more text (:data:`NEED`), or that the text cannot be what it expects (:data:`BAD`).
+
+What the tool-call parsers (:mod:`cadenza.node.frontend.tool_parsers`) need and no more: a JSON
+string, a call's header ``{"name": ..., "arguments": `` and where an object ends, found with
+string and escape awareness as its text streams. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+
+NEED = object()  # the text ends before the answer is known
+BAD = object()  # the text cannot be what was expected
+WHITESPACE = " \t\r\n"
+
+
+def skip_ws(text: str, i: int) -> int:
+    """The index of the first character at or after ``i`` that is not JSON whitespace."""
+    while i < len(text) and text[i] in WHITESPACE:
+        i += 1
+    return i
+
+
+def read_string(text: str, i: int):
+    """The JSON string starting at ``text[i]`` and the index after it; NEED or BAD."""
+    if i >= len(text):
+        return NEED
+    if text[i] != '"':
+        return BAD
+    j = i + 1
+    while j < len(text):
+        c = text[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c == '"':
+            try:
+                return json.loads(text[i:j + 1]), j + 1
+            except ValueError:
+                return BAD
+        j += 1
+    return NEED
+
+
+def read_call_header(text: str, i: int):
+    """Read ``{"name": "f", "arguments": `` (also ``"parameters"``, and ``"type"`` before them)
+    from ``text[i]`` on, whitespace allowed around every token.
+
+    Returns:
+        ``(name, j)`` with ``text[j]`` the ``{`` of the arguments object; NEED when ``text``
+        ends first; BAD when it cannot be such a header.
+    """
+    i = skip_ws(text, i)
+    if i >= len(text):
+        return NEED
+    if text[i] != "{":
+        return BAD
+    i += 1
+    name = None
+    while True:
+        key = read_string(text, skip_ws(text, i))
+        if key is NEED or key is BAD:
+            return key
+        key, i = key
+        i = skip_ws(text, i)
+        if i >= len(text):
+            return NEED
+        if text[i] != ":":
+            return BAD
+        i = skip_ws(text, i + 1)
+        if i >= len(text):
+            return NEED
+        if key in ("arguments", "parameters"):
+            return (name, i) if name is not None and text[i] == "{" else BAD
+        if key not in ("name", "type"):
+            return BAD
+        value = read_string(text, i)
+        if value is NEED or value is BAD:
+            return value
+        value, i = value
+        if key == "name":
+            name = value
+        elif value != "function":
+            return BAD
+        i = skip_ws(text, i)
+        if i >= len(text):
+            return NEED
+        if text[i] != ",":
+            return BAD
+        i += 1
+
+
+class ObjectEnd:
+    """Where a JSON object ends, found as its text arrives (string- and escape-aware)."""
+
+    __slots__ = ("depth", "in_string", "escaped")
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def scan(self, text: str, i: int) -> int | None:
+        """Read ``text[i:]``; the index after the object's closing brace, or None if not there yet."""
+        for j in range(i, len(text)):
+            c = text[j]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return j + 1
+        return None
+
+
+def held_prefix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
