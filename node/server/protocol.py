@@ -20,15 +20,15 @@ with a 400 rather than silently ignored. ``logprobs`` are served in OpenAI's sha
 always enforced, ``strict`` or not. Chat ``tools`` (at most ``MAX_TOOLS`` functions, unique names
 of OpenAI's pattern, ``parameters`` a valid JSON schema), ``tool_choice`` and
 ``parallel_tool_calls`` follow OpenAI's reference, as do assistant ``tool_calls`` (at most
-``MAX_TOOL_CALLS`` per message) and ``tool`` messages with their ``tool_call_id``.
+``MAX_TOOL_CALLS`` per message) and ``tool`` messages with their ``tool_call_id``
+(:mod:`.tool_protocol`).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-import jsonschema
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -42,8 +42,8 @@ from pydantic import (
 )
 
 from cadenza.node.core.request import MAX_LOGPROBS, MAX_N, StructuredOutput
-from cadenza.node.frontend.tool_prompt import MAX_JSON_DEPTH, json_depth
 from cadenza.node.http.errors import APIError
+from cadenza.node.server.tool_protocol import MAX_TOOL_CALLS, MAX_TOOLS, MessageToolCall, Tool, check_tools
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -52,10 +52,6 @@ MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 4 * MAX_MESSAGES
 MAX_CACHE_SALT_CHARS = 256
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions (chat's top_logprobs: MAX_LOGPROBS)
-MAX_TOOLS = 128  # OpenAI's bound on a request's tools
-MAX_TOOL_CALLS = 128  # calls in one assistant message
-FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
-TOOL_CHOICES = ("none", "auto", "required")
 
 Temperature = Annotated[float, Field(strict=True, ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0)]
@@ -233,53 +229,6 @@ class ContentPart(BaseModel):
         return self
 
 
-class FunctionDefinition(BaseModel):
-    """A tool's function: its name, what it does, and its arguments' JSON schema."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    name: Annotated[StrictStr, Field(pattern=FUNCTION_NAME)]
-    description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _a_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            if json_depth(v) > MAX_JSON_DEPTH:
-                raise ValueError(f"a schema may nest at most {MAX_JSON_DEPTH} levels deep")
-            try:
-                jsonschema.validators.validator_for(v).check_schema(v)
-            except jsonschema.SchemaError as exc:
-                raise ValueError(f"not a valid JSON schema: {exc.message}") from None
-        return v
-
-
-class Tool(BaseModel):
-    """``{"type": "function", "function": {...}}``, the one kind of tool OpenAI's chat API has."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class ToolCallFunction(BaseModel):
-    name: StrictStr
-    arguments: StrictStr  # JSON text, as OpenAI sends it
-
-
-class MessageToolCall(BaseModel):
-    """A call an earlier assistant message made (``tool_calls`` of the conversation)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    id: StrictStr
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -362,31 +311,7 @@ class ChatCompletionRequest(_Common):
                                f"{self.top_logprobs}", param="top_logprobs")
             if not self.logprobs:
                 raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-        self._check_tools()
-
-    def _check_tools(self) -> None:
-        """Refuse duplicate tool names and a ``tool_choice`` that is malformed, given without
-        tools or naming a function that is not one of them (400s naming the field)."""
-        names = [tool.function.name for tool in self.tools or ()]
-        if len(set(names)) != len(names):
-            duplicate = next(n for n in names if names.count(n) > 1)
-            raise APIError(400, f"tools: function names must be unique; {duplicate!r} is given twice", param="tools")
-        choice = self.tool_choice
-        if choice is None:
-            return
-        if isinstance(choice, str):
-            if choice not in TOOL_CHOICES:
-                raise APIError(400, f"tool_choice: must be one of {', '.join(TOOL_CHOICES)} or "
-                               f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}', param="tool_choice")
-        elif not (isinstance(choice, dict) and choice.get("type") == "function"
-                  and isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)):
-            raise APIError(400, 'tool_choice: a named choice is {"type": "function", "function": {"name": ...}}',
-                           param="tool_choice")
-        if not self.tools:
-            raise APIError(400, "tool_choice: only allowed when tools are given", param="tool_choice")
-        if isinstance(choice, dict) and choice["function"]["name"] not in names:
-            raise APIError(400, f"tool_choice: the function {choice['function']['name']!r} is not among the tools",
-                           param="tool_choice")
+        check_tools(self.tools, self.tool_choice)
 
     @property
     def tool_choice_value(self) -> str | dict:
