@@ -31,6 +31,8 @@ through the standard :mod:`logging` module).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -89,6 +91,25 @@ def _source_copy(build_dir: Path) -> Path:
         staging.write_bytes(SOURCE.read_bytes())
         os.replace(staging, copy)
     return copy
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold ``build_dir`` for one loader at a time, across processes.
+
+    torch's own build lock is a ``lock`` file (its ``FileBaton``). A process killed in the middle
+    of a build (SIGKILL, or SIGTERM from a supervisor) leaves that file behind, and every later
+    start then waits for it forever, saying "still building". This lock is an ``flock``, which the
+    kernel drops when its holder dies. A ``lock`` file found while holding it is therefore stale,
+    and it is removed before torch looks.
+    """
+    with open(build_dir / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def _put_ninja_on_path() -> None:
@@ -174,14 +195,15 @@ def _load():
             from torch.utils.cpp_extension import load
 
             _put_ninja_on_path()
-            _ops = load(
-                name="cadenza_cpu_ops",
-                sources=[str(_source_copy(build_dir))],
-                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
+            with _build_lock(build_dir):
+                _ops = load(
+                    name="cadenza_cpu_ops",
+                    sources=[str(_source_copy(build_dir))],
+                    extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    verbose=False,
+                )
             outcome = "built"
         except KeyboardInterrupt:
             outcome = "build interrupted"

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import pytest
 import torch.utils.cpp_extension
 
@@ -83,6 +85,20 @@ def test_an_interrupted_build_is_an_interrupt_not_a_fallback_to_the_references(f
     assert not any("torch references" in r.getMessage() for r in caplog.records)
     fresh(lambda **_: "the module")  # nothing was remembered: the next try builds
     assert cpu.available() and cpu.build_error() is None
+
+
+def test_a_lock_left_by_a_build_that_was_killed_does_not_wedge_later_starts(fresh):
+    # torch's lock file outlives a builder killed mid-build; its next start used to wait forever
+    seen = []
+
+    def loader(**kwargs):
+        seen.append((Path(kwargs["build_directory"]) / "lock").exists())
+        return "ops"
+
+    fresh(loader)
+    stale = cpu._build_dir() / "lock"
+    stale.touch()
+    assert cpu._load() == "ops" and seen == [False]
 
 
 def test_a_failed_build_still_falls_back_to_the_references(fresh, caplog):
