@@ -186,7 +186,8 @@ class RequestsQueued:
 class RequestFailure:
     """A request that ended without a finish reason: refused on arrival (``admission``, with the
     HTTP status, machine-readable reason and ``Retry-After``), bad input (``invalid``), a bug
-    inside the core (``internal``) or a failed step (``step``)."""
+    inside the core (``internal``), a failed step (``step``), or a structured output's grammar
+    that failed while the request ran (``grammar``: a 400, ``reason`` naming the parameter)."""
 
     request_id: str
     kind: str

@@ -23,14 +23,14 @@ from cadenza.node.core.config import EngineConfig, SchedulerConfig, resolve_max_
 from cadenza.node.core.knobs import config_view, reconfigured
 from cadenza.node.engine.kv_link import ASSUMED_LINK_BYTES_PER_S, KVLink
 from cadenza.node.core.parallel import check_tensor_parallel
-from cadenza.node.core.messages import AddRequest, EngineReady, KVEndpoint, RequestDelta, StepRecord
+from cadenza.node.core.messages import AddRequest, EngineReady, KVEndpoint, RequestDelta, RequestFailure, StepRecord
 from cadenza.node.core.request import MAX_N, Request, RequestStatus, choice_request_id, choice_sampling
 from cadenza.node.core.scheduler import Scheduler
 from cadenza.node.core.stats import EngineStats
 from cadenza.node.credentials import require_kv_token
 from cadenza.node.kv_transfer.protocol import DTYPE_BYTES, Fingerprint
 from cadenza.node.model_digest import model_digest
-from cadenza.node.engine.grammar import Grammars
+from cadenza.node.engine.grammar import GrammarFailure, Grammars
 from cadenza.node.engine.tp_workers import Workers
 from cadenza.node.runner.collectives import TensorParallelError
 from cadenza.node.runner.model_runner import ModelRunner
@@ -97,6 +97,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(extra_eos_token_ids)
         self.grammars = Grammars(config.model, self.model_config.vocab_size, self.eos_token_ids)
         self.last_step_tokens = 0  # tokens the last step computed (0: nothing was schedulable)
+        self._failures: list[RequestFailure] = []  # requests the last steps ended as failed (take_failures)
         self.step_time_s: deque[float] = deque(maxlen=1024)  # measured model time of recent steps
 
     def _start_workers(self, config: EngineConfig, rope_len: int, weights_seed: int | None) -> Workers:
@@ -272,7 +273,14 @@ class EngineCore:
         for req in self.scheduler.update_from_output(out, tokens):
             reason = None
             if grammars is not None and req.request_id in grammars:
-                ended = grammars.accept(req)  # complete (stopped), or failed (aborted)
+                ended = grammars.accept(req)  # complete (stopped), or failed
+                if isinstance(ended, GrammarFailure):
+                    self._failures.append(RequestFailure(
+                        req.request_id, "grammar", f"response_format: the grammar failed in the engine: {ended.reason}",
+                        400, "response_format"))
+                    if req.is_finished:  # the failed grammar let the end-of-sequence token through
+                        req.status = RequestStatus.FINISHED_ABORTED  # its output is not complete
+                    ended = RequestStatus.FINISHED_ABORTED
                 if ended is not None and not req.is_finished:
                     self.scheduler.finish_request(req.request_id, ended)
                 if req.is_finished:
@@ -294,6 +302,13 @@ class EngineCore:
             time.perf_counter() - began - elapsed, self.runner.last_step_graphed,
         )
         return deltas, record
+
+    def take_failures(self) -> list[RequestFailure]:
+        """The requests that steps since the last call ended as failed rather than finished (a
+        grammar that failed in the engine: a 400 for ``response_format``). Their deltas still say
+        ``abort``; the loop reports the failure in their place, so the caller learns why."""
+        failures, self._failures = self._failures, []
+        return failures
 
     # -- knobs and counters -----------------------------------------------------------------------
 

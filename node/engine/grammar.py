@@ -30,6 +30,7 @@ import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +42,16 @@ from cadenza.node.core.structured import GrammarError, grammar_of
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, least recently used dropped first
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarFailure:
+    """A request's grammar failed: it did not compile in the engine, it matches no output at all
+    (a ``$ref`` cycle: the server's check, which has no tokenizer, cannot see it), or llguidance
+    gave up part way (``lexer error: too many expressions constructed`` for a nested repeat in a
+    ``pattern``). ``reason`` is llguidance's message, its first line."""
+
+    reason: str
 
 
 class StepMasks:
@@ -134,26 +145,27 @@ class Grammars:
             return None
         return StepMasks(rows, self._masker.submit(self._masks, futures))
 
-    def accept(self, req: Request) -> RequestStatus | None:
+    def accept(self, req: Request) -> RequestStatus | GrammarFailure | None:
         """Advance ``req``'s matcher by its newest token (last in ``token_ids``).
 
         Returns:
             None while the grammar goes on; ``FINISHED_STOPPED`` once it is complete and the token
-            is an end-of-sequence token (which a request with ``ignore_eos`` would go past);
-            ``FINISHED_ABORTED`` when it failed (a grammar that did not compile, or a token it
-            refused: both logged, neither possible for a request the server checked).
+            is an end-of-sequence token (which a request with ``ignore_eos`` would go past); a
+            :class:`GrammarFailure` when it failed. A failed grammar's mask lets the end-of-sequence
+            token through, so the scheduler may already have ended the request as stopped: the
+            caller must end it as failed, not as a complete output.
         """
         future = self._matchers.get(req.request_id)
         if future is None:
             return None
         matcher = _matcher_of(future)
         if matcher is None:
-            return RequestStatus.FINISHED_ABORTED
+            return GrammarFailure(_first_line(str(future.exception())))
         token = req.token_ids[-1]
         if not matcher.consume_token(token) or matcher.is_error():
-            logger.error("request %s: its grammar refused token %d (%s); ending it", req.request_id, token,
-                         matcher.get_error())
-            return RequestStatus.FINISHED_ABORTED
+            reason = _first_line(matcher.get_error()) or f"the grammar refused token {token}"
+            logger.warning("request %s: its grammar failed at token %d (%s); ending it", req.request_id, token, reason)
+            return GrammarFailure(reason)
         if token in self._eos and matcher.is_stopped():  # complete, and ended (ignore_eos would not end it)
             return RequestStatus.FINISHED_STOPPED
         return None
@@ -207,6 +219,11 @@ def _matcher_of(future: Future):
             future.logged = True
             logger.error("a grammar failed to compile in the engine: %s", exc)
         return None
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state it appends (``<state>`` ... on later lines)."""
+    return error.strip().split("\n", 1)[0]
 
 
 def _sampling_requests(step: SchedulerOutput) -> list[Request]:

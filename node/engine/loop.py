@@ -104,6 +104,10 @@ class CoreLoop:
             try:
                 deltas, record = core.step()
                 stalled = core.last_step_tokens == 0
+                if failed := core.take_failures():  # reported as failures, not as aborted outputs
+                    ids = {failure.request_id for failure in failed}
+                    deltas = [delta for delta in deltas if delta.request_id not in ids]
+                    failures += failed
             except TensorParallelError:
                 raise  # a rank is gone: the replica cannot step again (the caller reports it dead)
             except Exception as exc:  # keep serving: fail what was live, not the engine
@@ -114,7 +118,7 @@ class CoreLoop:
                 failures += [RequestFailure(rid, "step", f"engine step failed: {exc}") for rid in live]
                 self.emit(StepOutputs(time.monotonic(), failures=failures, stats=self._stats(force=True)))
                 continue
-            finished = any(d.finish_reason is not None for d in deltas)
+            finished = bool(failures) or any(d.finish_reason is not None for d in deltas)
             stats = self._stats(force=finished or not core.has_unfinished_requests())
             if deltas or record is not None or failures or stats is not None:
                 self.emit(StepOutputs(time.monotonic(), deltas, record, stats, failures))

@@ -46,12 +46,14 @@ from cadenza.node.core.messages import (
     EngineReady,
     Reconfigure,
     ReconfigureResult,
+    RequestFailure,
     RequestsQueued,
     StepOutputs,
 )
 from cadenza.node.core.request import RemoteKV, Request, SamplingParams, choice_request_id
 from cadenza.node.core.stats import EngineStats
 from cadenza.node.frontend.errors import (
+    ADD_FAILURES,
     CONFIG_ERRORS,
     EngineCommandError,
     EngineDeadError,
@@ -281,7 +283,7 @@ class EngineClient:
             self.outputs.drop(failure.request_id)
             stream = streams.get(failure.request_id)
             if stream is not None:
-                stream.put_nowait(failure_error(failure))
+                stream.put_nowait(failure)  # generate() raises it, knowing which choice failed
 
     def _on_reconfigured(self, result: ReconfigureResult) -> None:
         future = self._calls.pop(result.call_id, None)
@@ -388,6 +390,11 @@ class EngineClient:
                 raise ValueError(f"the request holds a value the engine cannot take: {exc}") from None
             while True:
                 item = await stream.get()
+                if isinstance(item, RequestFailure):  # one choice failed: the call fails, and the
+                    live.discard(item.request_id)  # finally aborts its other choices still running
+                    if item.kind in ADD_FAILURES:
+                        live.clear()
+                    raise failure_error(item)
                 if isinstance(item, BaseException):
                     live.clear()
                     raise item

@@ -22,12 +22,26 @@ class EngineLoadError(ValueError):
     """The engine refused its configuration or model folder (the message says which field)."""
 
 
+class RequestInvalidError(ValueError):
+    """The engine found the request unservable while it ran (its grammar failed): a 400 naming
+    ``param``."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+ADD_FAILURES = ("admission", "invalid")  # refused on arrival: none of the call's choices was queued
+
+
 def failure_error(failure: RequestFailure) -> BaseException:
     """The exception a request's stream raises for a failure the core reported."""
     if failure.kind == "admission":
         return AdmissionError(failure.status, failure.message, failure.reason, failure.retry_after)
     if failure.kind == "invalid":
         return ValueError(failure.message)
+    if failure.kind == "grammar":
+        return RequestInvalidError(failure.message, failure.reason or None)
     if failure.kind == "internal":
         return EngineCommandError(failure.message)
     return RuntimeError(failure.message)

@@ -300,8 +300,8 @@ async def _guard(outputs):
     except AdmissionError as exc:
         headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
         raise APIError(exc.status, str(exc), code=exc.reason, headers=headers) from None
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+    except ValueError as exc:  # the engine's refusal; a grammar that failed names its parameter
+        raise APIError(400, str(exc), param=getattr(exc, "param", None)) from None
     except EngineDeadError as exc:
         raise APIError(503, str(exc), headers={"Retry-After": "5"}) from None
     except RuntimeError as exc:

@@ -180,6 +180,28 @@ def test_a_compiled_grammar_is_reused_and_a_failure_ends_only_its_request(tiny_l
         assert reasons == ["abort", "length"]
 
 
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+NESTED_REPEAT = {"type": "string", "pattern": "^(([a-z]{1,50}){1,50}){1,50}$"}
+
+
+@pytest.mark.parametrize("schema, reason", [
+    (CYCLE, "NoExtensionBias"),  # passes the server's check; matches no output at all
+    (NESTED_REPEAT, "too many expressions"),  # llguidance's lexer gives up part way through the string
+])
+def test_a_grammar_that_fails_in_the_engine_fails_its_request_never_finishes_it_as_stopped(
+        tiny_llama_dir, schema, reason):
+    check(schema_of(schema))  # the server lets both through
+    with Engine.from_model(tiny_llama_dir, max_model_len=320) as engine:
+        # seed 1: the model does not close the string before llguidance's lexer gives up
+        bad = SamplingParams(max_tokens=200, temperature=1.0, seed=1, ignore_eos=True, structured=schema_of(schema))
+        _texts, reasons = run(engine, prompts_of([8, 9]), [bad, SamplingParams(max_tokens=5, ignore_eos=True)])
+        assert reasons == ["abort", "length"]  # never "stop": its output is not a complete JSON value
+        [failure] = engine.core.take_failures()
+        assert failure.request_id == "r0" and failure.kind == "grammar" and failure.status == 400
+        assert failure.reason == "response_format" and reason in failure.message and "<state>" not in failure.message
+        assert engine.core.take_failures() == [] and not engine.core.grammars.active
+
+
 def test_a_model_folder_without_a_tokenizer_refuses_structured_requests(tmp_path, tiny_llama_dir):
     import shutil
 

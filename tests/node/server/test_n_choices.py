@@ -115,3 +115,24 @@ def test_the_model_card_has_the_fields_clients_read(client):
     assert card.id == "tiny" and card.object == "model" and card.owned_by == "cadenza"
     assert 0 < card.created <= time.time()
     assert card.root == "tiny" and card.parent is None and card.max_model_len == 256
+
+
+def test_a_grammar_that_fails_in_the_engine_is_a_400_and_frees_every_choice(client, server):
+    # a $ref cycle passes the server's check (it has no tokenizer) and matches no output at all
+    cycle = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "cycle", "schema": cycle}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="grammar failed in the engine") as caught:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3,
+                                           max_tokens=200, response_format=fmt, stream=stream, **{
+                                               k: v for k, v in SAMPLED.items() if k not in ("model", "max_tokens")})
+        assert caught.value.body["param"] == "response_format"
+    deadline = time.monotonic() + 10  # the core publishes its counters after the aborts, not before the 400
+    while True:
+        with urllib.request.urlopen(server.removesuffix("/v1") + "/ready", timeout=10) as resp:
+            ready = json.load(resp)
+        if ready["num_running"] == ready["num_waiting"] == ready["kv_blocks_used"] == 0:
+            break
+        assert time.monotonic() < deadline, ready
+        time.sleep(0.05)
+    assert client.completions.create(prompt=PROMPT, **SAMPLED).choices[0].finish_reason == "length"  # serves on
