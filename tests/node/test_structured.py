@@ -61,7 +61,7 @@ _leaf = st.one_of(
     st.just({"type": "boolean"}),
     st.just({"type": "null"}),
     st.integers(-50, 50).map(lambda lo: {"type": "integer", "minimum": lo, "maximum": lo + 99}),
-    st.integers(0, 8).map(lambda n: {"type": "string", "maxLength": n}),
+    st.integers(0, 6).map(lambda n: {"type": "string", "maxLength": n}),
     st.lists(st.one_of(st.integers(-9, 9), st.sampled_from(["x", "yes", None, True])), min_size=1, max_size=4,
              unique_by=repr).map(lambda values: {"enum": values}),
     st.sampled_from(["red", "blue"]).map(lambda v: {"const": v}),
@@ -69,7 +69,7 @@ _leaf = st.one_of(
 
 
 def _objects(children):
-    names = st.lists(st.from_regex(r"[a-z_]{1,6}", fullmatch=True), min_size=1, max_size=4, unique=True)
+    names = st.lists(st.from_regex(r"[a-z_]{1,6}", fullmatch=True), min_size=1, max_size=3, unique=True)
     return names.flatmap(lambda keys: st.lists(children, min_size=len(keys), max_size=len(keys)).map(
         lambda values: {"type": "object", "properties": dict(zip(keys, values)), "required": keys,
                         "additionalProperties": False}))
@@ -77,7 +77,7 @@ def _objects(children):
 
 _schemas = st.recursive(_leaf, lambda children: st.one_of(
     _objects(children),
-    children.map(lambda item: {"type": "array", "items": item, "maxItems": 3}),
+    children.map(lambda item: {"type": "array", "items": item, "maxItems": 2}),
     st.lists(children, min_size=2, max_size=3).map(lambda options: {"anyOf": options}),
 ), max_leaves=6)
 
