@@ -112,10 +112,21 @@ class Grammars:
 
     def add(self, request_id: str, structured: StructuredOutput) -> None:
         """Start compiling ``request_id``'s grammar (in the compile thread); see :attr:`can_match`."""
+        self._matchers[request_id] = self._threads().submit(self._matcher, structured)
+
+    def warm(self) -> None:
+        """Build llguidance's view of the tokenizer now, in the compile thread (a serving core
+        calls it as it starts): about 0.35 s for SmolLM2's 49,152 tokens, which the first
+        structured request would otherwise wait for, and its whole batch with it."""
+        if self.can_match:
+            self._threads().submit(self._llg_tokenizer)
+
+    def _threads(self) -> ThreadPoolExecutor:
+        """The compile thread (the mask thread with it), started at the first use."""
         if self._compiler is None:
             self._compiler = ThreadPoolExecutor(1, thread_name_prefix="cadenza-grammar-compile")
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="cadenza-grammar-mask")
-        self._matchers[request_id] = self._compiler.submit(self._matcher, structured)
+        return self._compiler
 
     def release(self, request_id: str) -> None:
         """Forget ``request_id``'s matcher (finished or aborted); a no-op for other requests."""

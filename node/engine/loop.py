@@ -78,6 +78,7 @@ class CoreLoop:
     def _run(self) -> None:
         core = self.core
         stalled = transferring = False
+        core.grammars.warm()  # in its thread: the first structured request finds it ready
         self.emit(StepOutputs(time.monotonic(), stats=self._stats(force=True)))  # readers start with real figures
         while True:
             busy = core.has_unfinished_requests()

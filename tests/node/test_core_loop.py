@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from types import SimpleNamespace
 
 from cadenza.node.core.admission import AdmissionError
 from cadenza.node.engine.loop import CoreLoop
@@ -18,6 +19,10 @@ class BusyCore:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.last_step_tokens = 1
+        self.grammars = SimpleNamespace(warm=lambda: None)  # no structured outputs here
+
+    def take_failures(self) -> list:
+        return []
 
     def has_unfinished_requests(self) -> bool:
         return True
