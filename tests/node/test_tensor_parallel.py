@@ -9,6 +9,7 @@ sizes the model cannot split are refused before any process starts.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from cadenza.node.core.config import ConfigError, EngineConfig
-from cadenza.node.core.request import SamplingParams
+from cadenza.node.core.request import SamplingParams, StructuredOutput
 from cadenza.node.frontend.llm import Engine
 from cadenza.node.runner.collectives import SLOT_BYTES, ShmGroup, TensorParallelError, TorchGroup, create_arena
 from cadenza.node.runner.models.config import ModelConfig
@@ -424,3 +425,15 @@ def test_logprobs_at_size_2_equal_size_1s(engines):
     assert len(got[2]) == 6
     for (lp2, top2), (lp1, top1) in zip(got[2], got[1]):
         assert lp2 == pytest.approx(lp1, abs=1e-4) and [i for i, _ in top2] == [i for i, _ in top1]
+
+
+def test_structured_outputs_at_size_2_equal_size_1s(engines):
+    # rank 0 masks the gathered logits before it samples; the workers never see the grammar
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "b": {"enum": ["x", "yy"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    constrained = SamplingParams(max_tokens=60, temperature=1.0, seed=3,
+                                 structured=StructuredOutput("json_schema", json.dumps(schema)))
+    outs = {tp: engine.generate(PROMPTS[:3], constrained) for tp, engine in engines.items()}
+    assert outs[2] == outs[1]
+    assert all(tokens[-1] in engines[1].core.eos_token_ids for tokens in outs[1])  # each grammar completed
