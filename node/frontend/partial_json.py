@@ -23,7 +23,8 @@ def skip_ws(text: str, i: int) -> int:
 
 
 def read_string(text: str, i: int):
-    """The JSON string starting at ``text[i]`` and the index after it; NEED or BAD."""
+    """The JSON string starting at ``text[i]`` and the index after it; NEED, or BAD (also for a
+    string whose escapes make a lone surrogate, which UTF-8 cannot carry)."""
     if i >= len(text):
         return NEED
     if text[i] != '"':
@@ -36,9 +37,11 @@ def read_string(text: str, i: int):
             continue
         if c == '"':
             try:
-                return json.loads(text[i:j + 1]), j + 1
-            except ValueError:
+                value = json.loads(text[i:j + 1])
+                value.encode()  # a lone surrogate escape ("\\ud800") is no text a response can carry
+            except (ValueError, UnicodeEncodeError):
                 return BAD
+            return value, j + 1
         j += 1
     return NEED
 

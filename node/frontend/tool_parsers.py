@@ -148,7 +148,7 @@ class ToolParser:
             call = json.loads(body)
         except ValueError:
             return False
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not _utf8(call["name"]):
             return False
         arguments = call.get("arguments", call.get("parameters", {}))
         if isinstance(arguments, str):
@@ -159,8 +159,19 @@ class ToolParser:
         if not isinstance(arguments, dict):
             return False
         self._start_call(call["name"])
-        self._events.append(Arguments(self.calls - 1, json.dumps(arguments, ensure_ascii=False)))
+        text = json.dumps(arguments, ensure_ascii=False)
+        # a lone surrogate ("\\ud800" in the model's text) stays escaped: UTF-8 cannot carry it
+        self._events.append(Arguments(self.calls - 1, text if _utf8(text) else json.dumps(arguments)))
         return True
+
+
+def _utf8(text: str) -> bool:
+    """``text`` can be encoded as UTF-8 (it holds no lone surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class HermesParser(ToolParser):

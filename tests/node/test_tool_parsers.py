@@ -62,6 +62,18 @@ GOLDEN = {
     "required-not-an-array": (RequiredCallsParser, "no", "no", []),
     "required-cut-in-a-next-call": (
         RequiredCallsParser, '[{"name": "f", "parameters": {}}, {"na', None, [("f", "{}")]),
+    # a lone surrogate escape cannot be UTF-8: such a name is no call, such arguments stay escaped
+    "hermes-lone-surrogate-name-is-content": (
+        HermesParser, '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>', []),
+    "hermes-lone-surrogate-name-after-arguments-is-content": (
+        HermesParser, '<tool_call>{"arguments": {}, "name": "f\\udfff"}</tool_call>',
+        '<tool_call>{"arguments": {}, "name": "f\\udfff"}</tool_call>', []),
+    "hermes-lone-surrogate-in-reordered-arguments-stays-escaped": (
+        HermesParser, '<tool_call>{"arguments": {"x": "\\ud800é"}, "name": "f"}</tool_call>', None,
+        [("f", '{"x": "\\ud800\\u00e9"}')]),
+    "llama3-lone-surrogate-name-is-content": (
+        Llama3JsonParser, '{"name": "\\ud83d", "parameters": {}}', '{"name": "\\ud83d", "parameters": {}}', []),
 }
 
 
@@ -74,6 +86,12 @@ def test_whole_parse_gives_the_golden_content_and_calls(case):
     assert all(c["id"].startswith("call_") for c in got_calls)
     if not case.endswith("cut-in-the-arguments"):
         assert all(isinstance(json.loads(arguments), dict) for _name, arguments in calls)
+
+
+@pytest.mark.parametrize("case", list(GOLDEN))
+def test_every_parse_is_text_a_response_can_carry(case):
+    parser, text, _content, _calls = GOLDEN[case]
+    json.dumps(parse_whole(parser(), text), ensure_ascii=False).encode()  # no lone surrogate: no 500
 
 
 def _stream(parser, pieces: list[str]) -> list:
