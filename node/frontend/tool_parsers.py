@@ -189,6 +189,7 @@ class HermesParser(ToolParser):
         super().__init__(new_id)
         self.state = "content"
         self.block = 0  # where the current block's <tool_call> starts
+        self.searched = 0  # the blocks' tags were looked for up to here (each delta searches only what is new)
 
     @classmethod
     def format_call(cls, name: str, arguments: dict | str) -> str:
@@ -223,16 +224,19 @@ class HermesParser(ToolParser):
                 return True
             return False
         if self.state == "tail":  # `}` and whitespace up to </tool_call> (or a next <tool_call>)
-            ends = [k for k in (text.find(self.CLOSE, pos), text.find(self.OPEN, pos)) if k >= 0]
+            start = max(pos, self.searched)
+            ends = [k for k in (text.find(self.CLOSE, start), text.find(self.OPEN, start)) if k >= 0]
             if not ends:
+                self._searched_to(len(text))
                 return False
             k = min(ends)
             self.pos = k + len(self.CLOSE) if text.startswith(self.CLOSE, k) else k
             self.state = "content"
             return True
         if self.state == "block":  # a block that did not stream: whole once closed, else content
-            k = text.find(self.CLOSE, pos)
+            k = text.find(self.CLOSE, max(pos, self.searched))
             if k < 0 and not self.final:
+                self._searched_to(len(text))
                 return False
             end = len(text) if k < 0 else k + len(self.CLOSE)
             if not self._whole_call(text[pos:len(text) if k < 0 else k]):
@@ -240,6 +244,10 @@ class HermesParser(ToolParser):
             self.pos, self.state = end, "content"
             return True
         return False
+
+    def _searched_to(self, end: int) -> None:
+        """No tag starts before ``end`` but one cut by it (the longest tag, less a character)."""
+        self.searched = max(self.searched, end - len(self.CLOSE) + 1)
 
 
 class JsonCalls(ToolParser):

@@ -4,6 +4,7 @@ the same content, names and arguments."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -72,6 +73,13 @@ GOLDEN = {
     "hermes-lone-surrogate-in-reordered-arguments-stays-escaped": (
         HermesParser, '<tool_call>{"arguments": {"x": "\\ud800é"}, "name": "f"}</tool_call>', None,
         [("f", '{"x": "\\ud800\\u00e9"}')]),
+    # a header past MAX_HEADER_CHARS is not read as it streams: a closed block is still parsed whole
+    "hermes-overlong-header-is-parsed-once-closed": (
+        HermesParser, '<tool_call>{"name": "' + "n" * 1100 + '", "arguments": {"a": 1}}</tool_call>', None,
+        [("n" * 1100, '{"a": 1}')]),
+    "llama3-overlong-header-is-content": (
+        Llama3JsonParser, '{"name": "' + "n" * 1100 + '", "parameters": {}}',
+        '{"name": "' + "n" * 1100 + '", "parameters": {}}', []),
     "llama3-lone-surrogate-name-is-content": (
         Llama3JsonParser, '{"name": "\\ud83d", "parameters": {}}', '{"name": "\\ud83d", "parameters": {}}', []),
 }
@@ -92,6 +100,20 @@ def test_whole_parse_gives_the_golden_content_and_calls(case):
 def test_every_parse_is_text_a_response_can_carry(case):
     parser, text, _content, _calls = GOLDEN[case]
     json.dumps(parse_whole(parser(), text), ensure_ascii=False).encode()  # no lone surrogate: no 500
+
+
+@pytest.mark.parametrize("parser, opening", [
+    (HermesParser, '<tool_call>{"name": "'), (HermesParser, '<tool_call>{"name": "f", "arguments": "'),
+    (HermesParser, '<tool_call>{"name": "f", "arguments": {}} '), (Llama3JsonParser, '{"name": "')])
+def test_an_endless_call_streams_in_linear_time(parser, opening):
+    """A model that never closes a name, a string or a block costs each delta only its own
+    length (a rescan from the block's start made 40k characters take 14 s, blocking the server)."""
+    text = opening + "x" * 200_000
+    p, start = parser(), time.perf_counter()
+    for i in range(0, len(text), 4):
+        p.feed(text[i:i + 4])
+    p.finish()
+    assert time.perf_counter() - start < 10  # ~0.3 s; quadratic: minutes
 
 
 def _stream(parser, pieces: list[str]) -> list:
