@@ -64,11 +64,11 @@ def read_call_header(text: str, i: int):
         return NEED
     if text[i] != "{":
         return BAD
-    end = i + MAX_HEADER_CHARS + 1  # the arguments' `{` may be at most this far on
-    header = _read_header(text[:end], i)
-    if header is NEED and len(text) > end:
-        return BAD
-    return header
+    window = text[i:i + MAX_HEADER_CHARS + 1]  # the arguments' `{` may be at most this far on
+    header = _read_header(window, 0)
+    if header is NEED or header is BAD:
+        return BAD if header is NEED and len(text) - i > len(window) else header
+    return header[0], i + header[1]
 
 
 def _read_header(text: str, i: int):

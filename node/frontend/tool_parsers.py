@@ -89,7 +89,8 @@ class ToolParser:
         self.calls = 0
         self._new_id = new_id
         self._events: list[Event] = []
-        self._blank = ""  # held whitespace content
+        self._blank: list[str] = []  # held whitespace content
+        self._skipped: dict[int, int] = {}  # skip_ws memo: the text only grows, whitespace stays
         self._args_end: ObjectEnd | None = None
 
     def feed(self, delta: str) -> list[Event]:
@@ -105,8 +106,8 @@ class ToolParser:
         self.final = True
         events = self.feed("")
         if self._blank and not self.calls:
-            events.append(Content(self._blank))
-        self._blank = ""
+            events.append(Content("".join(self._blank)))
+        self._blank = []
         return events
 
     @staticmethod
@@ -121,17 +122,24 @@ class ToolParser:
     def _content(self, text: str) -> None:
         if not text:
             return
-        text = self._blank + text
-        body = text.rstrip(WHITESPACE)
-        self._blank = text[len(body):]
+        body = text.rstrip(WHITESPACE)  # only the new text: held whitespace is never rescanned
         if body:
-            self._events.append(Content(body))
+            self._events.append(Content("".join(self._blank) + body))
+            self._blank = []
+        self._blank.append(text[len(body):])
 
     def _start_call(self, name: str) -> None:
-        self._blank = ""
+        self._blank = []
         self._events.append(CallStart(self.calls, self._new_id(), name))
         self.calls += 1
         self._args_end = ObjectEnd()
+
+    def _skip(self, i: int) -> int:
+        """:func:`skip_ws` from ``i``, resumed where the last skip from ``i`` stopped (a state that
+        waits on whitespace would otherwise rescan it on every delta)."""
+        j = skip_ws(self.text, self._skipped.get(i, i))
+        self._skipped[i] = j
+        return j
 
     def _arguments(self) -> bool:
         """Pass the arguments' text on from ``self.pos``; True once the object is closed."""
@@ -268,7 +276,7 @@ class JsonCalls(ToolParser):
     def _step(self) -> bool:
         text, pos = self.text, self.pos
         if self.state == "start":
-            i = skip_ws(text, pos)
+            i = self._skip(pos)
             rest = text[i:]
             if self.prefix and rest.startswith(self.prefix):
                 self.pos = i + len(self.prefix)
@@ -282,11 +290,11 @@ class JsonCalls(ToolParser):
             self.pos, self.state = 0, "content"  # not calls: all of it is content
             return True
         if self.state == "header":
-            i = skip_ws(text, pos)
+            i = self._skip(pos)
             if self.closer and text.startswith(self.closer, i):
                 self.pos, self.state = i + len(self.closer), "content"
                 return True
-            header = read_call_header(text, pos)
+            header = read_call_header(text, self._skip(pos))
             if header is NEED and not self.final:
                 return False
             if header is NEED and self.calls:  # the output ended inside a next call's name: dropped
@@ -306,9 +314,9 @@ class JsonCalls(ToolParser):
                 return True
             return False
         if self.state == "tail":  # `}`, then a separator (another call), the closer or the end
-            i = skip_ws(text, pos)
+            i = self._skip(pos)
             if i < len(text) and text[i] == "}":
-                i = skip_ws(text, i + 1)
+                i = self._skip(i + 1)
                 if i >= len(text):
                     return False
                 for mark, state in ((self.separator, "next"), (self.closer, "content")):
@@ -320,7 +328,7 @@ class JsonCalls(ToolParser):
             self.pos, self.state = i, "content"  # something else: content from here
             return True
         if self.state == "next":  # after a separator: an optional prefix, then the next call
-            i = skip_ws(text, pos)
+            i = self._skip(pos)
             if self.prefix and text.startswith(self.prefix, i):
                 self.pos, self.state = i + len(self.prefix), "header"
                 return True
