@@ -13,6 +13,10 @@ import json
 NEED = object()  # the text ends before the answer is known
 BAD = object()  # the text cannot be what was expected
 WHITESPACE = " \t\r\n"
+# Most characters a call's header ``{"name": ..., "arguments": `` may span: far above any real one
+# (OpenAI's names have at most 64 characters), and it bounds the rescan of a header still arriving,
+# which is repeated on every delta — a model writing an endless name would cost quadratic time.
+MAX_HEADER_CHARS = 1024
 
 
 def skip_ws(text: str, i: int) -> int:
@@ -23,7 +27,8 @@ def skip_ws(text: str, i: int) -> int:
 
 
 def read_string(text: str, i: int):
-    """The JSON string starting at ``text[i]`` and the index after it; NEED or BAD."""
+    """The JSON string starting at ``text[i]`` and the index after it; NEED, or BAD (also for a
+    string whose escapes make a lone surrogate, which UTF-8 cannot carry)."""
     if i >= len(text):
         return NEED
     if text[i] != '"':
@@ -36,9 +41,11 @@ def read_string(text: str, i: int):
             continue
         if c == '"':
             try:
-                return json.loads(text[i:j + 1]), j + 1
-            except ValueError:
+                value = json.loads(text[i:j + 1])
+                value.encode()  # a lone surrogate escape ("\\ud800") is no text a response can carry
+            except (ValueError, UnicodeEncodeError):
                 return BAD
+            return value, j + 1
         j += 1
     return NEED
 
@@ -49,13 +56,23 @@ def read_call_header(text: str, i: int):
 
     Returns:
         ``(name, j)`` with ``text[j]`` the ``{`` of the arguments object; NEED when ``text``
-        ends first; BAD when it cannot be such a header.
+        ends first; BAD when it cannot be such a header, or spans more than
+        :data:`MAX_HEADER_CHARS` from its ``{`` (decided alike wherever the text is cut).
     """
     i = skip_ws(text, i)
     if i >= len(text):
         return NEED
     if text[i] != "{":
         return BAD
+    window = text[i:i + MAX_HEADER_CHARS + 1]  # the arguments' `{` may be at most this far on
+    header = _read_header(window, 0)
+    if header is NEED or header is BAD:
+        return BAD if header is NEED and len(text) - i > len(window) else header
+    return header[0], i + header[1]
+
+
+def _read_header(text: str, i: int):
+    """:func:`read_call_header` from the ``{`` at ``text[i]``, unbounded."""
     i += 1
     name = None
     while True:

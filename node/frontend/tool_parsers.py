@@ -89,7 +89,8 @@ class ToolParser:
         self.calls = 0
         self._new_id = new_id
         self._events: list[Event] = []
-        self._blank = ""  # held whitespace content
+        self._blank: list[str] = []  # held whitespace content
+        self._skipped: dict[int, int] = {}  # skip_ws memo: the text only grows, whitespace stays
         self._args_end: ObjectEnd | None = None
 
     def feed(self, delta: str) -> list[Event]:
@@ -105,8 +106,8 @@ class ToolParser:
         self.final = True
         events = self.feed("")
         if self._blank and not self.calls:
-            events.append(Content(self._blank))
-        self._blank = ""
+            events.append(Content("".join(self._blank)))
+        self._blank = []
         return events
 
     @staticmethod
@@ -121,17 +122,24 @@ class ToolParser:
     def _content(self, text: str) -> None:
         if not text:
             return
-        text = self._blank + text
-        body = text.rstrip(WHITESPACE)
-        self._blank = text[len(body):]
+        body = text.rstrip(WHITESPACE)  # only the new text: held whitespace is never rescanned
         if body:
-            self._events.append(Content(body))
+            self._events.append(Content("".join(self._blank) + body))
+            self._blank = []
+        self._blank.append(text[len(body):])
 
     def _start_call(self, name: str) -> None:
-        self._blank = ""
+        self._blank = []
         self._events.append(CallStart(self.calls, self._new_id(), name))
         self.calls += 1
         self._args_end = ObjectEnd()
+
+    def _skip(self, i: int) -> int:
+        """:func:`skip_ws` from ``i``, resumed where the last skip from ``i`` stopped (a state that
+        waits on whitespace would otherwise rescan it on every delta)."""
+        j = skip_ws(self.text, self._skipped.get(i, i))
+        self._skipped[i] = j
+        return j
 
     def _arguments(self) -> bool:
         """Pass the arguments' text on from ``self.pos``; True once the object is closed."""
@@ -148,7 +156,7 @@ class ToolParser:
             call = json.loads(body)
         except ValueError:
             return False
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not _utf8(call["name"]):
             return False
         arguments = call.get("arguments", call.get("parameters", {}))
         if isinstance(arguments, str):
@@ -159,8 +167,19 @@ class ToolParser:
         if not isinstance(arguments, dict):
             return False
         self._start_call(call["name"])
-        self._events.append(Arguments(self.calls - 1, json.dumps(arguments, ensure_ascii=False)))
+        text = json.dumps(arguments, ensure_ascii=False)
+        # a lone surrogate ("\\ud800" in the model's text) stays escaped: UTF-8 cannot carry it
+        self._events.append(Arguments(self.calls - 1, text if _utf8(text) else json.dumps(arguments)))
         return True
+
+
+def _utf8(text: str) -> bool:
+    """``text`` can be encoded as UTF-8 (it holds no lone surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class HermesParser(ToolParser):
@@ -178,6 +197,7 @@ class HermesParser(ToolParser):
         super().__init__(new_id)
         self.state = "content"
         self.block = 0  # where the current block's <tool_call> starts
+        self.searched = 0  # the blocks' tags were looked for up to here (each delta searches only what is new)
 
     @classmethod
     def format_call(cls, name: str, arguments: dict | str) -> str:
@@ -212,16 +232,19 @@ class HermesParser(ToolParser):
                 return True
             return False
         if self.state == "tail":  # `}` and whitespace up to </tool_call> (or a next <tool_call>)
-            ends = [k for k in (text.find(self.CLOSE, pos), text.find(self.OPEN, pos)) if k >= 0]
+            start = max(pos, self.searched)
+            ends = [k for k in (text.find(self.CLOSE, start), text.find(self.OPEN, start)) if k >= 0]
             if not ends:
+                self._searched_to(len(text))
                 return False
             k = min(ends)
             self.pos = k + len(self.CLOSE) if text.startswith(self.CLOSE, k) else k
             self.state = "content"
             return True
         if self.state == "block":  # a block that did not stream: whole once closed, else content
-            k = text.find(self.CLOSE, pos)
+            k = text.find(self.CLOSE, max(pos, self.searched))
             if k < 0 and not self.final:
+                self._searched_to(len(text))
                 return False
             end = len(text) if k < 0 else k + len(self.CLOSE)
             if not self._whole_call(text[pos:len(text) if k < 0 else k]):
@@ -229,6 +252,10 @@ class HermesParser(ToolParser):
             self.pos, self.state = end, "content"
             return True
         return False
+
+    def _searched_to(self, end: int) -> None:
+        """No tag starts before ``end`` but one cut by it (the longest tag, less a character)."""
+        self.searched = max(self.searched, end - len(self.CLOSE) + 1)
 
 
 class JsonCalls(ToolParser):
@@ -249,7 +276,7 @@ class JsonCalls(ToolParser):
     def _step(self) -> bool:
         text, pos = self.text, self.pos
         if self.state == "start":
-            i = skip_ws(text, pos)
+            i = self._skip(pos)
             rest = text[i:]
             if self.prefix and rest.startswith(self.prefix):
                 self.pos = i + len(self.prefix)
@@ -263,11 +290,11 @@ class JsonCalls(ToolParser):
             self.pos, self.state = 0, "content"  # not calls: all of it is content
             return True
         if self.state == "header":
-            i = skip_ws(text, pos)
+            i = self._skip(pos)
             if self.closer and text.startswith(self.closer, i):
                 self.pos, self.state = i + len(self.closer), "content"
                 return True
-            header = read_call_header(text, pos)
+            header = read_call_header(text, self._skip(pos))
             if header is NEED and not self.final:
                 return False
             if header is NEED and self.calls:  # the output ended inside a next call's name: dropped
@@ -287,9 +314,9 @@ class JsonCalls(ToolParser):
                 return True
             return False
         if self.state == "tail":  # `}`, then a separator (another call), the closer or the end
-            i = skip_ws(text, pos)
+            i = self._skip(pos)
             if i < len(text) and text[i] == "}":
-                i = skip_ws(text, i + 1)
+                i = self._skip(i + 1)
                 if i >= len(text):
                     return False
                 for mark, state in ((self.separator, "next"), (self.closer, "content")):
@@ -301,7 +328,7 @@ class JsonCalls(ToolParser):
             self.pos, self.state = i, "content"  # something else: content from here
             return True
         if self.state == "next":  # after a separator: an optional prefix, then the next call
-            i = skip_ws(text, pos)
+            i = self._skip(pos)
             if self.prefix and text.startswith(self.prefix, i):
                 self.pos, self.state = i + len(self.prefix), "header"
                 return True

@@ -44,6 +44,7 @@ from pydantic import (
 from cadenza.node.core.request import MAX_LOGPROBS, MAX_N, StructuredOutput
 from cadenza.node.http.errors import APIError
 from cadenza.node.server.tool_protocol import MAX_TOOL_CALLS, MAX_TOOLS, MessageToolCall, Tool, check_tools
+from cadenza.node.server.utf8 import check_utf8 as _utf8
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -58,15 +59,6 @@ TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0)]
 MaxTokens = Annotated[StrictInt, Field(ge=1)]
 Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
 Penalty = Annotated[float, Field(strict=True)]
-
-
-def _utf8(text: str, what: str) -> str:
-    """Refuse strings that cannot be UTF-8 (lone surrogates such as ``"\\ud800"``)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"{what} is not valid Unicode (it holds a lone surrogate)") from None
-    return text
 
 
 class StreamOptions(BaseModel):
@@ -245,6 +237,11 @@ class ChatMessage(BaseModel):
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
         return self
+
+    @field_validator("name", "tool_call_id")
+    @classmethod
+    def _utf8_text(cls, v: str | None) -> str | None:
+        return v if v is None else _utf8(v, "the text")
 
     @field_validator("role")
     @classmethod

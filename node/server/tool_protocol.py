@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_
 
 from cadenza.node.frontend.tool_prompt import MAX_JSON_DEPTH, json_depth
 from cadenza.node.http.errors import APIError
+from cadenza.node.server.utf8 import check_utf8, check_utf8_json
 
 MAX_TOOLS = 128  # OpenAI's bound on a request's tools
 MAX_TOOL_CALLS = 128  # calls in one assistant message
@@ -35,10 +36,16 @@ class FunctionDefinition(BaseModel):
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
 
+    @field_validator("description")
+    @classmethod
+    def _utf8_description(cls, v: str | None) -> str | None:
+        return v if v is None else check_utf8(v, "the description")
+
     @field_validator("parameters")
     @classmethod
     def _a_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is not None:
+            check_utf8_json(v, "the schema")
             if json_depth(v) > MAX_JSON_DEPTH:
                 raise ValueError(f"a schema may nest at most {MAX_JSON_DEPTH} levels deep")
             try:
@@ -61,6 +68,11 @@ class ToolCallFunction(BaseModel):
     name: StrictStr
     arguments: StrictStr  # JSON text, as OpenAI sends it
 
+    @field_validator("name", "arguments")
+    @classmethod
+    def _utf8(cls, v: str) -> str:
+        return check_utf8(v, "the text")
+
 
 class MessageToolCall(BaseModel):
     """A call an earlier assistant message made (``tool_calls`` of the conversation)."""
@@ -70,6 +82,11 @@ class MessageToolCall(BaseModel):
     id: StrictStr
     type: Literal["function"] = "function"
     function: ToolCallFunction
+
+    @field_validator("id")
+    @classmethod
+    def _utf8(cls, v: str) -> str:
+        return check_utf8(v, "the call id")
 
 
 def check_tools(tools: list[Tool] | None, choice: Any) -> None:

@@ -64,3 +64,28 @@ async def test_structured_outputs_choices_and_tool_calls_pass_through_the_gatewa
     with pytest.raises(openai.BadRequestError, match="uniqueItems"):
         await client.chat.completions.create(model="tiny", messages=hi, response_format={
             "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array", "uniqueItems": True}}})
+
+
+async def test_streamed_tool_calls_of_n_choices_pass_through_the_gateway_intact(replica_url, start_gateway):
+    gateway = await start_gateway({"interactive": [replica_url], "batch": [replica_url]})
+    client = openai.AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key="unused", max_retries=0)
+    hi = [{"role": "user", "content": "Weather?"}]
+    named = {"type": "function", "function": {"name": "forecast"}}
+    kwargs = dict(model="tiny", messages=hi, max_tokens=80, temperature=1.0, seed=9, n=3, tools=[FORECAST],
+                  tool_choice=named)
+
+    whole = await client.chat.completions.create(**kwargs)
+    calls: dict[int, list] = {0: [], 1: [], 2: []}
+    reasons = {}
+    async for chunk in await client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            for call in c.delta.tool_calls or []:
+                if call.id is not None:  # a call's first delta: its id and name
+                    calls[c.index].append([call.function.name, ""])
+                calls[c.index][call.index][1] += call.function.arguments or ""
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    for choice in whole.choices:
+        (call,) = choice.message.tool_calls
+        assert calls[choice.index] == [[call.function.name, call.function.arguments]]
+        assert reasons[choice.index] == choice.finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), FORECAST["function"]["parameters"])

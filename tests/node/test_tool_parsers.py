@@ -4,6 +4,7 @@ the same content, names and arguments."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -62,6 +63,25 @@ GOLDEN = {
     "required-not-an-array": (RequiredCallsParser, "no", "no", []),
     "required-cut-in-a-next-call": (
         RequiredCallsParser, '[{"name": "f", "parameters": {}}, {"na', None, [("f", "{}")]),
+    # a lone surrogate escape cannot be UTF-8: such a name is no call, such arguments stay escaped
+    "hermes-lone-surrogate-name-is-content": (
+        HermesParser, '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>', []),
+    "hermes-lone-surrogate-name-after-arguments-is-content": (
+        HermesParser, '<tool_call>{"arguments": {}, "name": "f\\udfff"}</tool_call>',
+        '<tool_call>{"arguments": {}, "name": "f\\udfff"}</tool_call>', []),
+    "hermes-lone-surrogate-in-reordered-arguments-stays-escaped": (
+        HermesParser, '<tool_call>{"arguments": {"x": "\\ud800é"}, "name": "f"}</tool_call>', None,
+        [("f", '{"x": "\\ud800\\u00e9"}')]),
+    # a header past MAX_HEADER_CHARS is not read as it streams: a closed block is still parsed whole
+    "hermes-overlong-header-is-parsed-once-closed": (
+        HermesParser, '<tool_call>{"name": "' + "n" * 1100 + '", "arguments": {"a": 1}}</tool_call>', None,
+        [("n" * 1100, '{"a": 1}')]),
+    "llama3-overlong-header-is-content": (
+        Llama3JsonParser, '{"name": "' + "n" * 1100 + '", "parameters": {}}',
+        '{"name": "' + "n" * 1100 + '", "parameters": {}}', []),
+    "llama3-lone-surrogate-name-is-content": (
+        Llama3JsonParser, '{"name": "\\ud83d", "parameters": {}}', '{"name": "\\ud83d", "parameters": {}}', []),
 }
 
 
@@ -74,6 +94,29 @@ def test_whole_parse_gives_the_golden_content_and_calls(case):
     assert all(c["id"].startswith("call_") for c in got_calls)
     if not case.endswith("cut-in-the-arguments"):
         assert all(isinstance(json.loads(arguments), dict) for _name, arguments in calls)
+
+
+@pytest.mark.parametrize("case", list(GOLDEN))
+def test_every_parse_is_text_a_response_can_carry(case):
+    parser, text, _content, _calls = GOLDEN[case]
+    json.dumps(parse_whole(parser(), text), ensure_ascii=False).encode()  # no lone surrogate: no 500
+
+
+@pytest.mark.parametrize("parser, opening, filler", [
+    (HermesParser, '<tool_call>{"name": "', "x"), (HermesParser, '<tool_call>{"name": "f", "arguments": "', "x"),
+    (HermesParser, '<tool_call>{"name": "f", "arguments": {}} ', "x"), (Llama3JsonParser, '{"name": "', "x"),
+    (HermesParser, "", " \n"), (Llama3JsonParser, "", " \n"), (RequiredCallsParser, "", " \n"),
+    (Llama3JsonParser, '{"name": "f", "parameters": {}}', " "), (Llama3JsonParser, '{"name": "f", "parameters": {}};', " ")])
+def test_an_endless_output_streams_in_linear_time(parser, opening, filler):
+    """A model that never closes a name, a string or a block, or writes only whitespace, costs
+    each delta about its own length (rescans from the block's start or over held whitespace made
+    40k characters take 11-14 s, blocking the server's event loop)."""
+    text = opening + filler * (200_000 // len(filler))
+    p, start = parser(), time.perf_counter()
+    for i in range(0, len(text), 4):
+        p.feed(text[i:i + 4])
+    p.finish()
+    assert time.perf_counter() - start < 10  # ~0.3 s; quadratic: minutes
 
 
 def _stream(parser, pieces: list[str]) -> list:

@@ -154,6 +154,20 @@ BAD_REQUESTS = {
     "lone-surrogate-message": (
         "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": "\ud83d"}]}, 400,
         "messages.0.content"),
+    "lone-surrogate-tool-description": (
+        "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {
+            "name": "f", "description": "\ud800"}}]}, 400, "tools.0.function.description"),
+    "lone-surrogate-tool-schema": (
+        "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"\udfff": {}}}}}]}, 400,
+        "tools.0.function.parameters"),
+    "lone-surrogate-call-arguments": (
+        "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": "\ud800"}'}}]}]},
+        400, "messages.0.tool_calls.0.function.arguments"),
+    "lone-surrogate-message-name": (
+        "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": "x", "name": "\ud800"}]},
+        400, "messages.0.name"),
     "deeply-nested-json": ("/v1/completions", b'{"model": "tiny", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
                            400, None),
     "image-content-part": (
