@@ -2,7 +2,7 @@
 grammar, whose token mask is computed in a thread while the forward runs and applied before
 sampling. Whatever the model, the output parses and validates against the schema — under chunked
 prefill, preemption by recompute and random sampling; schemas the engine cannot enforce are named
-400s; the official openai client gets validated JSON, streamed and not."""
+400s. (Through the official openai client, streamed and not: ``server/test_openai_client.py``.)"""
 
 from __future__ import annotations
 
@@ -243,30 +243,3 @@ def test_a_schema_too_large_or_not_an_object_is_refused():
         check(StructuredOutput("json_schema", "[1]"))
     with pytest.raises(ValueError, match="needs its schema"):
         StructuredOutput("json_schema")
-
-
-@pytest.mark.slow
-def test_the_openai_client_gets_json_that_validates_streamed_and_not(tmp_path, tiny_llama_dir):
-    import openai
-
-    from server_process import cadenza_server
-
-    args = ["--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--max-model-len", "320"]
-    with cadenza_server(args, tmp_path / "serve.log") as url:
-        client = openai.OpenAI(base_url=url, api_key="unused")
-        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-        chat = dict(model="tiny", messages=[{"role": "user", "content": "Who are you?"}], max_tokens=200,
-                    temperature=1.0, seed=5, response_format=fmt)
-        whole = client.chat.completions.create(**chat)
-        assert whole.choices[0].finish_reason == "stop"
-        jsonschema.validate(json.loads(whole.choices[0].message.content), PERSON)
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)
-                           if c.choices)
-        assert streamed == whole.choices[0].message.content
-        done = client.completions.create(model="tiny", prompt="JSON:", max_tokens=200, temperature=1.0, seed=2,
-                                         extra_body={"response_format": fmt})
-        assert done.choices[0].finish_reason == "stop", done
-        jsonschema.validate(json.loads(done.choices[0].text), PERSON)
-        with pytest.raises(openai.BadRequestError, match="uniqueItems"):
-            client.chat.completions.create(**{**chat, "response_format": {"type": "json_schema", "json_schema": {
-                "name": "s", "schema": {"type": "array", "uniqueItems": True}}}})

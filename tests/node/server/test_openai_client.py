@@ -1,7 +1,11 @@
-"""The official ``openai`` client against a real ``cadenza serve`` process."""
+"""The official ``openai`` client against a real ``cadenza serve`` process (structured outputs too:
+issue 33)."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import openai
 import pytest
 
@@ -57,3 +61,30 @@ def test_errors_surface_as_openai_exceptions(client):
         client.completions.create(model="nope", prompt="Hello", max_tokens=5)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="tiny", prompt="Hello", max_tokens=0)
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", 3, None]}, "maxItems": 3},
+    "ok": {"type": "boolean"},
+}, "required": ["name", "age", "tags", "ok"], "additionalProperties": False}
+
+
+def test_structured_outputs_are_json_that_validates_streamed_and_not(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "Who are you?"}], max_tokens=150,
+                temperature=1.0, seed=5, response_format=fmt)
+    whole = client.chat.completions.create(**chat)
+    assert whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.choices[0].message.content), PERSON)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)
+                       if c.choices)
+    assert streamed == whole.choices[0].message.content
+    done = client.completions.create(model="tiny", prompt="JSON:", max_tokens=150, temperature=1.0, seed=2,
+                                     extra_body={"response_format": fmt})
+    assert done.choices[0].finish_reason == "stop", done
+    jsonschema.validate(json.loads(done.choices[0].text), PERSON)
+    with pytest.raises(openai.BadRequestError, match="uniqueItems"):
+        client.chat.completions.create(**{**chat, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "array", "uniqueItems": True}}}})
