@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from cadenza.node import metric_names as names
 from cadenza.node.core.messages import StepRecord
+from cadenza.node.core.request import choice_request_id
 from cadenza.node.core.stats import EngineStats
 from cadenza.node.frontend.output_processor import RequestOutput
 from cadenza.node.frontend.step_log import StepLog
@@ -64,10 +65,13 @@ class _Tracked:
     mono_start: float
     attrs: dict
     traffic_class: str
-    first: float | None = None
-    last: float | None = None
+    first: float | None = None  # the call's first token, of any choice (TTFT)
     extra: dict = field(default_factory=dict)
     class_attrs: dict = field(default_factory=dict)  # {names.REQUEST_CLASS: ...}, built once
+    n: int = 1  # choices (OpenAI ``n``); the call ends with the last
+    firsts: dict = field(default_factory=dict)  # choice index -> its first token's time (TPOT)
+    lasts: dict = field(default_factory=dict)  # choice index -> its last token's time (ITL)
+    ended: dict = field(default_factory=dict)  # choice index -> its last RequestOutput
 
     def ns(self, mono: float) -> int:
         return self.wall_start_ns + int((mono - self.mono_start) * 1e9)
@@ -136,6 +140,7 @@ class Telemetry:
         self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         self._instruments(self.meter_provider.get_meter("cadenza.node"))
         self._tracked: dict[str, _Tracked] = {}
+        self._choices: dict[str, tuple[str, int]] = {}  # a choice's engine id -> (call id, index), n > 1
 
     # -- instruments ----------------------------------------------------------------------------
 
@@ -274,9 +279,23 @@ class Telemetry:
         self._tracked[request_id] = _Tracked(span, wall, arrival, attrs, traffic_class,
                                              class_attrs={names.REQUEST_CLASS: traffic_class})
 
+    def expect_choices(self, request_id: str, n: int) -> None:
+        """``request_id`` runs ``n`` choices (OpenAI ``n``; outputs under
+        :func:`~cadenza.node.core.request.choice_request_id` ids). The call stays one span and one
+        request in the metrics: TTFT is its first token of any choice, ITL and TPOT are each
+        choice's own, usage counts the prompt once and sums the choices' output, the span ends with
+        the last choice, and ``gen_ai.response.finish_reasons`` lists each choice's reason."""
+        t = self._tracked.get(request_id)
+        if t is None:
+            return
+        t.n = n
+        for index in range(1, n):
+            self._choices[choice_request_id(request_id, index)] = (request_id, index)
+
     def on_output(self, out: RequestOutput) -> None:
         """Record TTFT, ITL, TPOT, duration and usage as a request's outputs arrive."""
-        t = self._tracked.get(out.request_id)
+        request_id, index = self._choices.get(out.request_id, (out.request_id, 0))
+        t = self._tracked.get(request_id)
         if t is None:
             return
         if t.first is None:
@@ -284,39 +303,53 @@ class Telemetry:
             self.ttft.record(out.time - t.mono_start, t.attrs)
             if t.span is not None:
                 t.span.add_event("first_token", timestamp=t.ns(out.time))
+        if index in t.lasts:
+            self.itl.record(out.time - t.lasts[index], t.class_attrs)
         else:
-            self.itl.record(out.time - t.last, t.class_attrs)
-        t.last = out.time
+            t.firsts[index] = out.time
+        t.lasts[index] = out.time
         if out.finished:
-            self._finish(out.request_id, t, out)
+            t.ended[index] = out
+            attrs = {**t.attrs, "gen_ai.response.model": self.model_name}
+            if out.num_output_tokens > 1:
+                self.tpot.record((out.time - t.firsts[index]) / (out.num_output_tokens - 1), attrs)
+            if len(t.ended) == t.n:
+                self._finish(request_id, t, out.time)
 
-    def _finish(self, request_id: str, t: _Tracked, out: RequestOutput) -> None:
+    def _finish(self, request_id: str, t: _Tracked, now: float) -> None:
         del self._tracked[request_id]
+        self._forget_choices(request_id, t)
+        outs = [t.ended[i] for i in sorted(t.ended)]
+        prompt, output = outs[0].num_prompt_tokens, sum(o.num_output_tokens for o in outs)
+        reasons = [o.finish_reason for o in outs]
         attrs = {**t.attrs, "gen_ai.response.model": self.model_name}
-        self.duration.record(out.time - t.mono_start, attrs)
-        if out.num_output_tokens > 1 and t.first is not None:
-            self.tpot.record((out.time - t.first) / (out.num_output_tokens - 1), attrs)
-        self.token_usage.record(out.num_prompt_tokens, {**attrs, names.TOKEN_TYPE: "input"})
-        self.token_usage.record(out.num_output_tokens, {**attrs, names.TOKEN_TYPE: "output"})
+        self.duration.record(now - t.mono_start, attrs)
+        self.token_usage.record(prompt, {**attrs, names.TOKEN_TYPE: "input"})
+        self.token_usage.record(output, {**attrs, names.TOKEN_TYPE: "output"})
         if t.span is not None:
             span = t.span
             span.set_attributes({
                 "gen_ai.response.model": self.model_name,
-                "gen_ai.response.finish_reasons": [out.finish_reason],
-                "gen_ai.usage.input_tokens": out.num_prompt_tokens,
-                "gen_ai.usage.output_tokens": out.num_output_tokens,
-                "gen_ai.usage.cache_read.input_tokens": out.num_cached_tokens,
-                "cadenza.time_to_first_token": (t.first or out.time) - t.mono_start,
+                "gen_ai.response.finish_reasons": reasons,
+                "gen_ai.usage.input_tokens": prompt,
+                "gen_ai.usage.output_tokens": output,
+                "gen_ai.usage.cache_read.input_tokens": outs[0].num_cached_tokens,
+                "cadenza.time_to_first_token": (t.first or now) - t.mono_start,
                 **t.extra,
             })
-            span.add_event("finish", {"gen_ai.response.finish_reasons": [out.finish_reason]}, timestamp=t.ns(out.time))
-            span.end(end_time=t.ns(out.time))
+            span.add_event("finish", {"gen_ai.response.finish_reasons": reasons}, timestamp=t.ns(now))
+            span.end(end_time=t.ns(now))
+
+    def _forget_choices(self, request_id: str, t: _Tracked) -> None:
+        for index in range(1, t.n):
+            self._choices.pop(choice_request_id(request_id, index), None)
 
     def fail_request(self, request_id: str, error_type: str, message: str) -> None:
         """End a request that failed (status ERROR, ``error.type``) or was cancelled by its client."""
         t = self._tracked.pop(request_id, None)
         if t is None:
             return
+        self._forget_choices(request_id, t)
         now = time.monotonic()
         self.duration.record(now - t.mono_start, {**t.attrs, "error.type": error_type})
         if t.span is not None:
@@ -349,13 +382,14 @@ class Telemetry:
             t = tracked.get(request_id)
             if t is not None and phase == "admission":
                 t.extra["cadenza.queue_time"] = waited
+        choices = self._choices  # a sibling choice's chunks and preemptions go on its call's span
         for request_id, start, num_tokens in step.chunks:
-            t = tracked.get(request_id)
+            t = tracked.get(choices.get(request_id, (request_id,))[0])
             if t is not None and t.span is not None:
                 t.span.add_event("prefill_chunk", {"cadenza.chunk.tokens": num_tokens,
                                                    "cadenza.chunk.position": start}, timestamp=t.ns(now))
         for request_id, times in step.preempted:
-            t = tracked.get(request_id)
+            t = tracked.get(choices.get(request_id, (request_id,))[0])
             if t is not None and t.span is not None:
                 t.span.add_event("preempted", {"cadenza.preemptions": times}, timestamp=t.ns(now))
         for request_id, loaded, left in step.kv_loads:  # ended before this step, which runs the request

@@ -220,6 +220,8 @@ async def _respond(request: web.Request, call: _Call) -> web.StreamResponse:
                              arrival_time=call.arrival, cache_salt=call.cache_salt,
                              traceparent=request.headers.get(TRACEPARENT_HEADER), remote_kv=remote_kv,
                              publish_kv=publish_kv, acknowledge=publish_kv, n=call.n)
+    if call.n > 1:
+        request.app[TELEMETRY].expect_choices(call.request_id, call.n)
     chat = call.kind == "chat.completion"
     access = request.get(ACCESS, {})
     access["id"] = call.request_id

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from cadenza.node.core.messages import StepRecord
-from cadenza.node.core.request import Request, SamplingParams
+from cadenza.node.core.request import Request, SamplingParams, choice_request_id
 from cadenza.node.core.stats import EngineStats
 from cadenza.node.frontend.output_processor import RequestOutput
 from cadenza.node.frontend.telemetry import Telemetry
@@ -121,3 +121,33 @@ def test_a_remote_kv_load_is_an_event_on_the_span_when_the_step_that_runs_the_re
     loaded = span.events[1]
     assert dict(loaded.attributes) == {"cadenza.kv_transfer.loaded_tokens": 16, "cadenza.kv_transfer.computed_tokens": 4}
     assert loaded.timestamp - span.events[0].timestamp == pytest.approx(0.19e9, abs=100)  # when the step began
+
+
+def test_a_call_of_n_choices_is_one_span_ended_by_its_last_choice_with_summed_usage():
+    telemetry, spans = telemetry_with_spans()
+    call = start(telemetry, "chatcmpl-3")
+    telemetry.expect_choices(call.request_id, 3)
+    choices = [call, *(Request(choice_request_id(call.request_id, i), [7] * 20, SamplingParams())
+                       for i in (1, 2))]
+    for req in choices:  # one step: every choice's first token
+        telemetry.on_output(output(req, ARRIVAL + 0.5, 1))
+    telemetry.on_output(output(choices[1], ARRIVAL + 0.6, 2, "stop"))
+    telemetry.on_output(output(choices[0], ARRIVAL + 0.7, 2))
+    telemetry.on_output(output(choices[2], ARRIVAL + 0.7, 2, "length"))
+    assert not spans.get_finished_spans()  # choice 0 is still running
+    telemetry.on_output(output(choices[0], ARRIVAL + 0.9, 3, "stop"))
+
+    (span,) = spans.get_finished_spans()
+    assert span.attributes["gen_ai.response.finish_reasons"] == ("stop", "stop", "length")
+    assert span.attributes["gen_ai.usage.input_tokens"] == 20
+    assert span.attributes["gen_ai.usage.output_tokens"] == 3 + 2 + 2
+    assert [e.name for e in span.events].count("first_token") == 1
+    assert span.end_time - span.events[0].timestamp == round(0.9 * 1e9)
+    families = {f.name: f for f in text_string_to_metric_families(telemetry.prometheus_text().decode())}
+    usage = {s.labels["gen_ai_token_type"]: s.value for s in families["gen_ai_client_token_usage"].samples
+             if s.name.endswith("_sum")}
+    assert usage == {"input": 20, "output": 7}
+    itl = {s.name.rsplit("_", 1)[1]: s.value for s in families["cadenza_request_inter_token_latency_seconds"].samples
+           if s.name.endswith(("_count", "_sum"))}
+    assert itl["count"] == 4 and itl["sum"] == pytest.approx(0.1 + 0.2 + 0.2 + 0.2)  # each choice's own gaps
+    assert not telemetry._tracked and not telemetry._choices
