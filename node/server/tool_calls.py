@@ -63,7 +63,8 @@ def prepare(body, chat_template: str | None, tool_parser: str = AUTO) -> ToolReq
     structured = StructuredOutput("json_schema", schema_text(schema)) if schema is not None else None
     new_parser = partial(forced_parser, choice) if schema is not None else parser
     parallel = body.parallel_tool_calls
-    return ToolRequest(messages, extra, structured, lambda: ToolCallOutput(new_parser(), parallel))
+    named = isinstance(choice, dict)  # a forced function: OpenAI ends it as ``stop``, not ``tool_calls``
+    return ToolRequest(messages, extra, structured, lambda: ToolCallOutput(new_parser(), parallel, named))
 
 
 @lru_cache(maxsize=16)
@@ -83,11 +84,15 @@ class ToolCallOutput:
     Args:
         parser: a fresh parser of the output's format.
         parallel: more than one call may be made (``parallel_tool_calls``).
+        named: ``tool_choice`` named the function. OpenAI then reports ``finish_reason: stop``,
+            where calls the model chose (``auto``, ``required``) end as ``tool_calls`` (vLLM
+            aligned with it in #25054).
     """
 
-    def __init__(self, parser: ToolParser, parallel: bool = True) -> None:
+    def __init__(self, parser: ToolParser, parallel: bool = True, named: bool = False) -> None:
         self.parser = parser
         self.parallel = parallel
+        self.named = named
         self.made_calls = False
 
     def chunks(self, output) -> list[tuple[dict | None, str | None]]:
@@ -113,7 +118,7 @@ class ToolCallOutput:
         return {"message": message, "finish_reason": self.finish_reason(finish_reason)}
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if reason == "stop" and self.made_calls else reason
+        return "tool_calls" if reason == "stop" and self.made_calls and not self.named else reason
 
     def _kept(self, events: list[Event]) -> list[Event]:
         if self.parallel:
