@@ -13,7 +13,7 @@ OpenAI's shapes: a message ``{"role": "assistant", "content": null, "tool_calls"
 some); streamed, a call's first delta ``{"tool_calls": [{"index", "id", "type": "function",
 "function": {"name", "arguments": ""}}]}``, then ``{"tool_calls": [{"index", "function":
 {"arguments": <fragment>}}]}``; ``finish_reason`` ``tool_calls`` where a call was made and the
-output stopped by itself. With ``parallel_tool_calls: false`` calls after the first are dropped
+output stopped by itself (``stop`` for a function ``tool_choice`` named, as OpenAI's). With ``parallel_tool_calls: false`` calls after the first are dropped
 (``required`` is held to one by its grammar).
 """
 
