@@ -24,7 +24,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from cadenza.node.frontend.tool_parsers import Arguments, Event, JsonCalls, ToolParser, new_call_id
+from cadenza.node.frontend.tool_parsers import Arguments, JsonCalls, ToolParser, new_call_id
 
 ANY_OBJECT: dict = {"type": "object"}
 
@@ -117,17 +117,17 @@ class NamedCallParser(ToolParser):
         super().__init__(new_id)
         self.function = function
 
-    def feed(self, delta: str) -> list[Event]:
-        events: list[Event] = []
-        if not self.calls:
-            self._start_call(self.function)
-            events, self._events = self._events, []
-        if delta:
-            events.append(Arguments(0, delta))
-        return events
+    @staticmethod
+    def format_call(name: str, arguments: dict | str) -> str:
+        return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
-    def finish(self) -> list[Event]:
-        return self.feed("")
+    def _step(self) -> bool:
+        if not self.calls:  # the call starts with the output, named by the request
+            self._start_call(self.function)
+        if self.pos < len(self.text):  # every character is the arguments' JSON, passed on as it comes
+            self._events.append(Arguments(0, self.text[self.pos:]))
+            self.pos = len(self.text)
+        return False
 
 
 class RequiredCallsParser(JsonCalls):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -67,13 +68,11 @@ def new_call_id() -> str:
 # -- parsers --------------------------------------------------------------------------------------
 
 
-class ToolParser:
+class ToolParser(ABC):
     """The base of every format: the text so far, a position in it, events out.
 
-    Subclasses implement :meth:`_step` (advance from ``self.pos`` as far as the text allows,
-    return whether anything moved) and :meth:`format_call` (a call as the model writes it, for
-    history messages of templates that render no tools). Whitespace-only content is held and
-    dropped next to a call.
+    Subclasses implement :meth:`_step` and :meth:`format_call` (for history messages of templates
+    that render no tools). Whitespace-only content is held and dropped next to a call.
 
     Args:
         new_id: makes call ids (default :func:`new_call_id`; tests pass a counter).
@@ -111,11 +110,13 @@ class ToolParser:
         return events
 
     @staticmethod
+    @abstractmethod
     def format_call(name: str, arguments: dict | str) -> str:
-        raise NotImplementedError
+        """One call as this format writes it (``arguments`` as an object, or its JSON text)."""
 
+    @abstractmethod
     def _step(self) -> bool:
-        raise NotImplementedError
+        """Advance from ``self.pos`` as far as the text allows; whether anything moved."""
 
     # -- helpers for subclasses
 
@@ -140,6 +141,19 @@ class ToolParser:
         j = skip_ws(self.text, self._skipped.get(i, i))
         self._skipped[i] = j
         return j
+
+    def _open_call(self, header: tuple[str, int]) -> bool:
+        """Start the call a :func:`read_call_header` result names; on to its arguments."""
+        self._start_call(header[0])
+        self.pos, self.state = header[1], "arguments"
+        return True
+
+    def _arguments_step(self) -> bool:
+        """The ``arguments`` state: pass them on; once the object closes, on to the ``tail``."""
+        done = self._arguments()
+        if done:
+            self.state = "tail"
+        return done
 
     def _arguments(self) -> bool:
         """Pass the arguments' text on from ``self.pos``; True once the object is closed."""
@@ -223,14 +237,9 @@ class HermesParser(ToolParser):
             if header is NEED or header is BAD:
                 self.state = "block"
                 return True
-            self._start_call(header[0])
-            self.pos, self.state = header[1], "arguments"
-            return True
+            return self._open_call(header)
         if self.state == "arguments":
-            if self._arguments():
-                self.state = "tail"
-                return True
-            return False
+            return self._arguments_step()
         if self.state == "tail":  # `}` and whitespace up to </tool_call> (or a next <tool_call>)
             start = max(pos, self.searched)
             ends = [k for k in (text.find(self.CLOSE, start), text.find(self.OPEN, start)) if k >= 0]
@@ -273,6 +282,11 @@ class JsonCalls(ToolParser):
         super().__init__(new_id)
         self.state = "start"
 
+    @staticmethod
+    def format_call(name: str, arguments: dict | str) -> str:
+        args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": {args}}}'
+
     def _step(self) -> bool:
         text, pos = self.text, self.pos
         if self.state == "start":
@@ -305,14 +319,9 @@ class JsonCalls(ToolParser):
                 if not self.calls:
                     self.pos = 0
                 return True
-            self._start_call(header[0])
-            self.pos, self.state = header[1], "arguments"
-            return True
+            return self._open_call(header)
         if self.state == "arguments":
-            if self._arguments():
-                self.state = "tail"
-                return True
-            return False
+            return self._arguments_step()
         if self.state == "tail":  # `}`, then a separator (another call), the closer or the end
             i = self._skip(pos)
             if i < len(text) and text[i] == "}":
@@ -353,10 +362,6 @@ class Llama3JsonParser(JsonCalls):
         'several separated by ";":\n{"name": "<function name>", "parameters": {<arguments as JSON>}}'
     )
 
-    @staticmethod
-    def format_call(name: str, arguments: dict | str) -> str:
-        args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": {args}}}'
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser)}

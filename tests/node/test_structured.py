@@ -20,13 +20,7 @@ from cadenza.node.core.request import SamplingParams, StructuredOutput
 from cadenza.node.core.structured import GrammarError, check
 from cadenza.node.frontend.llm import Engine
 from cadenza.node.runner.sampler import apply_token_bitmask
-
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 6},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "items": {"enum": ["a", "b", 3, None]}, "maxItems": 3},
-    "ok": {"type": "boolean"},
-}, "required": ["name", "age", "tags", "ok"], "additionalProperties": False}
+from json_schemas import PERSON
 
 
 def schema_of(schema: dict) -> StructuredOutput:

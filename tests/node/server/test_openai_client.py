@@ -9,6 +9,7 @@ import jsonschema
 import openai
 import pytest
 
+from json_schemas import PERSON
 from server_process import cadenza_server
 
 pytestmark = pytest.mark.slow  # one `cadenza serve` process for the module
@@ -61,14 +62,6 @@ def test_errors_surface_as_openai_exceptions(client):
         client.completions.create(model="nope", prompt="Hello", max_tokens=5)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="tiny", prompt="Hello", max_tokens=0)
-
-
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 6},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "items": {"enum": ["a", "b", 3, None]}, "maxItems": 3},
-    "ok": {"type": "boolean"},
-}, "required": ["name", "age", "tags", "ok"], "additionalProperties": False}
 
 
 def test_structured_outputs_are_json_that_validates_streamed_and_not(client):
